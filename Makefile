@@ -1,0 +1,7 @@
+.PHONY: setup demo test
+setup:
+	./scripts/setup.sh
+demo: setup
+	.venv/bin/dsparkctl generate --max-new-tokens 64 --baseline "Write a haiku about speculative decoding."
+test: setup
+	.venv/bin/python -m pytest

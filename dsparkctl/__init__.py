@@ -1,0 +1,3 @@
+"""dsparkctl: DSpark speculative decoding toolkit."""
+
+__version__ = "0.1.0"

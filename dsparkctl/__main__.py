@@ -1,0 +1,3 @@
+from dsparkctl.cli.main import main
+
+main()

@@ -1,0 +1,1 @@
+"""Command-line interface: parses, calls library functions, prints. No tensor math here."""

@@ -1,0 +1,100 @@
+"""Shared CLI plumbing: typed options, output routing, and the one place errors become messages.
+
+Results go to stdout (a rich table, or JSON with `--json`); progress and logs go to stderr.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any, Callable, TypeVar
+
+import typer
+from rich.console import Console
+
+from dsparkctl.errors import DsparkError
+
+out = Console(soft_wrap=True)  # results
+err = Console(stderr=True)  # progress, warnings, errors
+
+STATE = {"debug": False}
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Device(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class DType(str, Enum):
+    auto = "auto"
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed (all randomness is seeded).")]
+DeviceOpt = Annotated[Device, typer.Option("--device", help="Where to run the models.")]
+DTypeOpt = Annotated[DType, typer.Option("--dtype", help="Model dtype (auto: bf16 on CUDA, fp32 on CPU).")]
+RevisionOpt = Annotated[str | None, typer.Option("--revision", help="Hub revision (branch, tag or commit).")]
+OutPathOpt = Annotated[Path | None, typer.Option("--out", help="Write the result here (atomically).")]
+
+
+def print_json(obj: Any) -> None:
+    """Write JSON to stdout, unstyled, one document."""
+    sys.stdout.write(json.dumps(obj, indent=2, default=_json_default) + "\n")
+    sys.stdout.flush()
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, Path):
+        return str(o)
+    if isinstance(o, Enum):
+        return o.value
+    if hasattr(o, "tolist"):
+        return o.tolist()
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def show_progress() -> bool:
+    """Progress bars only for humans on a terminal."""
+    return err.is_terminal
+
+
+def guarded(fn: F) -> F:
+    """Run a command; map library errors to a one-line message and a non-zero exit."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (typer.Exit, typer.Abort, SystemExit):
+            raise
+        except DsparkError as exc:
+            if STATE["debug"]:
+                raise
+            err.print(f"[bold red]error:[/] {exc.one_line()}", markup=True, highlight=False)
+            raise typer.Exit(exc.exit_code) from None
+        except KeyboardInterrupt:
+            err.print("[red]interrupted[/]; nothing was written")
+            raise typer.Exit(130) from None
+        except (OSError, MemoryError) as exc:
+            if STATE["debug"]:
+                raise
+            err.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}", highlight=False)
+            raise typer.Exit(1) from None
+        except Exception as exc:  # noqa: BLE001 - last-resort one-liner
+            if STATE["debug"]:
+                raise
+            msg = str(exc).splitlines()[0] if str(exc) else ""
+            err.print(f"[bold red]internal error:[/] {type(exc).__name__}: {msg} "
+                      "(fix: rerun with --debug for the traceback and report it)", highlight=False)
+            raise typer.Exit(1) from None
+
+    return wrapper  # type: ignore[return-value]

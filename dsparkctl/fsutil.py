@@ -1,0 +1,68 @@
+"""Atomic file output: write to a temporary sibling, fsync, rename. Nothing half-written."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import IO, Any, Iterator
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | os.PathLike, mode: str = "w") -> Iterator[IO[Any]]:
+    """Open a temporary file next to `path`; on success fsync and rename it over `path`.
+
+    On any exception the temporary file is removed and `path` is left untouched.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, mode) as fh:
+            yield fh
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    """Atomically write `obj` as indented JSON."""
+    with atomic_open(path, "w") as fh:
+        json.dump(obj, fh, indent=2, sort_keys=False)
+        fh.write("\n")
+
+
+def save_figure(fig: Any, path: str | os.PathLike, dpi: int = 120) -> None:
+    """Atomically save a matplotlib figure (format from the suffix)."""
+    path = Path(path)
+    fmt = path.suffix.lstrip(".") or "png"
+    with atomic_open(path, "wb") as fh:
+        fig.savefig(fh, format=fmt, dpi=dpi, bbox_inches="tight")
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary folder beside `path`; rename it to `path` on success, delete on failure.
+
+    `path` must not exist yet (callers decide about overwriting before calling).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent))
+    try:
+        yield tmp
+        for root, _dirs, files in os.walk(tmp):
+            for name in files:
+                with open(os.path.join(root, name), "rb") as fh:
+                    os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
