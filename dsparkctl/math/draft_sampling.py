@@ -1,0 +1,67 @@
+"""Semi-autoregressive draft sampling: one parallel backbone pass, then a short serial loop.
+
+Block slot i (0-based) predicts draft token x_{i+1}; x_0 is the anchor (the target's last
+token). With a Markov head the loop is
+
+    for k = 1..γ:  logits_k = U_k + bias(x_{k-1}[, h_k, s_{k-1}]);  q_k = warp(logits_k);  x_k ~ q_k
+
+where U_k = base_logits[:, k-1]. Without a head (DFlash) the slots are independent and all γ
+tokens are drawn in one vectorised call. `probs` is the warped distribution each x_k was drawn
+from: exactly the q that verification needs for its residual.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dsparkctl.math.sampling import SamplingParams, sample, warp_probs
+
+__all__ = ["DraftBlock", "sample_block"]
+
+
+@dataclass
+class DraftBlock:
+    tokens: Tensor               # [R, γ] long, x_1..x_γ
+    probs: Tensor                # [R, γ, V] float32 warped draft distribution of each x_k
+    markov_embeds: Tensor | None # [R, γ, r] W1[x_{k-1}] per slot (confidence-head input); None for DFlash
+
+
+def _draw(probs: Tensor, params: SamplingParams, generator) -> Tensor:
+    # probs: [..., V] -> [...]; greedy probs are one-hot so argmax is the argmax of the logits.
+    return probs.argmax(dim=-1) if params.greedy else sample(probs, generator)
+
+
+def sample_block(
+    base_logits: Tensor,          # [R, γ, V] U_1..U_γ from the draft's one parallel forward
+    anchors: Tensor,              # [R] long, x_0
+    head,                         # MarkovHead | None (None = DFlash)
+    hidden: Tensor | None,        # [R, γ, H] backbone hidden per slot (gated/rnn heads)
+    params: SamplingParams,
+    generator: torch.Generator | None,
+) -> DraftBlock:
+    """Run the serial Markov loop (or the parallel DFlash draw) and return the draft block."""
+    R, g, V = base_logits.shape
+    if head is None:
+        probs = warp_probs(base_logits, params)                              # [R, γ, V]
+        return DraftBlock(tokens=_draw(probs, params, generator), probs=probs, markov_embeds=None)
+
+    device = base_logits.device
+    tokens = torch.empty((R, g), dtype=torch.long, device=device)
+    probs = torch.empty((R, g, V), dtype=torch.float32, device=device)
+    embeds = torch.empty((R, g, head.rank), dtype=head.markov_w1.weight.dtype, device=device)
+    state_dtype = hidden.dtype if hidden is not None else head.markov_w1.weight.dtype
+    state = head.init_state(R, device, state_dtype)
+    prev = anchors.to(device=device, dtype=torch.long)
+    with torch.no_grad():
+        for k in range(g):
+            bias, embed, state = head.step(prev, None if hidden is None else hidden[:, k], state)
+            logits = base_logits[:, k] + bias                                # new tensor [R, V]
+            p = warp_probs(logits, params)                                   # [R, V] float32
+            prev = _draw(p, params, generator)                               # [R]
+            probs[:, k] = p
+            tokens[:, k] = prev
+            embeds[:, k] = embed
+    return DraftBlock(tokens=tokens, probs=probs, markov_embeds=embeds)
