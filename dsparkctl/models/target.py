@@ -1,0 +1,177 @@
+"""Target adapter: a transformers causal LM seen as "feed tokens, get logits + tapped features".
+
+All KV-cache API details live here and nowhere else (transformers 5.x: `cache=`,
+`DynamicCache(config=...)`, `DynamicLayer.keys/values`, `crop(-n)`).
+
+Layout of the batched cache. Each request (row) owns the slots where its tokens were fed;
+slots whose tokens were rejected, and right padding of ragged feeds, stay in the cache as
+holes that the 2-D attention mask hides. Positions (RoPE) are passed explicitly per row, so a
+hole never shifts a position. Holes at the tail that every row shares are cropped at once;
+when holes exceed a quarter of the cache it is compacted (valid slots gathered to the left).
+Batch 1 therefore never holds a hole: rollback is an exact `crop`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from dsparkctl.errors import ModelMismatchError
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor  # [R, T, V] float32, row r valid for t < lengths[r]
+    features: torch.Tensor | None  # [R, T, n_taps*H] concatenated tapped layer outputs (model dtype)
+
+
+class TargetAdapter:
+    """Owns one batched generation state (cache + validity mask) for a causal LM."""
+
+    def __init__(self, model: torch.nn.Module, layer_ids: Sequence[int] = ()):
+        self.model = model.eval()
+        self.config = model.config
+        text_cfg = getattr(self.config, "text_config", None) or self.config
+        self.text_config = text_cfg
+        self.num_layers = int(text_cfg.num_hidden_layers)
+        self.hidden_size = int(text_cfg.hidden_size)
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.layer_ids = [int(i) for i in layer_ids]
+        for i in self.layer_ids:
+            if not (-1 <= i < self.num_layers - 1):
+                raise ModelMismatchError(
+                    f"tapped target layer {i} is out of range for a {self.num_layers}-layer target "
+                    f"(valid: -1 .. {self.num_layers - 2}; the last layer's output is post-norm in HF)",
+                    "use a draft trained for this target",
+                )
+        self.cache = None
+        self.valid: torch.Tensor | None = None  # [R, S] bool, slot holds a committed token
+        self.seq_len: torch.Tensor | None = None  # [R] committed tokens per row = next position
+        self._pending: tuple[int, int] | None = None  # (first slot, T) of the last uncommitted feed
+
+    # --------------------------------------------------------------------- properties
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def batch_size(self) -> int:
+        return 0 if self.seq_len is None else int(self.seq_len.shape[0])
+
+    def embed_tokens(self) -> torch.nn.Module:
+        return self.model.get_input_embeddings()
+
+    def lm_head(self) -> torch.nn.Module:
+        return self.model.get_output_embeddings()
+
+    # --------------------------------------------------------------------- core
+    def _run(self, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor) -> TargetOutput:
+        want_hidden = bool(self.layer_ids)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=attn.to(torch.long),
+            position_ids=pos,
+            cache=self.cache,
+            use_cache=True,
+            output_hidden_states=want_hidden,
+        )
+        feats = None
+        if want_hidden:
+            hs = out.hidden_states
+            feats = torch.cat([hs[i + 1] for i in self.layer_ids], dim=-1)
+        return TargetOutput(logits=out.logits.float(), features=feats)
+
+    @torch.no_grad()
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> TargetOutput:
+        """Start a new batch: feed each prompt (right-padded) and commit all of it."""
+        from transformers import DynamicCache
+
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("prefill needs non-empty prompts")
+        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
+        T = int(lengths.max())
+        ids = torch.zeros(len(prompts), T, dtype=torch.long, device=self.device)
+        for r, p in enumerate(prompts):
+            ids[r, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
+        self.cache = DynamicCache(config=self.config)
+        self.valid = torch.zeros(len(prompts), 0, dtype=torch.bool, device=self.device)
+        self.seq_len = torch.zeros(len(prompts), dtype=torch.long, device=self.device)
+        out = self.extend(ids, lengths)
+        self.commit(lengths)
+        return out
+
+    @torch.no_grad()
+    def extend(self, ids: torch.Tensor, lengths: torch.Tensor) -> TargetOutput:
+        """Feed `ids[r, :lengths[r]]` after row r's committed tokens.  ids: [R, T], lengths: [R].
+
+        The fed tokens are provisional until `commit`.
+        """
+        assert self._pending is None, "commit() the previous feed first"
+        R, T = ids.shape
+        S = self.valid.shape[1]
+        ar = torch.arange(T, device=self.device)
+        new_valid = ar[None, :] < lengths[:, None]  # [R, T]
+        attn = torch.cat([self.valid, new_valid], dim=1)  # [R, S+T]
+        pos = self.seq_len[:, None] + ar[None, :]  # [R, T]
+        out = self._run(ids, attn, pos)
+        self.valid = attn
+        self._pending = (S, T)
+        return out
+
+    def commit(self, keep: torch.Tensor) -> None:
+        """Keep the first keep[r] tokens of the last feed for row r; the rest become holes."""
+        S, T = self._pending
+        self._pending = None
+        ar = torch.arange(T, device=self.device)
+        self.valid[:, S:] &= ar[None, :] < keep[:, None]
+        self.seq_len = self.seq_len + keep
+        self._trim()
+
+    def _layers(self):
+        for layer in self.cache.layers:
+            if getattr(layer, "is_sliding", False) or not hasattr(layer, "keys"):
+                raise ModelMismatchError(
+                    "targets with sliding-window or non-standard KV caches are not supported yet",
+                    "use a target with full attention (Llama, Qwen3, Mistral without sliding window)",
+                )
+            yield layer
+
+    def _trim(self) -> None:
+        S = self.valid.shape[1]
+        used = self.valid.any(dim=0)
+        last = int(used.nonzero().max()) + 1 if bool(used.any()) else 0
+        if last < S:
+            self.cache.crop(-(S - last))
+            self.valid = self.valid[:, :last]
+        longest = int(self.seq_len.max())
+        if self.valid.shape[1] > longest + max(16, longest // 4):
+            self._compact()
+
+    def _compact(self) -> None:
+        """Gather each row's valid slots to the left; holes collect at the right end."""
+        L = int(self.seq_len.max())
+        # stable sort puts valid slots first, in their original order
+        order = torch.sort((~self.valid).to(torch.int8), dim=1, stable=True).indices[:, :L]  # [R, L]
+        for layer in self._layers():
+            idx = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+            layer.keys = torch.gather(layer.keys, 2, idx)
+            layer.values = torch.gather(layer.values, 2, idx)
+        self.valid = torch.arange(L, device=self.device)[None, :] < self.seq_len[:, None]
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Drop finished requests: keep only `rows` (indices into the current batch)."""
+        for layer in self._layers():
+            layer.keys = layer.keys[rows]
+            layer.values = layer.values[rows]
+        self.valid = self.valid[rows]
+        self.seq_len = self.seq_len[rows]
+        self._trim()
+
+    def cache_slots(self) -> int:
+        return 0 if self.valid is None else int(self.valid.shape[1])
