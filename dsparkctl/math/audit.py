@@ -1,0 +1,209 @@
+"""Losslessness audit: does a scheduler keep the speculative output distributed exactly as the target?
+
+Setting. Target and draft are order-1 Markov chains over V tokens; row V of each table is the
+start state (the anchor `x0`). The draft's confidence logit for slot k depends on the previously
+SAMPLED token `x_{k-1}` — so the survival of later slots depends on earlier drafts, which is what
+lets a look-ahead scheduler peek at `x_k` (paper Appendix A).
+
+One round for each of G·R requests (G batches of R, consecutive steps for stateful policies):
+  1. the draft samples `x_1..x_γ` from q, recording confidence logits `C[x_{k-1}]`;
+  2. the policy picks ℓ from the survivals;
+  3. Leviathan's rule: accept `x_k` w.p. `min(1, p/q)` for k ≤ ℓ; on the first rejection sample
+     from `norm(max(0, p - q))`, else the bonus from `p` after the last accepted token.
+The first output token (and the first two, running a second round when a round emits only one)
+is tested against the target with a chi-square test (p-value from the regularised upper
+incomplete gamma, `torch.special.gammaincc`, so no scipy is needed at run time).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from dsparkctl.math.policies import Policy, survival_from_logits
+from dsparkctl.math.sps import SPSTable
+
+
+@dataclass(frozen=True)
+class MarkovSetting:
+    name: str
+    p: torch.Tensor  # [V+1, V] target next-token probabilities given the previous token (row V = start)
+    q: torch.Tensor  # [V+1, V] draft next-token probabilities
+    conf_logit: torch.Tensor  # [V+1] confidence logit of a slot given the previous token (may be -inf)
+    gamma: int  # block size γ
+    R: int  # requests per batch
+    sps: SPSTable  # steps/s at B batch tokens
+
+    @property
+    def V(self) -> int:
+        return self.p.shape[1]
+
+    def first_token_target(self) -> torch.Tensor:  # [V]
+        return self.p[self.V]
+
+    def two_token_target(self) -> torch.Tensor:  # [V, V]  P(y1, y2) = p(y1|S) p(y2|y1)
+        return self.p[self.V].unsqueeze(1) * self.p[: self.V]
+
+
+def appendix_a() -> MarkovSetting:
+    """Paper Appendix A: p=(0.7,0.3), q=(0.5,0.5), a1=0.8, SPS 1.0/0.5/0.45 at B=1,2,3,
+    c2=0.9 if x1=A else 0. Second-position chains chosen so the confidences are the true
+    acceptance rates: after A p=(0.6,0.4), q=(0.5,0.5) (β=0.9); after B p=(1,0), q=(0,1) (β=0)."""
+    p = torch.tensor([[0.6, 0.4], [1.0, 0.0], [0.7, 0.3]], dtype=torch.float64)
+    q = torch.tensor([[0.5, 0.5], [0.0, 1.0], [0.5, 0.5]], dtype=torch.float64)
+    logit = lambda c: math.log(c / (1 - c)) if 0 < c < 1 else (-math.inf if c == 0 else math.inf)  # noqa: E731
+    conf = torch.tensor([logit(0.9), logit(0.0), logit(0.8)], dtype=torch.float64)
+    return MarkovSetting("appendix-a", p, q, conf, gamma=2, R=1, sps=SPSTable([1, 2, 3], [1.0, 0.5, 0.45]))
+
+
+def random_setting(gen: torch.Generator, V: int | None = None, gamma: int | None = None,
+                   R: int | None = None) -> MarkovSetting:
+    """A random small setting: Dirichlet chains, token-dependent confidence logits, random
+    decreasing staircase SPS table (so look-ahead and early stop can disagree)."""
+    ri = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=gen))  # noqa: E731
+    V = V or ri(2, 5)
+    gamma = gamma or ri(2, 4)
+    R = R or ri(1, 4)
+    conc = torch.full((V,), 0.7, dtype=torch.float64)
+    dirichlet = lambda n: torch._standard_gamma(conc.expand(n, V).contiguous(), generator=gen)  # noqa: E731
+    p = dirichlet(V + 1)
+    p = p / p.sum(1, keepdim=True)
+    q = 0.5 * p + 0.5 * dirichlet(V + 1)  # related but different
+    q = q / q.sum(1, keepdim=True)
+    conf = torch.randn(V + 1, generator=gen, dtype=torch.float64) * 2.5 + 1.0
+    nmax = R * (gamma + 1)
+    step_time = 1.0 + torch.cumsum(torch.rand(nmax, generator=gen, dtype=torch.float64) ** 4, 0) * 0.3
+    sps = SPSTable(list(range(1, nmax + 1)), (1.0 / step_time).tolist())
+    return MarkovSetting(f"random(V={V},γ={gamma},R={R})", p, q, conf, gamma, R, sps)
+
+
+def _categorical(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """One sample per row of `probs` `[M, V]` by inverse CDF → `[M]` long."""
+    cdf = probs.cumsum(-1)
+    u = torch.rand(probs.shape[0], 1, generator=gen, dtype=probs.dtype) * cdf[:, -1:]
+    return (u >= cdf).sum(-1).clamp(max=probs.shape[1] - 1)
+
+
+def simulate_round(s: MarkovSetting, policy: Policy, anchors: torch.Tensor, gen: torch.Generator,
+                   state=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One speculative round per request. anchors `[G, R]` (token ids, V = start state).
+
+    Returns (tokens `[G·R, γ+1]` emitted in order, n_out `[G·R]` = accepted + 1, ℓ `[G·R]`).
+    """
+    G, R = anchors.shape
+    M, gamma = G * R, s.gamma
+    x0 = anchors.reshape(M)
+    x = torch.empty(M, gamma, dtype=torch.long)
+    conf = torch.empty(M, gamma, dtype=torch.float64)
+    prev = x0
+    for k in range(gamma):  # the draft's sequential head: slot k sees x_{k-1}
+        conf[:, k] = s.conf_logit[prev]
+        x[:, k] = _categorical(s.q[prev], gen)
+        prev = x[:, k]
+    ell = policy.choose_batched(survival_from_logits(conf.view(G, R, gamma), policy.temperatures), state).reshape(M)
+    prevs = torch.cat([x0.unsqueeze(1), x[:, :-1]], dim=1)  # [M, γ] token before each slot
+    px, qx = s.p[prevs, x], s.q[prevs, x]
+    u = torch.rand(M, gamma, generator=gen, dtype=torch.float64)
+    ok = (u * qx < px) & (torch.arange(gamma).unsqueeze(0) < ell.unsqueeze(1))
+    acc = torch.cumprod(ok.to(torch.uint8), dim=1).sum(1)  # [M]
+    last = torch.cat([x0.unsqueeze(1), x], dim=1).gather(1, acc.unsqueeze(1)).squeeze(1)
+    rejected = acc < ell
+    resid = (s.p[last] - s.q[last]).clamp(min=0)
+    resid_ok = resid.sum(1, keepdim=True) > 0
+    dist = torch.where(rejected.unsqueeze(1) & resid_ok, resid, s.p[last])
+    extra = _categorical(dist, gen)
+    tokens = torch.cat([x, torch.zeros(M, 1, dtype=torch.long)], dim=1)
+    tokens.scatter_(1, acc.unsqueeze(1), extra.unsqueeze(1))
+    return tokens, acc + 1, ell
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float, int]:
+    """Pearson chi-square of observed `counts` against `probs` (same shape). → (stat, p-value, dof).
+    Cells with zero expected probability must be empty, else the statistic is infinite."""
+    counts, probs = counts.flatten().double(), probs.flatten().double()
+    n = counts.sum()
+    live = probs > 0
+    if bool((counts[~live] > 0).any()):
+        return math.inf, 0.0, int(live.sum()) - 1
+    exp = n * probs[live]
+    stat = float(((counts[live] - exp) ** 2 / exp).sum())
+    dof = int(live.sum()) - 1
+    if dof <= 0:
+        return stat, 1.0, dof
+    pval = float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
+                                         torch.tensor(stat / 2.0, dtype=torch.float64)))
+    return stat, pval, dof
+
+
+def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """95% Wilson score interval for a proportion."""
+    if n == 0:
+        return 0.0, 1.0
+    ph = k / n
+    den = 1 + z * z / n
+    mid = (ph + z * z / (2 * n)) / den
+    half = z * math.sqrt(ph * (1 - ph) / n + z * z / (4 * n * n)) / den
+    return mid - half, mid + half
+
+
+@dataclass
+class AuditResult:
+    policy: str
+    setting: str
+    rounds: int  # request-rounds sampled (first round)
+    first_stat: float
+    first_p: float
+    first_dof: int
+    pair_stat: float
+    pair_p: float
+    pair_dof: int
+    p_token0: float  # observed P(first token = token 0) ("A" in Appendix A)
+    p_token0_ci: tuple[float, float]
+    target_token0: float
+    mean_verify: float
+    claimed_lossless: bool
+    alpha: float
+
+    @property
+    def passed(self) -> bool:
+        return self.first_p >= self.alpha and self.pair_p >= self.alpha
+
+    def to_json(self) -> dict:
+        d = dict(self.__dict__)
+        d["p_token0_ci"] = list(self.p_token0_ci)
+        d["verdict"] = "pass" if self.passed else "FAIL"
+        for k in ("first_stat", "pair_stat"):
+            if math.isinf(d[k]):
+                d[k] = None
+        return d
+
+
+def audit_policy(s: MarkovSetting, policy: Policy, rounds: int, gen: torch.Generator,
+                 alpha: float = 1e-3, chunk: int = 100_000) -> AuditResult:
+    """Run ≥ `rounds` request-rounds of `policy` on setting `s` and test the output distribution."""
+    V = s.V
+    groups = max(1, math.ceil(rounds / s.R))
+    state = policy.new_state()
+    first = torch.zeros(V, dtype=torch.long)
+    pair = torch.zeros(V, V, dtype=torch.long)
+    ell_sum = 0
+    done = 0
+    while done < groups:
+        g = min(chunk, groups - done)
+        anchors = torch.full((g, s.R), V, dtype=torch.long)
+        tok, n_out, ell = simulate_round(s, policy, anchors, gen, state)
+        y1 = tok[:, 0]
+        tok2, _, _ = simulate_round(s, policy, y1.view(g, s.R), gen, state)  # next round after y1
+        y2 = torch.where(n_out >= 2, tok[:, 1], tok2[:, 0])
+        first += torch.bincount(y1, minlength=V)
+        pair += torch.bincount(y1 * V + y2, minlength=V * V).view(V, V)
+        ell_sum += int(ell.sum())
+        done += g
+    n = groups * s.R
+    f_stat, f_p, f_dof = chi_square(first, s.first_token_target())
+    p_stat, p_p, p_dof = chi_square(pair, s.two_token_target())
+    k0 = int(first[0])
+    return AuditResult(policy.spec, s.name, n, f_stat, f_p, f_dof, p_stat, p_p, p_dof, k0 / n, wilson(k0, n),
+                       float(s.first_token_target()[0]), ell_sum / n, policy.lossless, alpha)
