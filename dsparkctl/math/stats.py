@@ -1,0 +1,203 @@
+"""Acceptance statistics, defined once for every command that reports them.
+
+Per round (one request, one verification) we record the verify length ℓ and the accepted
+count a (0 ≤ a ≤ ℓ ≤ γ). From the counts:
+
+    rounds          number of rounds
+    tokens          Σ (1 + a)            every round emits the accepted drafts plus one token
+    tau             tokens / rounds      accepted length, bonus INCLUDED (vLLM/SGLang/paper τ)
+    verified        Σ ℓ                  draft tokens sent to the target
+    histogram[a]    rounds that accepted exactly a drafts, a = 0..γ
+    reached[j]      rounds where position j was tested: j ≤ ℓ and j ≤ a + 1     (j = 1..γ)
+    accepted_at[j]  rounds where position j was accepted: j ≤ a
+    conditional c_j = accepted_at[j] / reached[j]   P(j accepted | 1..j-1 accepted, j verified)
+    survival    a_j = Π_{i≤j} c_i                   P(first j drafts accepted)
+Under full verification (ℓ = γ every round) a_j is exactly #rounds(a ≥ j) / rounds; with
+shorter, possibly adaptive verify lengths the product of conditionals is the estimator that
+uses only positions that were actually tested.
+
+Lists in the public API are indexed by position j = 1..γ as list index j-1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+__all__ = ["AcceptanceStats", "wilson_interval"]
+
+FORMAT = "dsparkctl-acceptance/1"
+
+
+def wilson_interval(successes: float, trials: float, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval for a binomial proportion; (0.0, 1.0) when trials == 0."""
+    if trials <= 0:
+        return (0.0, 1.0)
+    if successes < 0 or successes > trials:
+        raise ValueError(f"successes must be in [0, trials], got {successes}/{trials}")
+    p = successes / trials
+    z2 = z * z
+    denom = 1.0 + z2 / trials
+    center = (p + z2 / (2 * trials)) / denom
+    half = z / denom * math.sqrt(max(p * (1 - p) / trials + z2 / (4 * trials * trials), 0.0))
+    return (max(0.0, center - half), min(1.0, center + half))
+
+
+def _as_int_array(values) -> np.ndarray:
+    if hasattr(values, "detach"):  # torch tensor, without importing torch here
+        values = values.detach().cpu().numpy()
+    return np.asarray(values, dtype=np.int64).reshape(-1)
+
+
+@dataclass
+class AcceptanceStats:
+    block_size: int
+    rounds: int = 0
+    tokens: int = 0
+    verified: int = 0
+    histogram: list[int] = field(default_factory=list)    # [γ+1]
+    reached: list[int] = field(default_factory=list)      # [γ], position j at index j-1
+    accepted_at: list[int] = field(default_factory=list)  # [γ]
+
+    def __post_init__(self) -> None:
+        g = int(self.block_size)
+        if g < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        self.block_size = g
+        self.histogram = list(self.histogram) or [0] * (g + 1)
+        self.reached = list(self.reached) or [0] * g
+        self.accepted_at = list(self.accepted_at) or [0] * g
+        if len(self.histogram) != g + 1 or len(self.reached) != g or len(self.accepted_at) != g:
+            raise ValueError("histogram must have block_size+1 entries, reached/accepted_at block_size")
+
+    # ---- recording ------------------------------------------------------------------------
+    def add_rounds(self, verify_lengths: Sequence[int], accepted: Sequence[int]) -> None:
+        """Record rounds; verify_lengths[i] and accepted[i] describe one round (lists or tensors)."""
+        ell = _as_int_array(verify_lengths)
+        acc = _as_int_array(accepted)
+        if ell.shape != acc.shape:
+            raise ValueError(f"verify_lengths and accepted differ in length: {ell.size} vs {acc.size}")
+        if ell.size == 0:
+            return
+        g = self.block_size
+        if (acc < 0).any() or (acc > ell).any() or (ell > g).any():
+            raise ValueError(f"need 0 <= accepted <= verify_length <= block_size={g}")
+        self.rounds += int(ell.size)
+        self.tokens += int(ell.size + acc.sum())
+        self.verified += int(ell.sum())
+        hist = np.bincount(acc, minlength=g + 1)
+        reach_len = np.minimum(ell, acc + 1)                      # last position tested
+        reach_counts = np.bincount(reach_len, minlength=g + 1)     # how many stop at each length
+        reached = reach_counts[::-1].cumsum()[::-1][1:]            # #rounds with reach_len >= j
+        accepted_at = hist[::-1].cumsum()[::-1][1:]                # #rounds with acc >= j
+        self.histogram = [int(a + b) for a, b in zip(self.histogram, hist)]
+        self.reached = [int(a + b) for a, b in zip(self.reached, reached)]
+        self.accepted_at = [int(a + b) for a, b in zip(self.accepted_at, accepted_at)]
+
+    def merge(self, other: "AcceptanceStats") -> "AcceptanceStats":
+        """A new object holding both sets of rounds (same block size required)."""
+        if other.block_size != self.block_size:
+            raise ValueError(f"cannot merge block sizes {self.block_size} and {other.block_size}")
+        return AcceptanceStats(
+            block_size=self.block_size,
+            rounds=self.rounds + other.rounds,
+            tokens=self.tokens + other.tokens,
+            verified=self.verified + other.verified,
+            histogram=[a + b for a, b in zip(self.histogram, other.histogram)],
+            reached=[a + b for a, b in zip(self.reached, other.reached)],
+            accepted_at=[a + b for a, b in zip(self.accepted_at, other.accepted_at)],
+        )
+
+    # ---- metrics --------------------------------------------------------------------------
+    @property
+    def tau(self) -> float | None:
+        return self.tokens / self.rounds if self.rounds else None
+
+    def conditional(self) -> list[float | None]:
+        """c_j = accepted_at[j] / reached[j]; None where position j was never tested."""
+        return [a / n if n else None for a, n in zip(self.accepted_at, self.reached)]
+
+    def survival(self) -> list[float | None]:
+        """a_j = Π_{i≤j} c_i. Once the product is 0 it stays 0; None once undefined."""
+        out: list[float | None] = []
+        prod: float | None = 1.0
+        for c in self.conditional():
+            if prod is None or prod == 0.0:
+                pass
+            elif c is None:
+                prod = None
+            else:
+                prod *= c
+            out.append(prod)
+        return out
+
+    def conditional_interval(self, z: float = 1.96) -> list[tuple[float, float] | None]:
+        """Wilson interval of each c_j over the rounds that reached j (None if none did)."""
+        return [wilson_interval(a, n, z) if n else None for a, n in zip(self.accepted_at, self.reached)]
+
+    def survival_interval(self, z: float = 1.96) -> list[tuple[float, float] | None]:
+        """Wilson interval for a_j with an effective sample size from the delta method.
+
+        The c_i are estimated from sequentially nested binomials, so to first order
+        Var(â_j) = â_j² Σ_{i≤j} (1 - c_i) / (c_i n_i) with n_i = reached[i]. We set
+        n_eff = â(1 - â) / Var(â) and report wilson_interval(â·n_eff, n_eff). Under full
+        verification this n_eff equals `rounds` exactly, so the interval is the plain Wilson
+        interval of #rounds(a ≥ j) / rounds. When â_j is 0 or 1 the delta method degenerates;
+        we then use n_eff = the smallest reached[i] (i ≤ j, reached[i] > 0), which is
+        conservative (wider). None where a_j is undefined.
+        """
+        cond = self.conditional()
+        surv = self.survival()
+        out: list[tuple[float, float] | None] = []
+        for j, a in enumerate(surv):
+            if a is None:
+                out.append(None)
+                continue
+            ns = [self.reached[i] for i in range(j + 1) if self.reached[i] > 0]
+            if 0.0 < a < 1.0 and all(cond[i] is not None and cond[i] > 0 for i in range(j + 1)):
+                var_rel = sum((1 - cond[i]) / (cond[i] * self.reached[i]) for i in range(j + 1))
+                n_eff = a * (1 - a) / (a * a * var_rel) if var_rel > 0 else float(min(ns))
+            else:
+                n_eff = float(min(ns)) if ns else 0.0
+            out.append(wilson_interval(a * n_eff, n_eff, z) if n_eff > 0 else (0.0, 1.0))
+        return out
+
+    # ---- JSON -----------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        """Raw counts plus derived metrics (derived ones are informational; from_json ignores them)."""
+        return {
+            "format": FORMAT,
+            "block_size": self.block_size,
+            "rounds": self.rounds,
+            "tokens": self.tokens,
+            "verified": self.verified,
+            "histogram": list(self.histogram),
+            "reached": list(self.reached),
+            "accepted_at": list(self.accepted_at),
+            "tau": self.tau,
+            "conditional": self.conditional(),
+            "survival": self.survival(),
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> "AcceptanceStats":
+        if d.get("format", FORMAT) != FORMAT:
+            raise ValueError(f"unknown acceptance-stats format {d.get('format')!r}")
+        try:
+            stats = cls(
+                block_size=int(d["block_size"]),
+                rounds=int(d["rounds"]),
+                tokens=int(d["tokens"]),
+                verified=int(d.get("verified", 0)),
+                histogram=[int(x) for x in d["histogram"]],
+                reached=[int(x) for x in d["reached"]],
+                accepted_at=[int(x) for x in d["accepted_at"]],
+            )
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"malformed acceptance stats: {exc}") from exc
+        if sum(stats.histogram) != stats.rounds:
+            raise ValueError("malformed acceptance stats: histogram does not sum to rounds")
+        return stats
