@@ -1,7 +1,167 @@
-"""Placeholder: this command group is being written."""
+"""`inspect`, `download`, `extract`: thin commands over dsparkctl.checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
+from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+from rich.markup import escape
+from rich.table import Table
+
+from dsparkctl.checkpoint import hub
+from dsparkctl.checkpoint.extract import extract, parse_size
+from dsparkctl.checkpoint.inspect import inspect_report
+from dsparkctl.checkpoint.source import Checkpoint, open_local
+from dsparkctl.cli.common import JsonOpt, RevisionOpt, err, guarded, out, print_json, show_progress
+from dsparkctl.errors import UsageError
+
+SourceArg = Annotated[str, typer.Argument(help="A local checkpoint folder or a hub repo id (org/name).")]
+WithHeadOpt = Annotated[bool, typer.Option("--with-head", help="Also take the target's embed/head the draft borrows.")]
+
+
+def _open(source: str, revision: str | None) -> Checkpoint:
+    if Path(source).exists():
+        if revision:
+            raise UsageError("--revision applies to hub repos only", hint="drop --revision for a local folder")
+        return open_local(Path(source))
+    if hub.looks_like_repo(source):
+        return hub.open_remote(source, revision)
+    raise UsageError(f"{source}: no such folder and not a repo id", hint="pass a folder or org/name")
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.3f} MB"
+
+
+@guarded
+def inspect_cmd(source: SourceArg, revision: RevisionOpt = None, json: JsonOpt = False) -> None:
+    """Show a checkpoint's draft: layout, components, shards to download, config and findings."""
+    ckpt = _open(source, revision)
+    report = inspect_report(ckpt)
+    if ckpt.bytes_transferred:
+        report["transferred_bytes"] = ckpt.bytes_transferred
+    if json:
+        print_json(report)
+        return
+    _print_report(report)
+
+
+def _print_report(r: dict[str, Any]) -> None:
+    rev = f" @ {r['revision']}" if r["revision"] else ""
+    out.print(f"[bold]{r['source']}[/]{rev}: {r['layout']['title']} ({r['layout']['key']}), "
+              f"{r['stages'] or 1} stage(s), FP8 block {r['fp8_block'][0]}x{r['fp8_block'][1]}")
+    t = Table(title="draft components")
+    for col in ("component", "tensors", "params", "bytes", "dtypes", "quant"):
+        t.add_column(col, justify="right" if col in ("tensors", "params", "bytes") else "left")
+    for c in r["components"]:
+        t.add_row(c["component"], str(c["tensors"]), f"{c['params']:,}", f"{c['bytes']:,}",
+                  " ".join(c["dtypes"]), ", ".join(c["quant"]))
+    d = r["draft"]
+    t.add_row("[bold]total[/]", str(d["tensors"]), f"{d['params']:,}", f"{d['bytes']:,}", "", "")
+    out.print(t)
+    dl = r["download"]
+    out.print(f"draft shards: {', '.join(s['file'] for s in r['draft_shards'])}")
+    out.print(f"draft-only download: {_gb(dl['draft_only_bytes'])} in {dl['shards']} of {dl['total_shards']} "
+              f"shards vs {_gb(dl['total_bytes'])} for the whole checkpoint")
+    if r["head_shards"]:
+        out.print(f"embed/head (borrowed from the target, --with-head): {', '.join(r['head_shards'])}")
+    if "transferred_bytes" in r:
+        out.print(f"read over the network: {r['transferred_bytes']:,} bytes (config, index, shard headers)")
+    cfg = Table(title="draft config fields")
+    cfg.add_column("field")
+    cfg.add_column("value")
+    for k, v in r["config"].items():
+        cfg.add_row(k, str(v))
+    out.print(cfg)
+    colour = {"ok": "green", "warning": "yellow", "error": "red"}
+    for f in r["findings"]:
+        out.print(f"[{colour[f['level']]}]{f['level']:>7}[/] {f['check']}: {escape(f['message'])}", highlight=False)
+
+
+@guarded
+def download_cmd(
+    repo: Annotated[str, typer.Argument(help="Hub repo id (org/name).")],
+    revision: RevisionOpt = None,
+    local_dir: Annotated[Path | None, typer.Option("--local-dir", help="Download here instead of the HF cache.")] = None,
+    with_head: WithHeadOpt = False,
+    json: JsonOpt = False,
+) -> None:
+    """Fetch config, index, tokenizer files and only the shards holding the draft (resumable)."""
+    def on_file(file: str, size: int) -> None:
+        err.print(f"fetching {file}" + (f" ({_gb(size)})" if size else ""), highlight=False)
+
+    res = hub.download(repo, revision, local_dir, with_head, on_file=on_file)
+    doc = {"folder": res.folder, "revision": res.revision,
+           "fetched": [{"file": f, "bytes": b} for f, b in res.fetched],
+           "skipped": [{"file": f, "bytes": b} for f, b in res.skipped]}
+    if json:
+        print_json(doc)
+        return
+    got, skip = sum(b for _, b in res.fetched), sum(b for _, b in res.skipped)
+    out.print(f"downloaded {len(res.fetched)} files ({_gb(got)}) to {res.folder}")
+    out.print(f"skipped {len(res.skipped)} shards without draft tensors ({_gb(skip)}): "
+              + ", ".join(f for f, _ in res.skipped), highlight=False)
+
+
+@guarded
+def extract_cmd(
+    source: SourceArg,
+    out_dir: Annotated[Path, typer.Argument(metavar="OUT", help="New folder for the draft checkpoint.")],
+    revision: RevisionOpt = None,
+    dequantize: Annotated[str | None, typer.Option("--dequantize", help="Convert FP8/FP4 weights to bf16 "
+                                                   "(only 'bf16') and drop their scales.")] = None,
+    max_shard_size: Annotated[str, typer.Option("--max-shard-size", help="Largest output shard.")] = "5GB",
+    with_head: WithHeadOpt = False,
+    verify: Annotated[bool, typer.Option("--verify", help="Re-read the output and check every tensor.")] = False,
+    json: JsonOpt = False,
+) -> None:
+    """Stream the draft tensors (and scales) into a standalone checkpoint, atomically."""
+    if dequantize not in (None, "bf16"):
+        raise UsageError(f"--dequantize {dequantize!r} is not supported", hint="use --dequantize bf16")
+    limit = parse_size(max_shard_size)
+    if out_dir.exists():
+        raise UsageError(f"{out_dir} already exists", hint="choose a new output folder or delete the old one")
+    if hub.looks_like_repo(source):
+        fetched = hub.download(source, revision, None, with_head)
+        ckpt = open_local(fetched.folder)
+    else:
+        ckpt = _open(source, revision)
+    if show_progress():
+        with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                      TransferSpeedColumn(), console=err, transient=True) as bar:
+            total = sum(ckpt.headers[f].file_size for f in {ckpt.weight_map[n] for n in ckpt.draft_names(with_head)})
+            task = bar.add_task("extract", total=total)
+            res = extract(ckpt, out_dir, dequantize=bool(dequantize), with_head=with_head,
+                          max_shard_size=limit, verify=verify, on_bytes=lambda n: bar.advance(task, n))
+    else:
+        res = extract(ckpt, out_dir, dequantize=bool(dequantize), with_head=with_head,
+                      max_shard_size=limit, verify=verify)
+    doc = {"out": res.out, "layout": ckpt.layout.key, "tensors": res.tensors, "bytes": res.bytes_written,
+           "shards": res.shards, "source_shards_sha256": res.source_shards, "verified": res.verified}
+    if json:
+        print_json(doc)
+        return
+    out.print(f"wrote {res.tensors} tensors ({_gb(res.bytes_written)}) in {len(res.shards)} shard(s) to {res.out}"
+              + (", verified" if res.verified else ""), highlight=False)
+
+
+@guarded
+def fixture_cmd(
+    out_dir: Annotated[Path, typer.Argument(metavar="OUT")],
+    layout: Annotated[str, typer.Option("--layout")] = "v4.1-flash",
+) -> None:
+    """(dev) Write a miniature checkpoint with real names and dtypes."""
+    from dsparkctl.checkpoint.fixtures import FIXTURE_LAYOUTS, write_fixture
+
+    if layout not in FIXTURE_LAYOUTS:
+        raise UsageError(f"no fixture for {layout!r}", hint=f"choose one of {', '.join(FIXTURE_LAYOUTS)}")
+    out.print(str(write_fixture(out_dir, layout)))
 
 
 def register(app: typer.Typer) -> None:
-    return None
+    app.command("inspect")(inspect_cmd)
+    app.command("download")(download_cmd)
+    app.command("extract")(extract_cmd)
+    app.command("dev-fixture", hidden=True)(fixture_cmd)

@@ -1,0 +1,1 @@
+"""Checkpoint surgery: safe safetensors reading, draft layouts, inspect, extract, dequantize, hub."""

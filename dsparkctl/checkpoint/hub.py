@@ -1,0 +1,174 @@
+"""Hub access through huggingface_hub: headers by HTTP range request, draft-only downloads.
+
+`open_remote` reads `config.json`, the index and each shard's safetensors header (two small
+ranged GETs per shard: the 8-byte length, then the header) and never tensor data. `download`
+fetches config, index, tokenizer files and only the shards that hold draft tensors, through
+`hf_hub_download` (resumable, honours HF_TOKEN, HF_HOME/cache, HF_HUB_OFFLINE, HF_ENDPOINT).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import huggingface_hub
+from huggingface_hub import constants, hf_hub_url
+from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+from dsparkctl.checkpoint.safetensors_io import header_length, parse_header
+from dsparkctl.checkpoint.source import (INDEX, SINGLE, Checkpoint, check_consistent, load_config, open_local,
+                                         parse_index)
+from dsparkctl.errors import CheckpointError, InputError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "tokenizer.model")
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+def looks_like_repo(source: str) -> bool:
+    return not Path(source).exists() and _REPO_ID.match(source) is not None
+
+
+@contextlib.contextmanager
+def _hub_errors(repo: str) -> Iterator[None]:
+    """Map huggingface_hub/HTTP failures to one-line domain errors."""
+    try:
+        yield
+    except RepositoryNotFoundError:
+        raise InputError(f"{repo}: repository not found (or private)",
+                         hint="check the repo id, or set HF_TOKEN for a private/gated repo") from None
+    except RevisionNotFoundError:
+        raise InputError(f"{repo}: revision not found", hint="check --revision") from None
+    except HfHubHTTPError as exc:
+        raise CheckpointError(f"{repo}: hub request failed: {str(exc).splitlines()[0]}",
+                              hint="check the network, HF_ENDPOINT and HF_TOKEN") from None
+    except OSError as exc:  # connection refused, DNS, timeouts (httpx errors are not OSError; see below)
+        raise CheckpointError(f"{repo}: cannot reach the hub: {exc}", hint="check the network or HF_ENDPOINT") from None
+    except Exception as exc:  # httpx transport errors
+        if type(exc).__module__.startswith(("httpx", "httpcore")):
+            raise CheckpointError(f"{repo}: cannot reach the hub ({type(exc).__name__})",
+                                  hint="check the network or HF_ENDPOINT; set HF_HUB_OFFLINE=1 to use the cache") from None
+        raise
+
+
+class _Remote:
+    """Ranged reads of one repo at one revision, counting what it transfers."""
+
+    def __init__(self, repo: str, revision: str | None, token: str | bool | None = None):
+        self.repo, self.revision = repo, revision or "main"
+        self.endpoint = constants.ENDPOINT  # read now, not at import (tests and mirrors change it)
+        self.headers = build_hf_headers(token=token)
+        self.session = get_session()
+        self.bytes_read = 0
+
+    def url(self, file: str) -> str:
+        return hf_hub_url(self.repo, file, revision=self.revision, endpoint=self.endpoint)
+
+    def get(self, file: str, start: int = 0, length: int | None = None) -> tuple[bytes, int] | None:
+        """`length` bytes from `start` (all when None); returns (data, file size) or None on 404."""
+        headers = dict(self.headers)
+        if length is not None:
+            headers["Range"] = f"bytes={start}-{start + length - 1}"
+        with self.session.stream("GET", self.url(file), headers=headers, follow_redirects=True) as resp:
+            if resp.status_code == 404 and resp.headers.get("X-Error-Code") in (None, "EntryNotFound"):
+                return None
+            if resp.status_code >= 400:
+                resp.read()
+                hf_raise_for_status(resp)
+            commit = resp.headers.get("X-Repo-Commit")
+            if commit and self.revision != commit:
+                self.revision = commit  # pin: every later read sees the same commit
+            size = _file_size(resp.headers)
+            data = bytearray()
+            want = length if length is not None else None
+            for chunk in resp.iter_bytes():
+                data += chunk
+                if want is not None and resp.status_code == 200 and len(data) >= start + want:
+                    break  # server ignored Range: stop reading the body early
+            if resp.status_code == 200 and length is not None:
+                data = data[start:start + length]
+            self.bytes_read += len(data)
+            return bytes(data), size
+
+
+def _file_size(headers: dict) -> int:
+    rng = headers.get("Content-Range")
+    if rng and "/" in rng and rng.rsplit("/", 1)[1].isdigit():
+        return int(rng.rsplit("/", 1)[1])
+    return int(headers.get("X-Linked-Size") or headers.get("Content-Length") or 0)
+
+
+def open_remote(repo: str, revision: str | None = None, token: str | bool | None = None) -> Checkpoint:
+    """A Checkpoint of a hub repo from config + index + shard headers only."""
+    if constants.HF_HUB_OFFLINE:
+        with _hub_errors(repo):
+            try:
+                folder = huggingface_hub.snapshot_download(repo, revision=revision, local_files_only=True)
+            except Exception:  # noqa: BLE001 - any cache miss
+                raise CheckpointError(f"{repo}: offline mode and not in the local cache",
+                                      hint="unset HF_HUB_OFFLINE or run `dsparkctl download` first") from None
+        return open_local(Path(folder))
+    remote = _Remote(repo, revision, token)
+    with _hub_errors(repo):
+        cfg = remote.get("config.json")
+        index = remote.get(INDEX)
+        if index is not None:
+            weight_map = parse_index(index[0], f"{repo}/{INDEX}")
+            files = sorted(set(weight_map.values()))
+        else:
+            weight_map, files = {}, [SINGLE]
+        headers = {}
+        for file in files:
+            first = remote.get(file, 0, 8)
+            if first is None:
+                raise CheckpointError(f"{repo}/{file}: shard is missing on the hub", hint="check the repo and revision")
+            n = header_length(first[0], file, first[1])
+            raw = remote.get(file, 8, n) if n else (b"", first[1])
+            headers[file] = parse_header(raw[0], file, first[1])  # type: ignore[index]
+    if not weight_map:
+        weight_map = {n: SINGLE for n in headers[SINGLE].tensors}
+    check_consistent(weight_map, headers, repo)
+    return Checkpoint(source=repo, revision=remote.revision, config=load_config(cfg[0] if cfg else None, repo),
+                      weight_map=weight_map, headers=headers, total_size=sum(h.file_size for h in headers.values()),
+                      bytes_transferred=remote.bytes_read)
+
+
+@dataclass
+class DownloadResult:
+    folder: Path
+    revision: str | None
+    fetched: list[tuple[str, int]] = field(default_factory=list)  # (file, bytes)
+    skipped: list[tuple[str, int]] = field(default_factory=list)
+
+
+def download(repo: str, revision: str | None = None, local_dir: Path | None = None, with_head: bool = False,
+             token: str | bool | None = None, on_file: Callable[[str, int], None] | None = None) -> DownloadResult:
+    """Fetch config, index, tokenizer files and the draft shards (+ head shards) of `repo`."""
+    ckpt = open_remote(repo, revision, token)
+    names = ckpt.draft_names(with_head)
+    if not names:
+        raise CheckpointError(f"{repo}: no draft tensors", hint="check the repo with `dsparkctl inspect`")
+    wanted = sorted({ckpt.weight_map[n] for n in names})
+    sizes = {f: h.file_size for f, h in ckpt.headers.items()}
+    result = DownloadResult(folder=Path(), revision=ckpt.revision)
+    meta = ["config.json"] + ([INDEX] if len(ckpt.headers) > 1 or SINGLE not in ckpt.headers else [])
+    with _hub_errors(repo):
+        for file in meta + list(TOKENIZER_FILES) + wanted:
+            if on_file:
+                on_file(file, sizes.get(file, 0))
+            try:
+                path = huggingface_hub.hf_hub_download(repo, file, revision=ckpt.revision, local_dir=local_dir,
+                                                       token=token, endpoint=constants.ENDPOINT)
+            except EntryNotFoundError:
+                if file in TOKENIZER_FILES:
+                    continue
+                raise
+            result.fetched.append((file, Path(path).stat().st_size))
+            if file == "config.json":
+                result.folder = Path(path).parent
+    result.skipped = [(f, s) for f, s in sizes.items() if f not in wanted]
+    return result
