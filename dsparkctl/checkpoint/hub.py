@@ -9,6 +9,7 @@ fetches config, index, tokenizer files and only the shards that hold draft tenso
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,11 @@ from dsparkctl.errors import CheckpointError, InputError
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "tokenizer.model")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+def endpoint() -> str:
+    """HF_ENDPOINT read now (huggingface_hub freezes it at import), else the library's setting."""
+    return os.environ.get("HF_ENDPOINT", "").rstrip("/") or constants.ENDPOINT
 
 
 def looks_like_repo(source: str) -> bool:
@@ -60,7 +66,7 @@ class _Remote:
 
     def __init__(self, repo: str, revision: str | None, token: str | bool | None = None):
         self.repo, self.revision = repo, revision or "main"
-        self.endpoint = constants.ENDPOINT  # read now, not at import (tests and mirrors change it)
+        self.endpoint = endpoint()
         self.headers = build_hf_headers(token=token)
         self.session = get_session()
         self.bytes_read = 0
@@ -162,7 +168,7 @@ def download(repo: str, revision: str | None = None, local_dir: Path | None = No
                 on_file(file, sizes.get(file, 0))
             try:
                 path = huggingface_hub.hf_hub_download(repo, file, revision=ckpt.revision, local_dir=local_dir,
-                                                       token=token, endpoint=constants.ENDPOINT)
+                                                       token=token, endpoint=endpoint())
             except EntryNotFoundError:
                 if file in TOKENIZER_FILES:
                     continue

@@ -33,11 +33,15 @@ class Checkpoint:
     layout: Layout = field(init=False)
 
     def __post_init__(self) -> None:
-        shapes = {n: self.tensor(n).shape for n in self.weight_map}
+        shapes = {n: self.tensor(n).shape for n, f in self.weight_map.items() if f in self.headers}
         self.layout = detect(self.weight_map, shapes, self.source)
 
     def tensor(self, name: str) -> TensorInfo:
-        return self.headers[self.weight_map[name]].tensors[name]
+        file = self.weight_map[name]
+        if file not in self.headers:  # a draft-only download lacks the target's shards
+            raise CheckpointError(f"{file}: shard file is missing (it holds tensor {name})",
+                                  hint="download the missing shard (dsparkctl download fetches every draft shard)")
+        return self.headers[file].tensors[name]
 
     def draft_names(self, with_head: bool = False) -> list[str]:
         """Draft tensors (and their scales); with_head adds the borrowed embedding/head."""
@@ -86,7 +90,7 @@ def parse_index(raw: bytes, where: str) -> dict[str, str]:
 def check_consistent(weight_map: dict[str, str], headers: dict[str, ShardHeader], where: str) -> None:
     """Every index entry is in its shard's header; every header tensor is in the index."""
     for name, file in weight_map.items():
-        if name not in headers[file].tensors:
+        if file in headers and name not in headers[file].tensors:
             raise CheckpointError(f"{where}: index puts tensor {name} in {file} but its header lacks it",
                                   hint="re-download the index and that shard")
     for file, header in headers.items():
@@ -132,7 +136,10 @@ def open_local(folder: Path) -> Checkpoint:
     else:
         raise CheckpointError(f"{folder}: no {INDEX} and no {SINGLE}", hint="point at a safetensors checkpoint")
     # Names were checked lexically (no '..', not absolute); shards may be symlinks into a hub cache.
-    headers = {file: read_header(folder / file, file) for file in files}
+    # Absent shards are allowed (draft-only downloads); using a tensor from one is an error.
+    headers = {file: read_header(folder / file, file) for file in files if (folder / file).exists()}
+    if not headers:
+        raise CheckpointError(f"{folder}: none of the index's shards is present", hint="download the checkpoint")
     if not weight_map:
         weight_map = {n: SINGLE for n in headers[SINGLE].tensors}
     check_consistent(weight_map, headers, str(folder))

@@ -131,7 +131,8 @@ def extract_cmd(
     if show_progress():
         with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
                       TransferSpeedColumn(), console=err, transient=True) as bar:
-            total = sum(ckpt.headers[f].file_size for f in {ckpt.weight_map[n] for n in ckpt.draft_names(with_head)})
+            files = {ckpt.weight_map[n] for n in ckpt.draft_names(with_head)}
+            total = sum(ckpt.headers[f].file_size for f in files if f in ckpt.headers)
             task = bar.add_task("extract", total=total)
             res = extract(ckpt, out_dir, dequantize=bool(dequantize), with_head=with_head,
                           max_shard_size=limit, verify=verify, on_bytes=lambda n: bar.advance(task, n))
