@@ -83,30 +83,34 @@ def warp_probs(logits: Tensor, params: SamplingParams) -> Tensor:
     if params.temperature != 1.0:
         x = x / params.temperature
     vocab = x.shape[-1]
-    if 0 < params.top_k < vocab:
-        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        sorted_p = torch.softmax(sorted_x, dim=-1)
-        # mass strictly before each token; a token is dropped once that mass already reaches top_p
-        # (the first token is always kept).
-        before = torch.cumsum(sorted_p, dim=-1) - sorted_p
-        drop_sorted = before >= params.top_p
-        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
-        x = x.masked_fill(drop, float("-inf"))
+    top_k = params.top_k if 0 < params.top_k < vocab else 0
+    if top_k or params.top_p < 1.0:
+        # Candidates in descending order: the k largest (exactly k, ties broken by topk) or all.
+        if top_k:
+            cand, order = torch.topk(x, top_k, dim=-1)              # [..., k]
+        else:
+            cand, order = torch.sort(x, dim=-1, descending=True)    # [..., V]
+        if params.top_p < 1.0:
+            cand_p = torch.softmax(cand, dim=-1)
+            # mass strictly before each candidate (on the top-k renormalised distribution); a
+            # candidate is dropped once that mass reaches top_p, so the first is always kept.
+            before = torch.cumsum(cand_p, dim=-1) - cand_p
+            cand = cand.masked_fill(before >= params.top_p, float("-inf"))
+        x = torch.full_like(x, float("-inf")).scatter_(-1, order, cand)
     probs = torch.softmax(x, dim=-1)
     bad = ~torch.isfinite(probs).all(dim=-1, keepdim=True)  # [..., 1]
-    if bool(bad.any()):
+    # On CPU a check is free; on accelerators `bool(...)` would sync the device on the hot path,
+    # so the fallback is applied unconditionally there.
+    if probs.device.type != "cpu" or bool(bad.any()):
         probs = torch.where(bad, _one_hot_argmax(torch.nan_to_num(logits.float(), nan=-math.inf)), probs)
     return probs
 
 
 def exponential_noise(shape, generator: torch.Generator | None, device=None) -> Tensor:
     """Exp(1) noise [shape] (float32) for the exponential-race sampler, clamped away from 0."""
-    noise = torch.empty(shape, dtype=torch.float32, device=device)
-    noise.exponential_(generator=generator)
-    return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+    # -log(U) with U ~ U(0, 1]; several times faster than Tensor.exponential_ on CPU.
+    u = torch.rand(shape, dtype=torch.float32, device=device, generator=generator)
+    return torch.log1p_(u.neg_()).neg_().clamp_min_(torch.finfo(torch.float32).tiny)
 
 
 def sample_with_noise(weights: Tensor, noise: Tensor) -> Tensor:
