@@ -9,8 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from dsparkctl.checkpoint.quant import logical_shape
-from dsparkctl.checkpoint.source import Checkpoint, quant_kind, scale_name
+from dsparkctl.checkpoint.source import Checkpoint, logical_shape, quant_kind, scale_name
 
 # (regex on the name after the stage prefix, component). First match wins.
 _RULES: tuple[tuple[str, str], ...] = (

@@ -17,19 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-
 from dsparkctl.checkpoint.inspect import consistency, stage_count
 from dsparkctl.checkpoint.layouts import fp8_block
-from dsparkctl.checkpoint.quant import dequant_fp4, dequant_fp8, logical_shape
 from dsparkctl.checkpoint.safetensors_io import TensorInfo, encode_header, read_header
-from dsparkctl.checkpoint.source import INDEX, Checkpoint, check_scales, quant_kind, scale_name
+from dsparkctl.checkpoint.source import INDEX, Checkpoint, check_scales, logical_shape, quant_kind, scale_name
 from dsparkctl.errors import CheckpointError, UsageError
 from dsparkctl.fsutil import atomic_dir, write_json
 from dsparkctl.provenance import provenance
 
 CHUNK = 8 * 1024 * 1024  # read/write granularity; bounds memory for plain copies
-_TORCH_DTYPE = {"F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.float8_e8m0fnu, "I8": torch.int8}
 
 
 @dataclass
@@ -197,6 +193,10 @@ def _stream_shard(ckpt: Checkpoint, file: str, wanted: dict[str, Planned], write
 
 
 def _dequant(fd: int, p: Planned, block: tuple[int, int]) -> memoryview:
+    import torch  # only dequantization needs torch; plain extraction stays light
+
+    from dsparkctl.checkpoint.quant import dequant_fp4, dequant_fp8
+
     weight = _load(fd, p.src)
     scale = _load(fd, p.scale)  # type: ignore[arg-type]
     if p.dequant == "fp8":
@@ -206,11 +206,14 @@ def _dequant(fd: int, p: Planned, block: tuple[int, int]) -> memoryview:
     return memoryview(out.contiguous().view(torch.uint8).numpy()).cast("B")
 
 
-def _load(fd: int, info: TensorInfo) -> torch.Tensor:
+def _load(fd: int, info: TensorInfo) -> "torch.Tensor":  # noqa: F821
+    import torch
+
+    dtypes = {"F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.float8_e8m0fnu, "I8": torch.int8}
     raw = os.pread(fd, info.nbytes, info.start)
     if len(raw) != info.nbytes:
         raise CheckpointError(f"{info.file}: truncated inside tensor {info.name}", hint="re-download the shard")
-    return torch.frombuffer(bytearray(raw), dtype=_TORCH_DTYPE[info.dtype]).view(info.shape)
+    return torch.frombuffer(bytearray(raw), dtype=dtypes[info.dtype]).view(info.shape)
 
 
 def _read_exact(fh: Any, n: int, file: str) -> bytes:

@@ -7,8 +7,7 @@ from typing import Any
 
 from dsparkctl.checkpoint.components import component_table
 from dsparkctl.checkpoint.layouts import dspark_fields, fp8_block, text_config
-from dsparkctl.checkpoint.quant import expected_scale_shape
-from dsparkctl.checkpoint.source import Checkpoint, check_scales, quant_kind, scale_name
+from dsparkctl.checkpoint.source import Checkpoint, check_scales, expected_scale_shape, quant_kind, scale_name
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
+from dsparkctl.checkpoint.source import FP4_BLOCK
 from dsparkctl.errors import CheckpointError
 
-FP4_BLOCK = 32  # inputs sharing one FP4 scale
 
 # e2m1 code -> value; codes 8..15 are the negatives (8 is -0.0).
 FP4_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
@@ -73,20 +73,3 @@ def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor, name: str = "?") -> t
         w = torch.nn.functional.pad(w, (0, sk * FP4_BLOCK - k))
     w = w.view(n, sk, FP4_BLOCK).mul_(s.view(n, sk, 1))
     return w.view(n, sk * FP4_BLOCK)[:, :k].to(torch.bfloat16)
-
-
-def expected_scale_shape(kind: str, shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int] | None:
-    """The `.scale` shape a weight of stored `shape` needs; None if the weight is not 2-D."""
-    if len(shape) != 2:
-        return None
-    n, k = shape
-    if kind == "fp8":
-        return -(-n // block[0]), -(-k // block[1])
-    return n, -(-(k * 2) // FP4_BLOCK)
-
-
-def logical_shape(kind: str | None, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Shape after dequantization: FP4 packs two inputs per stored byte."""
-    if kind == "fp4":
-        return (*shape[:-1], shape[-1] * 2)
-    return shape

@@ -18,6 +18,7 @@ from dsparkctl.errors import CheckpointError, InputError
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+FP4_BLOCK = 32  # inputs sharing one FP4 e8m0 scale
 
 
 @dataclass
@@ -146,3 +147,20 @@ def open_local(folder: Path) -> Checkpoint:
     total = sum(h.file_size for h in headers.values())
     return Checkpoint(source=str(folder), revision=None, config=config, weight_map=weight_map,
                       headers=headers, folder=folder, total_size=total)
+
+
+def expected_scale_shape(kind: str, shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int] | None:
+    """The `.scale` shape a weight of stored `shape` needs; None if the weight is not 2-D."""
+    if len(shape) != 2:
+        return None
+    n, k = shape
+    if kind == "fp8":
+        return -(-n // block[0]), -(-k // block[1])
+    return n, -(-(k * 2) // FP4_BLOCK)
+
+
+def logical_shape(kind: str | None, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Shape after dequantization: FP4 packs two inputs per stored byte."""
+    if kind == "fp4":
+        return (*shape[:-1], shape[-1] * 2)
+    return shape
