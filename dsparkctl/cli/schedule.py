@@ -1,7 +1,159 @@
-"""Placeholder: this command group is being written."""
+"""Scheduling commands: `calibrate`, `sweep-scheduler`, `audit`. Thin: parse, call, print."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
 
 import typer
+from rich.table import Table
+
+from dsparkctl.cli.common import JsonOpt, SeedOpt, err, guarded, out, print_json
+from dsparkctl.errors import UsageError
+from dsparkctl.fsutil import write_json
+
+POLICY_HELP = "Policies: static:K, threshold:t, survival:t, dspark, dspark-async, budget:B, retrospective."
+
+
+def _pct(x: float) -> str:
+    return "—" if x != x else f"{100 * x:.2f}%"
+
+
+def _num(x: float, fmt: str = ".3f") -> str:
+    return "—" if x != x else format(x, fmt)
+
+
+def calibrate(
+    traces: Annotated[list[Path], typer.Argument(help="Trace files (JSON lines with confidence logits).")],
+    holdout: Annotated[float, typer.Option("--holdout", help="Fraction of requests held out for evaluation.")] = 0.2,
+    bins: Annotated[int, typer.Option("--bins", help="Equal-width ECE bins.")] = 20,
+    out_path: Annotated[Path, typer.Option("--out", help="Our calibration JSON (temperatures + metrics).")] = Path("calib.json"),
+    sglang_out: Annotated[Path | None, typer.Option("--sglang-out", help="SGLang STS file (default: <out>.sglang-sts.json).")] = None,
+    plot_dir: Annotated[Path | None, typer.Option("--plot-dir", help="Reliability PNGs (default: <out>_reliability/).")] = None,
+    seed: SeedOpt = 0,
+    as_json: JsonOpt = False,
+) -> None:
+    """Fit STS temperatures on traces; report held-out ECE/AUROC/Brier per position before and after."""
+    from dsparkctl.calibrate import run_calibration, sglang_sts, strip_diagrams
+    from dsparkctl.plots import reliability_diagrams
+
+    result = run_calibration(traces, holdout=holdout, bins=bins, seed=seed)
+    sglang_out = sglang_out or out_path.with_name(out_path.stem + ".sglang-sts.json")
+    plot_dir = plot_dir or out_path.with_name(out_path.stem + "_reliability")
+    pngs = reliability_diagrams(result, plot_dir)
+    result["outputs"] = {"sglang_sts": str(sglang_out), "reliability_pngs": pngs}
+    write_json(sglang_out, sglang_sts(result))
+    write_json(out_path, result)
+    err.print(f"wrote {out_path}, {sglang_out}, {len(pngs)} reliability PNGs in {plot_dir}")
+    if as_json:
+        print_json(strip_diagrams(result))
+        return
+    t = Table(title=f"STS held-out survival metrics (â_k vs 'first k accepted'), "
+                    f"{result['rounds']['heldout']} rounds, {bins} bins; conditional metrics in --json")
+    for col in ("pos", "n", "T", "ECE raw → STS", "AUROC raw → STS", "Brier raw → STS"):
+        t.add_column(col, justify="right")
+    for b, a, temp in zip(result["metrics_heldout"]["before"], result["metrics_heldout"]["after"],
+                          result["temperatures"]):
+        t.add_row(str(b["position"]), str(b["n"]), f"{temp:.3f}", f"{_pct(b['ece'])} → {_pct(a['ece'])}",
+                  f"{_num(b['auroc'])} → {_num(a['auroc'])}",
+                  f"{_num(b['brier'], '.4f')} → {_num(a['brier'], '.4f')}")
+    out.print(t)
+
+
+def sweep_scheduler(
+    trace: Annotated[list[Path], typer.Option("--trace", help="Full-verification trace(s); repeat the option.")],
+    sps_table: Annotated[Path, typer.Option("--sps-table", help="SPS table (ours or SGLang's).")],
+    policies: Annotated[str, typer.Option("--policies", help="Comma-separated. " + POLICY_HELP)] =
+        "static:1,static:3,threshold:0.5,survival:0.4,budget:256,dspark,dspark-async",
+    concurrency: Annotated[str, typer.Option("--concurrency", help="Comma-separated load levels.")] =
+        "1,2,4,8,16,32,64,128,256,512,1024",
+    calibration: Annotated[Path | None, typer.Option("--calibration", help="calib.json or SGLang STS file.")] = None,
+    rounds: Annotated[int, typer.Option("--rounds", help="Request-rounds replayed per (policy, concurrency).")] = 20_000,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write the frontier PNG here.")] = None,
+    out_path: Annotated[Path | None, typer.Option("--out", help="Write the sweep JSON here.")] = None,
+    seed: SeedOpt = 0,
+    as_json: JsonOpt = False,
+) -> None:
+    """Replay recorded rounds under each policy and concurrency; report tokens/step, Θ and per-user speed."""
+    from dsparkctl.sweep import parse_concurrency, run_sweep
+
+    specs = [s.strip() for s in policies.split(",") if s.strip()]
+    if not specs:
+        raise UsageError("--policies is empty", POLICY_HELP)
+    result = run_sweep(trace, sps_table, specs, parse_concurrency(concurrency), calibration, rounds, seed)
+    if plot:
+        from dsparkctl.plots import frontier_plot
+
+        frontier_plot(result["rows"], plot)
+        err.print(f"wrote {plot}")
+    if out_path:
+        write_json(out_path, result)
+        err.print(f"wrote {out_path}")
+    if as_json:
+        print_json(result)
+        return
+    t = Table(title=f"Scheduler sweep: {result['pooled_rounds']} recorded rounds, γ={result['block_size']}, "
+                    f"{rounds} request-rounds per cell (τ includes the bonus token)")
+    t.add_column("policy", no_wrap=True)
+    for col in ("C", "τ tok/step", "mean ℓ", "mean B", "Θ tok/s", "user tok/s"):
+        t.add_column(col, justify="right", no_wrap=True)
+    for r in result["rows"]:
+        t.add_row(r["policy"], str(r["concurrency"]), f"{r['tokens_per_step']:.3f}", f"{r['mean_verify']:.2f}",
+                  f"{r['mean_batch_tokens']:.1f}", f"{r['throughput_tok_s']:.1f}", f"{r['per_user_tok_s']:.2f}")
+    out.print(t)
+
+
+def audit(
+    policies: Annotated[str, typer.Option("--policies", help="Comma-separated. " + POLICY_HELP)] =
+        "retrospective,dspark,dspark-async,static:1,static:2,threshold:0.6,survival:0.3,budget:2",
+    rounds: Annotated[int, typer.Option("--rounds", help="Request-rounds simulated per policy and setting.")] = 200_000,
+    random_settings: Annotated[int, typer.Option("--random-settings", help="Randomised settings besides Appendix A.")] = 3,
+    alpha: Annotated[float, typer.Option("--alpha", help="Chi-square significance level.")] = 1e-3,
+    seed: SeedOpt = 0,
+    as_json: JsonOpt = False,
+) -> None:
+    """Losslessness audit: chi-square of the first (and first two) output tokens against the target."""
+    import torch
+
+    from dsparkctl.math.audit import appendix_a, audit_policy, random_setting
+    from dsparkctl.math.policies import parse_policy
+
+    specs = [s.strip() for s in policies.split(",") if s.strip()]
+    if rounds < 1000:
+        raise UsageError(f"--rounds {rounds} is too few for a chi-square test", "use at least 1000 (default 200000)")
+    settings = [appendix_a()]
+    sgen = torch.Generator().manual_seed(10_000 + seed)
+    settings += [random_setting(sgen) for _ in range(random_settings)]
+    for s in specs:
+        parse_policy(s, sps=settings[0].sps)  # unknown names fail before any work
+    results = []
+    for si, s in enumerate(settings):
+        for spec in specs:
+            gen = torch.Generator().manual_seed(seed * 7919 + si)
+            results.append(audit_policy(s, parse_policy(spec, sps=s.sps), rounds, gen, alpha))
+    unexpected = [r for r in results if r.claimed_lossless and not r.passed]
+    if as_json:
+        print_json({"alpha": alpha, "results": [r.to_json() for r in results],
+                    "unexpected_failures": len(unexpected)})
+    else:
+        t = Table(title=f"Losslessness audit (chi-square vs target, α={alpha:g}); "
+                        "P(tok0) = P(first token = A) in Appendix A")
+        for col in ("setting", "policy", "rounds", "P(tok0) [95% CI]", "target", "χ² 1st (p)", "χ² 1st+2nd (p)",
+                    "mean ℓ", "verdict"):
+            t.add_column(col, justify="right")
+        for r in results:
+            verdict = "pass" if r.passed else ("FAIL (expected: biased)" if not r.claimed_lossless else "FAIL")
+            t.add_row(r.setting, r.policy, str(r.rounds),
+                      f"{r.p_token0:.4f} [{r.p_token0_ci[0]:.4f}, {r.p_token0_ci[1]:.4f}]", f"{r.target_token0:.3f}",
+                      f"{r.first_stat:.1f} ({r.first_p:.3g})", f"{r.pair_stat:.1f} ({r.pair_p:.3g})",
+                      f"{r.mean_verify:.2f}", verdict)
+        out.print(t)
+    if unexpected:
+        err.print(f"[bold red]error:[/] {len(unexpected)} policy run(s) claimed lossless failed the audit")
+        raise typer.Exit(1)
 
 
 def register(app: typer.Typer) -> None:
-    return None
+    app.command("calibrate")(guarded(calibrate))
+    app.command("sweep-scheduler")(guarded(sweep_scheduler))
+    app.command("audit")(guarded(audit))

@@ -1,0 +1,132 @@
+"""`calibrate`: fit STS temperatures on traces, report held-out metrics, write our JSON and SGLang's.
+
+SGLang's STS file (`--speculative-dspark-confidence-sts-path`) is read by
+`DSparkStsCalibration` in sglang `python/sglang/srt/speculative/dspark_components/dspark_sts.py`
+(msgspec struct): `temperatures: list[float]` (required, all > 0), optional `dataset: str`,
+`num_samples: int`, `ece_before: list[float]`, `ece_after: list[float]`. We write exactly those keys.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from dsparkctl.errors import InputError, UsageError
+from dsparkctl.math.calibration import CalibrationData, fit_sts, position_metrics, split_requests
+from dsparkctl.provenance import provenance
+from dsparkctl.trace import Trace, read_trace
+
+CALIBRATION_FORMAT = "dsparkctl-calibration/1"
+
+
+def calibration_data(traces: Sequence[Trace]) -> tuple[CalibrationData, torch.Tensor]:
+    """All rounds of the traces as tensors, plus a request key `[N]` for the split.
+
+    Refuses rounds without confidence logits and mixed block sizes."""
+    logits, ell, acc, keys = [], [], [], []
+    gamma = None
+    for fi, t in enumerate(traces):
+        for r in t.rounds:
+            if r.confidence_logits is None:
+                raise InputError(f"{t.path}: request {r.request} round {r.round} has no confidence logits",
+                                 "calibration needs a draft with a confidence head (DSpark, not DFlash)")
+            if gamma is None:
+                gamma = r.block_size
+            elif r.block_size != gamma:
+                raise InputError(f"{t.path}: block size {r.block_size} differs from {gamma} in earlier rounds",
+                                 "calibrate traces of one block size at a time")
+            logits.append(r.confidence_logits)
+            ell.append(r.verify_length)
+            acc.append(r.accepted)
+            keys.append(fi * 1_000_000_000 + r.request)
+    if not logits:
+        raise InputError("the traces contain no rounds", "record some with `dsparkctl generate --trace`")
+    return (CalibrationData(torch.tensor(logits, dtype=torch.float64), torch.tensor(ell), torch.tensor(acc)),
+            torch.tensor(keys))
+
+
+def run_calibration(trace_paths: Sequence[str | os.PathLike], holdout: float = 0.2, bins: int = 20,
+                    seed: int = 0) -> dict[str, Any]:
+    """Read, split by request, fit STS on the training part, measure before/after on the held-out part."""
+    if not 0.0 < holdout < 1.0:
+        raise UsageError(f"--holdout must be in (0, 1), got {holdout}", "e.g. --holdout 0.2")
+    if bins < 2:
+        raise UsageError(f"--bins must be ≥ 2, got {bins}", "e.g. --bins 20")
+    traces = [read_trace(p) for p in trace_paths]
+    data, keys = calibration_data(traces)
+    gen = torch.Generator().manual_seed(seed)
+    hold = split_requests(keys, holdout, gen)
+    train, held = data.subset(~hold), data.subset(hold)
+    if train.logits.shape[0] == 0 or held.logits.shape[0] == 0:
+        raise InputError("too few requests to split into training and held-out parts",
+                         "record more requests or change --holdout")
+    temps = fit_sts(train, bins=bins)
+    ones = torch.ones_like(temps)
+    before, after = position_metrics(held, ones, bins), position_metrics(held, temps, bins)
+    train_fit = position_metrics(train, temps, bins)
+    return {
+        "format": CALIBRATION_FORMAT,
+        "block_size": data.gamma,
+        "temperatures": [float(t) for t in temps],
+        "method": "sequential temperature scaling (grid search of T_k minimising survival ECE, left to right)",
+        "bins": bins, "holdout": holdout, "seed": seed,
+        "rounds": {"train": int(train.logits.shape[0]), "heldout": int(held.logits.shape[0]),
+                   "requests_heldout": int(torch.unique(keys[hold]).numel()),
+                   "requests_train": int(torch.unique(keys[~hold]).numel())},
+        "metrics_heldout": {"before": before, "after": after},
+        "metrics_train_after": [{k: v for k, v in m.items() if k != "diagram"} for m in train_fit],
+        "provenance": provenance(inputs=[str(p) for p in trace_paths],
+                                 trace_headers=[{k: t.header.get(k) for k in
+                                                 ("target", "draft", "dataset", "temperature", "seed", "policy")
+                                                 if k in t.header} for t in traces]),
+    }
+
+
+def sglang_sts(result: dict[str, Any]) -> dict[str, Any]:
+    """SGLang's STS calibration file (see module doc for the schema and its source)."""
+    return {
+        "temperatures": result["temperatures"],
+        "dataset": ",".join(Path(p).name for p in result["provenance"]["inputs"]),
+        "num_samples": result["rounds"]["train"],
+        "ece_before": [_finite(m["ece"]) for m in result["metrics_heldout"]["before"]],
+        "ece_after": [_finite(m["ece"]) for m in result["metrics_heldout"]["after"]],
+    }
+
+
+def _finite(x: float) -> float:
+    return 0.0 if x is None or not math.isfinite(x) else float(x)
+
+
+def strip_diagrams(result: dict[str, Any]) -> dict[str, Any]:
+    """A copy without the per-bin diagram arrays (for compact printing)."""
+    out = json.loads(json.dumps(result))
+    for side in ("before", "after"):
+        for m in out["metrics_heldout"][side]:
+            m.pop("diagram", None)
+    return out
+
+
+def load_temperatures(path: str | os.PathLike, gamma: int | None = None) -> list[float]:
+    """Temperatures from our calibration JSON or SGLang's STS file; checks the block size."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"calibration file {path} does not exist", "write one with `dsparkctl calibrate`")
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path}: not valid JSON ({exc})", "pass a file written by `dsparkctl calibrate`") from None
+    temps = obj.get("temperatures") if isinstance(obj, dict) else None
+    if (not isinstance(temps, list) or not temps
+            or not all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0
+                       for t in temps)):
+        raise InputError(f"{path}: 'temperatures' must be a non-empty list of positive numbers",
+                         "write the file with `dsparkctl calibrate`")
+    if gamma is not None and len(temps) != gamma:
+        raise UsageError(f"{path}: temperatures are for block size {len(temps)} but the traces have block size {gamma}",
+                         "calibrate on traces recorded with the same block size")
+    return [float(t) for t in temps]

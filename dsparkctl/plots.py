@@ -1,0 +1,69 @@
+"""Figures for calibration and scheduler sweeps (matplotlib, Agg backend, atomic saves)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from dsparkctl.fsutil import save_figure  # noqa: E402
+
+
+def reliability_diagram(before: dict[str, Any], after: dict[str, Any], temperature: float,
+                        path: str | os.PathLike) -> None:
+    """One position: predicted survival vs observed survival rate per bin, before and after STS."""
+    fig, ax = plt.subplots(figsize=(5.2, 5.0))
+    ax.plot([0, 1], [0, 1], color="0.6", ls="--", lw=1, label="perfect calibration")
+    for m, style, name in ((before, "o-", "raw"), (after, "s-", f"STS (T={temperature:.3g})")):
+        d = m["diagram"]
+        pts = [(p, f, c) for p, f, c in zip(d["mean_pred"], d["frac_pos"], d["count"]) if c > 0]
+        if pts:
+            ax.plot([p for p, _, _ in pts], [f for _, f, _ in pts], style, ms=4,
+                    label=f"{name}: ECE {100 * m['ece']:.2f}%")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.set_xlabel(f"predicted survival â_{before['position']} (mean per bin)")
+    ax.set_ylabel(f"observed rate: first {before['position']} drafts accepted")
+    ax.set_title(f"Reliability, position {before['position']} (held-out n={before['n']}, {before['bins']} bins)")
+    ax.legend(loc="upper left", fontsize=8)
+    ax.grid(alpha=0.3)
+    save_figure(fig, path)
+    plt.close(fig)
+
+
+def reliability_diagrams(result: dict[str, Any], out_dir: str | os.PathLike) -> list[str]:
+    out_dir = Path(out_dir)
+    paths = []
+    for b, a, t in zip(result["metrics_heldout"]["before"], result["metrics_heldout"]["after"],
+                       result["temperatures"]):
+        p = out_dir / f"reliability_pos{b['position']}.png"
+        reliability_diagram(b, a, t, p)
+        paths.append(str(p))
+    return paths
+
+
+def frontier_plot(rows: Sequence[dict[str, Any]], path: str | os.PathLike, title: str = "") -> None:
+    """Throughput (all users) vs per-user speed, one line per policy across concurrency levels."""
+    fig, ax = plt.subplots(figsize=(8, 6))
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    markers = "osD^v<>ph*"
+    for i, pol in enumerate(policies):
+        pts = sorted((r["concurrency"], r["per_user_tok_s"], r["throughput_tok_s"]) for r in rows if r["policy"] == pol)
+        ax.plot([p[1] for p in pts], [p[2] for p in pts], marker=markers[i % len(markers)], ms=4, lw=1.5, label=pol)
+        if i == len(policies) - 1:
+            for c, x, y in pts:
+                ax.annotate(f"C={c}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7, color="0.35")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("per-user speed (tokens/s per request)")
+    ax.set_ylabel("throughput Θ (tokens/s, all requests)")
+    ax.set_title(title or "Scheduler frontier: throughput vs per-user speed (labels: concurrency C)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(title="policy", fontsize=8)
+    save_figure(fig, path)
+    plt.close(fig)

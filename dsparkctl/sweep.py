@@ -1,0 +1,124 @@
+"""`sweep-scheduler`: replay recorded rounds under each policy and load level.
+
+Replay model. Traces must come from full verification (`static:γ`, every `verify_length == γ`),
+so each recorded round tells how many drafts WOULD have been accepted (`accepted_if_full`).
+At concurrency C the engine runs steps of C requests; each request's round is drawn uniformly
+(with replacement, seeded) from the pooled trace rounds. The policy sees the recorded
+confidence logits (with the calibration temperatures, if given) and picks ℓ; the round then
+accepts `min(accepted_if_full, ℓ)` drafts and always emits the bonus token. A step with batch
+tokens `B = Σ(1 + ℓ)` takes `1 / SPS(B)` seconds (SPS table lookup).
+
+Per policy and concurrency:
+  tokens_per_step   mean over request-rounds of 1 + accepted (τ, bonus included)
+  mean_verify       mean ℓ
+  throughput        total tokens / total time (tokens/s, all users)
+  per_user          throughput / C (tokens/s one user sees)
+Each cell replays `ceil(rounds / C)` steps (so ≈ `rounds` request-rounds per cell).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Sequence
+
+import torch
+
+from dsparkctl.errors import InputError, UsageError
+from dsparkctl.math.policies import parse_policy, survival_from_logits
+from dsparkctl.math.sps import SPSTable
+from dsparkctl.provenance import provenance
+from dsparkctl.trace import read_trace
+
+SWEEP_FORMAT = "dsparkctl-sweep/1"
+DEFAULT_POLICIES = ("static:1", "static:3", "threshold:0.5", "survival:0.4", "budget:256", "dspark", "dspark-async")
+DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def load_replay_rounds(trace_paths: Sequence[str | os.PathLike]) -> dict[str, Any]:
+    """Pool full-verification rounds: {"logits" [N, γ] (NaN rows when absent), "accepted" [N], "gamma"}."""
+    logits, acc = [], []
+    gamma, has_conf = None, True
+    for p in trace_paths:
+        t = read_trace(p)
+        for r in t.rounds:
+            if gamma is None:
+                gamma = r.block_size
+            elif r.block_size != gamma:
+                raise InputError(f"{p}: block size {r.block_size} differs from {gamma}",
+                                 "sweep traces of one block size at a time")
+            if r.verify_length != r.block_size:
+                raise InputError(
+                    f"{p}: request {r.request} round {r.round} verified {r.verify_length} of {r.block_size} "
+                    "drafts; the sweep needs traces recorded with full verification",
+                    f"record with `dsparkctl generate --policy static:{r.block_size} --trace ...`")
+            if r.confidence_logits is None:
+                has_conf = False
+            logits.append(r.confidence_logits if r.confidence_logits is not None else [math.nan] * r.block_size)
+            acc.append(r.accepted)
+    if not acc:
+        raise InputError("the traces contain no rounds", "record some with `dsparkctl generate --trace`")
+    return {"logits": torch.tensor(logits, dtype=torch.float64), "accepted": torch.tensor(acc),
+            "gamma": gamma, "has_confidence": has_conf}
+
+
+def parse_concurrency(text: str) -> list[int]:
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--concurrency {text!r} is not a comma-separated list of integers",
+                         "e.g. --concurrency 1,2,4,8") from None
+    if not levels or any(c < 1 for c in levels):
+        raise UsageError(f"--concurrency needs positive integers, got {text!r}", "e.g. --concurrency 1,2,4,8")
+    return levels
+
+
+def replay(pool: dict[str, Any], policy_specs: Sequence[str], concurrency: Sequence[int], sps: SPSTable,
+           temperatures: Sequence[float] | None = None, rounds: int = 20_000, seed: int = 0) -> list[dict[str, Any]]:
+    """Run every (policy, concurrency) cell; returns one row per cell."""
+    policies = [parse_policy(s, sps=sps, temperatures=temperatures) for s in policy_specs]  # validate all first
+    need_conf = [p.spec for p in policies if p.requires_confidence]
+    if need_conf and not pool["has_confidence"]:
+        raise InputError(f"policies {', '.join(need_conf)} need confidence logits but the traces have none",
+                         "use static:K policies, or record traces with a DSpark draft")
+    logits, acc_full, gamma = pool["logits"], pool["accepted"], pool["gamma"]
+    surv_all = survival_from_logits(logits, temperatures) if need_conf else torch.zeros_like(logits)  # [N, γ]
+    rows = []
+    for ci, C in enumerate(concurrency):
+        steps = max(1, math.ceil(rounds / C))
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + ci)  # same draws for every policy
+        idx = torch.randint(0, logits.shape[0], (steps, C), generator=gen)  # [G, C]
+        surv = surv_all[idx]  # [G, C, γ]
+        acc_if_full = acc_full[idx]  # [G, C]
+        for pol in policies:
+            ell = pol.choose_batched(surv, pol.new_state())  # [G, C]
+            acc = torch.minimum(acc_if_full, ell)
+            tokens = (1 + acc).sum(1).double()  # [G]
+            btok = (1 + ell).sum(1)  # [G]
+            step_s = 1.0 / sps.sps(btok)  # [G]
+            thr = float(tokens.sum() / step_s.sum())
+            rows.append({"policy": pol.spec, "concurrency": C, "steps": steps, "request_rounds": steps * C,
+                         "tokens_per_step": float(tokens.sum()) / (steps * C),
+                         "mean_verify": float(ell.double().mean()),
+                         "mean_batch_tokens": float(btok.double().mean()),
+                         "throughput_tok_s": thr, "per_user_tok_s": thr / C})
+    return rows
+
+
+def run_sweep(trace_paths, sps_path, policy_specs=DEFAULT_POLICIES, concurrency=DEFAULT_CONCURRENCY,
+              calibration=None, rounds: int = 20_000, seed: int = 0) -> dict[str, Any]:
+    from dsparkctl.calibrate import load_temperatures
+
+    if rounds < 1:
+        raise UsageError(f"--rounds must be ≥ 1, got {rounds}")
+    for s in policy_specs:  # unknown names fail before any file is read
+        parse_policy(s, sps=SPSTable([1], [1.0]))
+    sps = SPSTable.load(sps_path)
+    pool = load_replay_rounds(trace_paths)
+    temps = load_temperatures(calibration, pool["gamma"]) if calibration else None
+    rows = replay(pool, policy_specs, concurrency, sps, temps, rounds, seed)
+    return {"format": SWEEP_FORMAT, "block_size": pool["gamma"], "pooled_rounds": int(pool["accepted"].numel()),
+            "rounds_per_cell": rounds, "temperatures": temps, "policies": list(policy_specs),
+            "concurrency": list(concurrency), "rows": rows,
+            "provenance": provenance(inputs=[str(p) for p in trace_paths], sps_table=str(sps_path),
+                                     calibration=str(calibration) if calibration else None, seed=seed)}
