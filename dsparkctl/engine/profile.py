@@ -1,0 +1,77 @@
+"""Steps-per-second profiling of a target's verify forward (the SPS table the schedulers need).
+
+Batch tokens B = requests × tokens per request (SGLang's definition). For each grid point the
+batch is prefilled once to the chosen context length; each timed step feeds t tokens per
+request after that context and is rolled back exactly (commit 0), so every repeat sees the same
+cache. The device is synchronised before every clock read; warm-up steps are discarded; the
+median of the repeats is reported.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from dsparkctl.engine.clock import sync
+from dsparkctl.models.target import TargetAdapter
+
+
+@dataclass
+class SPSPoint:
+    requests: int
+    tokens_per_request: int
+    ms: list[float]  # every timed repeat
+
+    @property
+    def batch_tokens(self) -> int:
+        return self.requests * self.tokens_per_request
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.ms)
+
+
+@torch.no_grad()
+def profile_sps(adapter: TargetAdapter, requests: Sequence[int], tokens_per_request: Sequence[int],
+                context_len: int, repeats: int = 5, warmup: int = 2, seed: int = 0,
+                on_point: Callable[[SPSPoint], None] | None = None) -> list[SPSPoint]:
+    gen = torch.Generator().manual_seed(seed)
+    dev = adapter.device
+    V = adapter.vocab_size
+    points: list[SPSPoint] = []
+    for R in sorted(set(requests)):
+        prompts = torch.randint(0, V, (R, context_len), generator=gen).tolist()
+        adapter.prefill(prompts)
+        for t in sorted(set(tokens_per_request)):
+            ids = torch.randint(0, V, (R, t), generator=gen).to(dev)
+            lengths = torch.full((R,), t, dtype=torch.long, device=dev)
+            zero = torch.zeros_like(lengths)
+            ms = []
+            for i in range(warmup + repeats):
+                sync(dev)
+                t0 = time.perf_counter()
+                adapter.extend(ids, lengths)
+                sync(dev)
+                dt = (time.perf_counter() - t0) * 1000.0
+                adapter.commit(zero)  # exact rollback
+                if i >= warmup:
+                    ms.append(dt)
+            p = SPSPoint(R, t, ms)
+            points.append(p)
+            if on_point:
+                on_point(p)
+    return points
+
+
+def table_from_points(points: Sequence[SPSPoint]) -> tuple[list[int], list[float]]:
+    """One steps/s value per distinct batch-token count: median over every repeat of every
+    (requests, tokens) combination that gives that count."""
+    by_b: dict[int, list[float]] = {}
+    for p in points:
+        by_b.setdefault(p.batch_tokens, []).extend(p.ms)
+    bt = sorted(by_b)
+    return bt, [1000.0 / statistics.median(by_b[b]) for b in bt]
