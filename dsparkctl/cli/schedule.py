@@ -140,9 +140,9 @@ def audit(
                         "P(tok0) = P(first token = A) in Appendix A")
         for col in ("setting", "policy", "rounds", "P(tok0) [95% CI]", "target", "χ² 1st (p)", "χ² 1st+2nd (p)",
                     "mean ℓ", "verdict"):
-            t.add_column(col, justify="right")
+            t.add_column(col, justify="right", no_wrap=col not in ("χ² 1st (p)", "χ² 1st+2nd (p)"))
         for r in results:
-            verdict = "pass" if r.passed else ("FAIL (expected: biased)" if not r.claimed_lossless else "FAIL")
+            verdict = "pass" if r.passed else ("FAIL (biased, expected)" if not r.claimed_lossless else "FAIL")
             t.add_row(r.setting, r.policy, str(r.rounds),
                       f"{r.p_token0:.4f} [{r.p_token0_ci[0]:.4f}, {r.p_token0_ci[1]:.4f}]", f"{r.target_token0:.3f}",
                       f"{r.first_stat:.1f} ({r.first_p:.3g})", f"{r.pair_stat:.1f} ({r.pair_p:.3g})",
