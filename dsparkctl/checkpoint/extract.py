@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import re
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -156,8 +157,12 @@ def _stream_shard(ckpt: Checkpoint, file: str, wanted: dict[str, Planned], write
     path = ckpt.folder / file  # type: ignore[operator]
     header = ckpt.headers[file]
     shard_sha = hashlib.sha256()
-    buf = memoryview(bytearray(CHUNK))
-    with open(path, "rb", buffering=0) as fh:
+    # Hashing runs on a worker thread (hashlib releases the GIL) while this thread reads and
+    # writes; two buffers alternate so a buffer is never refilled before its hash is done.
+    bufs = [memoryview(bytearray(CHUNK)) for _ in range(2)]
+    pending: list[Future | None] = [None, None]
+    turn = 0
+    with ThreadPoolExecutor(1) as hasher, open(path, "rb", buffering=0) as fh:
         if os.fstat(fh.fileno()).st_size != header.file_size:
             raise CheckpointError(f"{file}: shard changed size since its header was read", hint="rerun")
         shard_sha.update(_read_exact(fh, header.data_start, file))
@@ -169,12 +174,16 @@ def _stream_shard(ckpt: Checkpoint, file: str, wanted: dict[str, Planned], write
                 writer.start(p)  # type: ignore[arg-type]
             left = info.nbytes
             while left:
+                slot, turn = turn % 2, turn + 1
+                if pending[slot] is not None:
+                    pending[slot].result()  # type: ignore[union-attr]
+                buf = bufs[slot]
                 n = fh.readinto(buf[:min(left, CHUNK)])
                 if not n:
                     raise CheckpointError(f"{file}: truncated inside tensor {info.name}",
                                           hint="re-download the shard")
                 chunk = buf[:n]
-                shard_sha.update(chunk)
+                pending[slot] = hasher.submit(shard_sha.update, chunk)
                 if copy:
                     writer.write(chunk)
                     if tensor_sha:
@@ -189,6 +198,9 @@ def _stream_shard(ckpt: Checkpoint, file: str, wanted: dict[str, Planned], write
                 writer.write(data)
                 if verify:
                     p.sha256 = hashlib.sha256(data).hexdigest()
+        for f in pending:
+            if f is not None:
+                f.result()
     return shard_sha.hexdigest()
 
 
