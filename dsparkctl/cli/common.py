@@ -18,7 +18,7 @@ from rich.console import Console
 from dsparkctl.errors import DsparkError
 
 out = Console(soft_wrap=True)  # results
-err = Console(stderr=True)  # progress, warnings, errors
+err = Console(stderr=True, soft_wrap=True)  # progress, warnings, errors (one-line errors stay one line)
 
 STATE = {"debug": False}
 

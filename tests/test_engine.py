@@ -1,0 +1,126 @@
+"""Engine: greedy speculative output == plain greedy output; sampled output is distributed as the target."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from dsparkctl.engine.speculative import SpeculativeEngine, plain_generate
+from dsparkctl.errors import UsageError
+from dsparkctl.math.policies import parse_policy
+from dsparkctl.math.sampling import SamplingParams
+from dsparkctl.math.sps import SPSTable
+from dsparkctl.models.draft_io import random_draft
+from dsparkctl.models.target import TargetAdapter
+from tests.tiny_models import bigram_oracle_draft, tiny_target
+
+PROMPTS = [[5, 6, 7, 8, 9], [3, 4], [10, 11, 12, 13, 14, 15, 16, 17], [20]]
+SPS = SPSTable([1, 2, 4, 8, 16, 32], [100.0, 99.0, 97.0, 90.0, 80.0, 60.0])
+
+
+def _engine(family, policy, oracle, stop=(), block_size=4):
+    model = tiny_target(family)
+    tgt = TargetAdapter(model, [0, 1])
+    if oracle:
+        draft = bigram_oracle_draft(tgt, PROMPTS, block_size=block_size, layer_ids=[0, 1])
+    else:
+        draft = random_draft(tgt, seed=3, block_size=block_size, markov_rank=8, layer_ids=[0, 1])
+    eng = SpeculativeEngine(tgt, draft, parse_policy(policy, sps=SPS), SamplingParams(0.0), stop_token_ids=stop)
+    return model, eng
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("policy,oracle", [("static:0", False), ("static:1", True), ("static:2", True),
+                                           ("static:4", True), ("static:4", False), ("dspark", True),
+                                           ("dspark-async", True), ("threshold:0.3", True)])
+def test_greedy_identity_batched_and_single(family, policy, oracle):
+    model, eng = _engine(family, policy, oracle)
+    base = plain_generate(TargetAdapter(model), PROMPTS, 40, SamplingParams(0.0))
+    rep = eng.generate(PROMPTS, 40)
+    for i, (a, b) in enumerate(zip(rep.outputs, base.outputs)):
+        assert a.tokens == b.tokens, f"ragged batch: request {i} differs"
+        assert len(a.tokens) == 40
+    single = eng.generate([PROMPTS[2]], 40)
+    assert single.outputs[0].tokens == base.outputs[2].tokens
+    if oracle and policy == "static:4":
+        # the oracle draft must exercise multi-token acceptance, partial acceptance and rejection
+        hist = rep.stats.histogram
+        assert hist[4] > 0 and sum(hist[1:4]) > 0 and rep.stats.tau > 1.4, hist
+
+
+def test_eos_mid_block_stops_exactly_where_plain_decoding_stops():
+    model, eng = _engine("llama", "static:4", True)
+    base = plain_generate(TargetAdapter(model), PROMPTS, 40, SamplingParams(0.0))
+    # pick a token that plain decoding emits mid-way in request 0 as the stop token
+    stop = base.outputs[0].tokens[7]
+    _, eng = _engine("llama", "static:4", True, stop=(stop,))
+    ref = plain_generate(TargetAdapter(model), PROMPTS, 40, SamplingParams(0.0), stop_token_ids=(stop,))
+    rep = eng.generate(PROMPTS, 40)
+    for a, b in zip(rep.outputs, ref.outputs):
+        assert a.tokens == b.tokens
+        assert a.finish_reason == b.finish_reason
+    assert rep.outputs[0].finish_reason == "stop" and rep.outputs[0].tokens[-1] == stop
+    assert len(rep.outputs[0].tokens) <= 8
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 5, 13])
+def test_budget_is_exact(max_new):
+    model, eng = _engine("qwen3", "static:4", True)
+    rep = eng.generate(PROMPTS, max_new)
+    base = plain_generate(TargetAdapter(model), PROMPTS, max_new, SamplingParams(0.0))
+    assert [o.tokens for o in rep.outputs] == [o.tokens for o in base.outputs]
+    assert all(len(o.tokens) == max_new for o in rep.outputs)
+
+
+def test_static_k_beyond_block_size_is_refused():
+    with pytest.raises(UsageError, match="block size"):
+        _engine("llama", "static:9", False)
+
+
+def _exact_three_token_distribution(model, prompt, params):
+    """Enumerate P(y1, y2, y3 | prompt) under the warped target, exactly.  -> [V, V, V]"""
+    from dsparkctl.math.sampling import warp_probs
+    with torch.no_grad():
+        p1 = warp_probs(model(torch.tensor([prompt])).logits[0, -1], params)  # [V]
+        V = p1.shape[0]
+        s2 = torch.tensor([prompt + [a] for a in range(V)])
+        p2 = warp_probs(model(s2).logits[:, -1], params)  # [V, V]
+        s3 = torch.tensor([prompt + [a, b] for a in range(V) for b in range(V)])
+        p3 = warp_probs(model(s3).logits[:, -1], params).view(V, V, V)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_p=0.9)])
+def test_sampled_output_matches_target_distribution(params):
+    """End to end through the engine. Token 1 comes from prefill; tokens 2-3 come from a
+    speculative round (ℓ = 1 under a 3-token budget: accepted draft or residual, then bonus).
+    Their joint law must be the target's, marginalised over token 1."""
+    torch.manual_seed(0)
+    model = tiny_target("llama", vocab=8, hidden=32, seed=4)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.25)  # soften: many tokens have mass
+    tgt = TargetAdapter(model, [0, 1])
+    draft = random_draft(tgt, seed=5, block_size=3, markov_rank=4, layer_ids=[0, 1])
+    with torch.no_grad():
+        draft.markov_head.markov_w2.weight.mul_(100.0)  # a confident, often wrong draft
+    eng = SpeculativeEngine(tgt, draft, parse_policy("static:3"), params)
+    prompt = [3, 5, 6]
+    n = 6000
+    gen = torch.Generator().manual_seed(11)
+    rep = eng.generate([prompt] * n, 3, generator=gen)
+    hist = rep.stats.histogram
+    assert hist[0] > 300 and hist[1] > 300, hist  # both rejections and acceptances happened
+    exact = _exact_three_token_distribution(model, prompt, params).double()
+    for name, obs_idx, exp in (
+        ("token 1", [o.tokens[0] for o in rep.outputs], exact.sum((1, 2))),
+        ("tokens 2-3", [o.tokens[1] * 8 + o.tokens[2] for o in rep.outputs], exact.sum(0).flatten()),
+    ):
+        obs = torch.bincount(torch.tensor(obs_idx), minlength=exp.numel()).double()
+        e = exp * n
+        keep = e > 5
+        assert obs[~keep].sum() <= max(20.0, 3 * float(e[~keep].sum())), name
+        o, ek = obs[keep], e[keep]
+        stat, pval = chisquare(o.numpy(), (ek * o.sum() / ek.sum()).numpy())
+        print(f"{params}: {name} chi2={stat:.1f} p={pval:.3f}")
+        assert pval > 1e-3, (name, stat, pval)
