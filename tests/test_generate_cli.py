@@ -1,0 +1,125 @@
+"""`dsparkctl generate` end to end on a tiny saved target + a miniature DeepSpec draft checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from dsparkctl.cli.main import app
+from dsparkctl.trace import read_trace
+from tests.tiny_models import save_tiny_target, write_deepspec_draft
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    target = save_tiny_target(root / "target", "qwen3", vocab=64, layers=4)
+    draft = write_deepspec_draft(root / "draft", vocab=64, hidden=32, taps=(0, 1), rank=8, block_size=4)
+    return root, target, draft
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def test_generate_json_trace_and_baseline(models, tmp_path):
+    root, target, draft = models
+    trace = tmp_path / "t.jsonl"
+    res = run("generate", "--target", target, "--draft", draft, "--no-chat", "--max-new-tokens", 12,
+              "--batch-size", 2, "--json", "--baseline", "--trace", trace, "w1 w2 w3", "w4 w5", "w6")
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout)
+    assert rep["block_size"] == 4 and rep["policy"] == "static:4" and rep["draft_kind"] == "dspark"
+    assert rep["baseline"]["identical_outputs"] == 3
+    assert [r["generated_tokens"] for r in rep["requests"]] == [12, 12, 12] or any(
+        r["finish_reason"] == "stop" for r in rep["requests"])
+    acc = rep["acceptance"]
+    assert acc["rounds"] > 0 and acc["tau"] >= 1.0
+    tr = read_trace(trace)
+    assert tr.header["block_size"] == 4 and tr.header["target"] == str(target)
+    assert {r.request for r in tr.rounds} == {0, 1, 2}
+    assert all(r.verify_length <= 4 and r.confidence_logits is not None for r in tr.rounds)
+    assert len(tr.rounds) == acc["rounds"]
+
+
+def test_generate_human_output_has_acceptance_table(models):
+    _, target, draft = models
+    res = run("generate", "--target", target, "--draft", draft, "--no-chat", "--max-new-tokens", 6,
+              "--temperature", 0.8, "--top-p", 0.9, "--seed", 3, "w1 w2")
+    assert res.exit_code == 0, res.output
+    assert "τ (tokens per round" in res.stdout and "survival" in res.stdout
+
+
+def _bad(tmp_path, models, kind):
+    root, target, draft = models
+    base = ["generate", "--target", target, "--draft", draft, "--no-chat", "--max-new-tokens", 4]
+    if kind == "unknown target":
+        return ["generate", "--target", tmp_path / "nope", "--draft", draft, "w1"], "does not exist"
+    if kind == "unknown draft":
+        return ["generate", "--target", target, "--draft", tmp_path / "nope", "w1"], "does not exist"
+    if kind == "hidden mismatch":
+        d = write_deepspec_draft(tmp_path / "d", vocab=64, hidden=48, taps=(0, 1))
+        return [*base[:4], d, *base[5:], "w1"], "hidden size"
+    if kind == "vocab mismatch":
+        d = write_deepspec_draft(tmp_path / "d", vocab=80, hidden=32, taps=(0, 1))
+        return [*base[:4], d, *base[5:], "w1"], "vocabulary"
+    if kind == "wrong tensor shape":
+        d = write_deepspec_draft(tmp_path / "d", tensor_overrides={
+            "layers.0.mlp.up_proj.weight": torch.zeros(10, 32, dtype=torch.bfloat16)})
+        return [*base[:4], d, *base[5:], "w1"], "layers.0.mlp.up_proj.weight"
+    if kind == "unexpected tensor":
+        d = write_deepspec_draft(tmp_path / "d", tensor_overrides={"bogus.weight": torch.zeros(2)})
+        return [*base[:4], d, *base[5:], "w1"], "bogus.weight"
+    if kind == "tap beyond target":
+        d = write_deepspec_draft(tmp_path / "d", taps=(0, 3), num_target_layers=4)
+        return [*base[:4], d, *base[5:], "w1"], "taps target layer 3"
+    if kind == "static beyond block":
+        return [*base, "--policy", "static:9", "w1"], "block size"
+    if kind == "unknown policy":
+        return [*base, "--policy", "fastest", "w1"], "unknown policy"
+    if kind == "empty prompt file":
+        f = tmp_path / "p.txt"
+        f.write_text("\n\n")
+        return [*base, "--prompts-file", f], "no prompts"
+    if kind == "empty jsonl row":
+        f = tmp_path / "p.jsonl"
+        f.write_text('{"prompt": "w1"}\n{"prompt": "  "}\n')
+        return [*base, "--prompts-file", f], "row 2: empty prompt"
+    if kind == "missing field":
+        f = tmp_path / "p.jsonl"
+        f.write_text('{"question": "w1"}\n')
+        return [*base, "--prompts-file", f, "--field", "prompt"], "field 'prompt' is missing"
+    if kind == "negative temperature":
+        return [*base, "--temperature", "-1", "w1"], "temperature"
+    if kind == "top-p out of range":
+        return [*base, "--top-p", "1.5", "w1"], "top_p"
+    if kind == "zero max tokens":
+        return [*base[:-1], "0", "w1"], "max-new-tokens"
+    if kind == "dspark without sps":
+        return [*base, "--policy", "dspark", "w1"], "SPS table"
+    raise AssertionError(kind)
+
+
+BAD = ["unknown target", "unknown draft", "hidden mismatch", "vocab mismatch", "wrong tensor shape",
+       "unexpected tensor", "tap beyond target", "static beyond block", "unknown policy",
+       "empty prompt file", "empty jsonl row", "missing field", "negative temperature",
+       "top-p out of range", "zero max tokens", "dspark without sps"]
+
+
+@pytest.mark.parametrize("kind", BAD)
+def test_bad_input_one_line_error(models, tmp_path, kind):
+    args, needle = _bad(tmp_path, models, kind)
+    trace = tmp_path / "trace.jsonl"
+    res = run(*args, "--trace", trace)
+    assert res.exit_code != 0, res.output
+    err_lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    errors = [ln for ln in err_lines if "error:" in ln]
+    assert len(errors) == 1, res.stderr
+    assert needle.lower() in errors[0].lower(), errors[0]
+    assert "Traceback" not in res.output
+    assert not trace.exists()
