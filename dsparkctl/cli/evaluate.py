@@ -1,7 +1,153 @@
-"""Placeholder: this command group is being written."""
+"""`dsparkctl eval-acceptance`: teacher-forced and/or live acceptance of one or more drafts."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any, Optional
 
 import typer
+from rich.table import Table
+
+from dsparkctl.cli.common import DeviceOpt, DType, DTypeOpt, Device, JsonOpt, SeedOpt, err, guarded, out, print_json
+
+
+class Mode(str, Enum):
+    teacher_forced = "teacher-forced"
+    live = "live"
+    both = "both"
 
 
 def register(app: typer.Typer) -> None:
-    return None
+    app.command("eval-acceptance", help="Per-position acceptance of drafts on real prompt sets: teacher-forced "
+                "analytic β (fast), live rollouts with static:γ, or both.")(eval_acceptance)
+
+
+def _fmt(v: Any, ci: Any) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else f"{v:.3f}"
+
+
+def result_table(dataset: str, label: str, r: dict[str, Any]) -> Table:
+    modes = [(m, r[k]) for m, k in (("live", "live"), ("TF", "teacher_forced")) if k in r]
+    head = "  ".join(f"{m} τ {x['tau']:.3f}" if x.get("tau") is not None else f"{m} τ -" for m, x in modes)
+    t = Table(title=f"{dataset} · {label} ({r['kind']}, γ={r['block_size']})  {head}", title_justify="left")
+    t.add_column("position", justify="right")
+    for m, _ in modes:
+        t.add_column(f"{m} conditional c_j [95% CI]", justify="right")
+        t.add_column(f"{m} survival a_j [95% CI]", justify="right")
+    agree = {a["position"]: a for a in r.get("agreement", {}).get("positions", [])}
+    if agree:
+        t.add_column("agree", justify="center")
+    for j in range(r["block_size"]):
+        row = [str(j + 1)]
+        for _, x in modes:
+            row += [_fmt(x["conditional"][j], x["conditional_interval"][j]),
+                    _fmt(x["survival"][j], x["survival_interval"][j])]
+        if agree:
+            w = agree.get(j + 1, {}).get("within")
+            row.append("-" if w is None else ("yes" if w else "NO"))
+        t.add_row(*row)
+    return t
+
+
+@guarded
+def eval_acceptance(
+    draft: Annotated[Optional[list[str]], typer.Option("--draft", help="Draft folder or hub id; repeat to compare "
+                                                       "side by side (default: the shipped draft).")] = None,
+    target: Annotated[Optional[str], typer.Option("--target", help="Target model (default: embedded SmolLM2-135M-Instruct).")] = None,
+    dataset: Annotated[Optional[list[str]], typer.Option("--dataset", help="mt-bench, humaneval, sharegpt, a local file "
+                                                         "or a hub id; repeat for several panels.")] = None,
+    field: Annotated[Optional[str], typer.Option("--field", help="Prompt field for local files / hub datasets.")] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="First N prompts of each set.")] = None,
+    temperature: Annotated[float, typer.Option("--temperature", help="Sampling temperature; 0 = greedy.")] = 0.0,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Continuation length per prompt.")] = 128,
+    mode: Annotated[Mode, typer.Option("--mode", help="teacher-forced, live, or both (TF reuses the live outputs).")] = Mode.both,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Requests decoded together.")] = 8,
+    labels: Annotated[Optional[list[str]], typer.Option("--label", help="Display name per --draft (same order).")] = None,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a Figure-2-style PNG here.")] = None,
+    trace: Annotated[Optional[Path], typer.Option("--trace", help="Write live round traces (one file per dataset "
+                                                  "and draft when there are several).")] = None,
+    out_path: Annotated[Optional[Path], typer.Option("--out", help="Also write the JSON result here.")] = None,
+    device: DeviceOpt = Device.auto,
+    dtype: DTypeOpt = DType.auto,
+    seed: SeedOpt = 0,
+    json_out: JsonOpt = False,
+) -> None:
+    import torch
+
+    from dsparkctl.data.prompts import encode_prompts, load_prompts
+    from dsparkctl.errors import UsageError
+    from dsparkctl.evaluation.run import FORMAT, DraftUnderTest, evaluate_dataset
+    from dsparkctl.fsutil import write_json
+    from dsparkctl.math.sampling import SamplingParams
+    from dsparkctl.models.draft_io import load_draft
+    from dsparkctl.models.loading import default_draft_dir, load_target, resolve_device, resolve_dtype, stop_token_ids
+    from dsparkctl.models.target import TargetAdapter
+    from dsparkctl.provenance import provenance
+
+    params = SamplingParams(temperature=temperature)
+    datasets = dataset or ["mt-bench"]
+    if labels and len(labels) != len(draft or []):
+        raise UsageError("--label must be given once per --draft")
+    dev = resolve_device(device.value)
+    dt = resolve_dtype(dtype.value, dev)
+    # prompts first: bad prompt files fail before any model loads
+    prompt_texts = {ds: load_prompts(ds, field, limit) for ds in datasets}
+    lt = load_target(target, dev, dt, log=lambda s: err.print(s))
+    adapter = TargetAdapter(lt.model)
+    sources = draft or []
+    if not sources:
+        d0 = default_draft_dir()
+        if d0 is None:
+            raise UsageError("no --draft given and no draft is shipped for the embedded target",
+                             "pass --draft FOLDER (train one with `dsparkctl train`)")
+        sources = [str(d0)]
+    drafts = []
+    for i, src in enumerate(sources):
+        d = load_draft(src, adapter, dtype=dt, device=dev)
+        label = labels[i] if labels else Path(src).name or src
+        drafts.append(DraftUnderTest(label=label, draft=d, source=src))
+    stops = stop_token_ids(lt.tokenizer, lt.model)
+    several = len(datasets) * len(drafts) > 1
+
+    def trace_path_for(ds: str):
+        def f(label: str):
+            if trace is None or mode == Mode.teacher_forced:
+                return None
+            if not several:
+                return trace
+            safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in f"{Path(ds).stem}.{label}")
+            return trace.with_name(f"{trace.stem}.{safe}{trace.suffix or '.jsonl'}")
+        return f
+
+    results: dict[str, Any] = {"format": FORMAT, "mode": mode.value, "temperature": temperature,
+                               "max_new_tokens": max_new_tokens, "seed": seed, "target": lt.name, "datasets": {},
+                               "provenance": provenance(command="eval-acceptance", seed=seed)}
+    for ds in datasets:
+        ids = encode_prompts(lt.tokenizer, prompt_texts[ds])
+        err.print(f"{ds}: {len(ids)} prompts, mode {mode.value}, T={temperature}", highlight=False)
+        header = {"target": lt.name, "dataset": ds, "temperature": temperature, "seed": seed}
+        results["datasets"][ds] = evaluate_dataset(
+            lt.model, drafts, ids, mode=mode.value, params=params, max_new_tokens=max_new_tokens, stop_ids=stops,
+            seed=seed, batch_size=batch_size, trace_path=trace_path_for(ds), trace_header=header,
+            log=lambda s: err.print(f"  {s}", highlight=False))
+    if plot is not None:
+        from dsparkctl.evaluation.plot import plot_acceptance
+        plot_acceptance(results, plot, title=f"{lt.name}, T={temperature}")
+        results["plot"] = str(plot)
+    if out_path is not None:
+        write_json(out_path, results)
+    if json_out:
+        print_json(results)
+        return
+    for ds, dres in results["datasets"].items():
+        for label, r in dres["drafts"].items():
+            out.print(result_table(ds, label, r))
+            if "speed_ratio_live_over_tf" in r and r["speed_ratio_live_over_tf"]:
+                out.print(f"  per evaluated position: live {r['live']['ms_per_position']:.3f} ms, teacher-forced "
+                          f"{r['teacher_forced']['ms_per_position']:.3f} ms ({r['speed_ratio_live_over_tf']:.1f}x)")
+    if plot is not None:
+        out.print(f"plot: {plot}")
+    _ = torch

@@ -1,0 +1,1 @@
+"""Acceptance evaluation: teacher-forced analytic β (fast) and live speculative rollouts."""

@@ -1,0 +1,104 @@
+"""`eval-acceptance` as a library call: per dataset and draft, teacher-forced and/or live."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from dsparkctl.evaluation.live import LiveResult, live_rollouts, target_continuations
+from dsparkctl.evaluation.teacher_forced import evaluate_sequences
+from dsparkctl.math.sampling import SamplingParams
+from dsparkctl.models.draft import DSparkDraft
+from dsparkctl.trace import TraceWriter
+
+FORMAT = "dsparkctl-eval-acceptance/1"
+MODES = ("teacher-forced", "live", "both")
+
+
+@dataclass
+class DraftUnderTest:
+    label: str
+    draft: DSparkDraft
+    source: str
+
+
+def live_json(res: LiveResult) -> dict[str, Any]:
+    s = res.stats
+    return {**s.to_json(), "conditional_interval": s.conditional_interval(), "survival_interval": s.survival_interval(),
+            "positions": res.positions, "seconds": round(res.seconds, 3),
+            "ms_per_position": round(1000 * res.seconds / max(res.positions, 1), 4)}
+
+
+def evaluate_dataset(model: Any, drafts: Sequence[DraftUnderTest], prompts: Sequence[Sequence[int]], *, mode: str,
+                     params: SamplingParams, max_new_tokens: int, stop_ids: Sequence[int], seed: int,
+                     batch_size: int = 8, trace_path: Callable[[str], Path | None] = lambda label: None,
+                     trace_header: dict[str, Any] | None = None,
+                     log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """Results for one prompt set: {"prompts": n, "drafts": {label: {"live": ..., "teacher_forced": ...}}}."""
+    out: dict[str, Any] = {"prompts": len(prompts), "drafts": {}}
+    shared: list[list[int]] | None = None  # target continuations reused by every draft's TF pass
+    for d in drafts:
+        r: dict[str, Any] = {"source": d.source, "kind": d.draft.cfg.kind, "block_size": d.draft.block_size}
+        conts = None
+        if mode in ("live", "both"):
+            tp = trace_path(d.label)
+            writer = TraceWriter(tp, {**(trace_header or {}), "draft": d.source, "block_size": d.draft.block_size,
+                                      "policy": f"static:{d.draft.block_size}"}) if tp else None
+            try:
+                live = live_rollouts(model, d.draft, prompts, params, max_new_tokens, stop_ids, seed, batch_size,
+                                     on_round=writer.write if writer else None)
+            except BaseException as exc:
+                if writer:
+                    writer.abort(exc)
+                raise
+            if writer:
+                writer.close()
+                r["trace"] = str(tp)
+            r["live"] = live_json(live)
+            conts = live.continuations
+            log(f"{d.label}: live τ {live.stats.tau:.3f} in {live.seconds:.1f}s")
+        if mode in ("teacher-forced", "both"):
+            if conts is None:
+                if shared is None:
+                    t = time.perf_counter()
+                    shared = target_continuations(model, prompts, params, max_new_tokens, stop_ids, seed, batch_size)
+                    out["continuation_seconds"] = round(time.perf_counter() - t, 3)
+                conts = shared
+            seqs = [list(p) + list(c) for p, c in zip(prompts, conts)]
+            t = time.perf_counter()
+            with torch.no_grad():
+                tf = evaluate_sequences(d.draft, model, seqs, [len(p) for p in prompts], params, batch_size)
+            secs = time.perf_counter() - t
+            r["teacher_forced"] = {**tf.to_json(), "positions": tf.positions, "seconds": round(secs, 3),
+                                   "ms_per_position": round(1000 * secs / max(tf.positions, 1), 4),
+                                   "continuations": "live outputs" if "live" in r else "target decoding"}
+            log(f"{d.label}: teacher-forced τ {tf.tau if tf.tau is not None else float('nan'):.3f} in {secs:.1f}s")
+        if "live" in r and "teacher_forced" in r:
+            r["agreement"] = agreement(r["live"], r["teacher_forced"])
+            r["speed_ratio_live_over_tf"] = (r["live"]["ms_per_position"] / r["teacher_forced"]["ms_per_position"]
+                                             if r["teacher_forced"]["ms_per_position"] > 0 else None)
+        out["drafts"][d.label] = r
+    return out
+
+
+def agreement(live: dict[str, Any], tf: dict[str, Any]) -> dict[str, Any]:
+    """Per position: do the live and teacher-forced conditional acceptance agree at 95%?
+
+    `within` = one point estimate lies inside the other's 95% interval; `overlap` = the two
+    intervals intersect (the weaker check, reported for completeness).
+    """
+    rows = []
+    for j, (lc, tc, li, ti) in enumerate(zip(live["conditional"], tf["conditional"], live["conditional_interval"],
+                                             tf["conditional_interval"])):
+        if lc is None or tc is None or li is None or ti is None:
+            rows.append({"position": j + 1, "within": None, "overlap": None})
+            continue
+        within = li[0] <= tc <= li[1] or ti[0] <= lc <= ti[1]
+        overlap = li[0] <= ti[1] and ti[0] <= li[1]
+        rows.append({"position": j + 1, "live": lc, "teacher_forced": tc, "within": within, "overlap": overlap})
+    return {"positions": rows, "all_overlap": all(r["overlap"] is not False for r in rows),
+            "all_within": all(r["within"] is not False for r in rows)}

@@ -1,0 +1,189 @@
+"""Teacher-forced acceptance: the analytic per-position rate over every anchor at once.
+
+For a target continuation x (prompt + response) and every anchor position a in the response
+with a full block (a + γ <= S - 1), the draft is conditioned on the target's own prefix:
+context = target features of positions < a, previous tokens = (x_a, x_{a+1}, ..., x_{a+γ-1}).
+With q_k the draft's warped distribution for slot k and p_k the target's warped distribution
+at position a+k-1 (both at the evaluation temperature; greedy = one-hot argmax):
+
+    β_k(a) = Σ_v min(p_k, q_k) = 1 − ½‖p_k − q_k‖₁          (probability slot k is accepted)
+    s_j(a) = Π_{i≤j} β_i(a)                                   (probability drafts 1..j all pass)
+
+Aggregated over anchors (the same estimands `AcceptanceStats` measures live):
+    survival    a_j = mean_a s_j(a)
+    conditional c_j = Σ_a s_j(a) / Σ_a s_{j-1}(a)       (s_0 = 1)
+    τ           = 1 + Σ_j a_j                            (full verification, bonus included)
+Intervals are 95% cluster-robust (prompts are the clusters) delta-method intervals.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from dsparkctl.math.sampling import SamplingParams, warp_probs
+from dsparkctl.models.draft import DSparkDraft
+
+FORMAT = "dsparkctl-teacher-forced/1"
+
+
+@torch.no_grad()
+def sequence_betas(draft: DSparkDraft, tokens: torch.Tensor, features: torch.Tensor, target_logits: torch.Tensor,
+                   start: int, params: SamplingParams, chunk: int = 64) -> torch.Tensor:
+    """β for every full-block anchor of one sequence.
+
+    tokens: [S] long; features: [S', n_taps*H] tapped target outputs for positions 0..S'-1 (S' >= S-1);
+    target_logits: [S', V] target logits at those positions; start: first anchor position
+    (the prompt length). Returns β [A, γ] float32 for anchors a = start .. S-1-γ (A may be 0).
+    """
+    g = draft.block_size
+    S = int(tokens.shape[0])
+    anchors = torch.arange(start, S - g, device=tokens.device)  # a + γ <= S - 1
+    out = []
+    dt = next(draft.fc.parameters()).dtype
+    feats = features[None].to(dt)
+    for i in range(0, len(anchors), chunk):
+        a = anchors[i: i + chunk]  # [n]
+        idx = a[:, None] + torch.arange(g + 1, device=a.device)  # [n, γ+1]
+        toks = tokens[idx]
+        hidden = draft.forward_blocks(feats, toks[None, :, 0], a[None])[0]  # [n, γ, H]
+        logits, _ = draft.block_logits(hidden, toks[:, :g])  # [n, γ, V]
+        q = warp_probs(logits.float(), params)
+        p = warp_probs(target_logits[idx[:, :g]].float(), params)
+        out.append((1.0 - 0.5 * (p - q).abs().sum(-1)).clamp(0.0, 1.0))
+    if not out:
+        return torch.zeros(0, g)
+    return torch.cat(out).float().cpu()
+
+
+@dataclass
+class TeacherForcedStats:
+    """Per-sequence sums of s_j(a), kept so that results merge and intervals cluster by prompt."""
+
+    block_size: int
+    sums: list[list[float]] = field(default_factory=list)  # per sequence: [Σ_a s_1(a), ..., Σ_a s_γ(a)]
+    counts: list[int] = field(default_factory=list)  # per sequence: anchors
+
+    def add(self, betas: torch.Tensor) -> None:
+        """betas: [A, γ] for one sequence (A may be 0: nothing recorded)."""
+        if betas.shape[0] == 0:
+            return
+        s = torch.cumprod(betas.double(), dim=1)  # [A, γ]
+        self.sums.append(s.sum(0).tolist())
+        self.counts.append(int(betas.shape[0]))
+
+    @property
+    def anchors(self) -> int:
+        return int(sum(self.counts))
+
+    @property
+    def positions(self) -> int:
+        """Evaluated (anchor, slot) pairs."""
+        return self.anchors * self.block_size
+
+    def _arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        S = np.asarray(self.sums, dtype=np.float64).reshape(-1, self.block_size)  # [C, γ]
+        n = np.asarray(self.counts, dtype=np.float64)  # [C]
+        S0 = np.concatenate([n[:, None], S], axis=1)  # [C, γ+1] with s_0 = 1
+        return S0, n
+
+    def survival(self) -> list[float | None]:
+        if not self.counts:
+            return [None] * self.block_size
+        S0, n = self._arrays()
+        return (S0[:, 1:].sum(0) / n.sum()).tolist()
+
+    def conditional(self) -> list[float | None]:
+        if not self.counts:
+            return [None] * self.block_size
+        S0, _ = self._arrays()
+        num, den = S0[:, 1:].sum(0), S0[:, :-1].sum(0)
+        return [float(a / b) if b > 0 else None for a, b in zip(num, den)]
+
+    @property
+    def tau(self) -> float | None:
+        surv = self.survival()
+        return None if surv[0] is None else 1.0 + float(sum(surv))
+
+    @staticmethod
+    def _ratio_interval(num: np.ndarray, den: np.ndarray, z: float = 1.96) -> tuple[float, float] | None:
+        """Cluster-robust delta-method interval for Σnum/Σden (clusters = rows)."""
+        C = len(num)
+        if C == 0 or den.sum() <= 0:
+            return None
+        r = num.sum() / den.sum()
+        if C < 2:
+            return (0.0, 1.0)
+        resid = num - r * den
+        se = math.sqrt(C / (C - 1) * (resid ** 2).sum()) / den.sum()
+        return (max(0.0, r - z * se), min(1.0, r + z * se))
+
+    def conditional_interval(self, z: float = 1.96) -> list[tuple[float, float] | None]:
+        if not self.counts:
+            return [None] * self.block_size
+        S0, _ = self._arrays()
+        return [self._ratio_interval(S0[:, j + 1], S0[:, j], z) for j in range(self.block_size)]
+
+    def survival_interval(self, z: float = 1.96) -> list[tuple[float, float] | None]:
+        if not self.counts:
+            return [None] * self.block_size
+        S0, n = self._arrays()
+        return [self._ratio_interval(S0[:, j + 1], n, z) for j in range(self.block_size)]
+
+    def tau_interval(self, z: float = 1.96) -> tuple[float, float] | None:
+        if not self.counts:
+            return None
+        S0, n = self._arrays()
+        iv = self._ratio_interval(S0[:, 1:].sum(1), n, z=z)
+        if iv is None:
+            return None
+        # the ratio helper clips to [0, 1]; τ-1 lies in [0, γ], so recompute unclipped
+        num, den = S0[:, 1:].sum(1), n
+        r = num.sum() / den.sum()
+        C = len(num)
+        se = math.sqrt(C / (C - 1) * ((num - r * den) ** 2).sum()) / den.sum() if C > 1 else 0.0
+        return (1.0 + max(0.0, r - z * se), 1.0 + min(float(self.block_size), r + z * se))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FORMAT, "block_size": self.block_size, "sequences": len(self.counts),
+                "anchors": self.anchors, "tau": self.tau, "tau_interval": self.tau_interval(),
+                "conditional": self.conditional(), "conditional_interval": self.conditional_interval(),
+                "survival": self.survival(), "survival_interval": self.survival_interval()}
+
+
+@torch.no_grad()
+def target_forward(model: Any, seqs: Sequence[Sequence[int]], layer_ids: Sequence[int],
+                   batch_size: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Full-sequence target forward: per sequence (features [S, n_taps*H], logits [S, V] float32)."""
+    dev = next(model.parameters()).device
+    out: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for i in range(0, len(seqs), batch_size):
+        chunk = [list(s) for s in seqs[i: i + batch_size]]
+        L = max(len(s) for s in chunk)
+        ids = torch.zeros(len(chunk), L, dtype=torch.long, device=dev)
+        att = torch.zeros(len(chunk), L, dtype=torch.long, device=dev)
+        for r, s in enumerate(chunk):  # right padding: real positions start at 0
+            ids[r, : len(s)] = torch.tensor(s, device=dev)
+            att[r, : len(s)] = 1
+        res = model(input_ids=ids, attention_mask=att, output_hidden_states=True)
+        feats = torch.cat([res.hidden_states[j + 1] for j in layer_ids], dim=-1)
+        for r, s in enumerate(chunk):
+            out.append((feats[r, : len(s)], res.logits[r, : len(s)].float()))
+    return out
+
+
+def evaluate_sequences(draft: DSparkDraft, model: Any, seqs: Sequence[Sequence[int]], prompt_lens: Sequence[int],
+                       params: SamplingParams, batch_size: int = 8) -> TeacherForcedStats:
+    """Teacher-forced statistics of `draft` on target continuations `seqs` (prompt + response ids)."""
+    stats = TeacherForcedStats(block_size=draft.block_size)
+    for i in range(0, len(seqs), batch_size):
+        part = seqs[i: i + batch_size]
+        fw = target_forward(model, part, draft.cfg.target_layer_ids, batch_size)
+        for (feats, logits), s, pl in zip(fw, part, prompt_lens[i: i + batch_size]):
+            toks = torch.as_tensor(list(s), dtype=torch.long, device=feats.device)
+            stats.add(sequence_betas(draft, toks, feats, logits, pl, params))
+    return stats

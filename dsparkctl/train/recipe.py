@@ -1,0 +1,248 @@
+"""Training recipes: TOML files loaded through one validating loader into frozen dataclasses.
+
+A recipe has five sections (every key optional; defaults below). Unknown sections or keys are
+rejected, and `--set key=value` overrides go through the same loader (`section.key=value`, or a
+bare `key=value` when the key name is unique across sections).
+
+    [target]    which target model (default: the embedded SmolLM2-135M-Instruct)
+    [draft]     the draft shape: layers, tapped target layers, γ, Markov rank/type, confidence
+    [data]      prompt source and response regeneration by the target (self-distillation)
+    [optim]     AdamW, LR schedule, batch of sequences x anchors, steps, checkpoints
+    [eval]      held-out split for the teacher-forced τ printed at the end
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from dsparkctl.errors import InputError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - python 3.10
+    import tomli as tomllib
+
+
+@dataclass(frozen=True)
+class TargetSection:
+    model: str = "embedded"  # "embedded", a local transformers folder or a hub id
+    dtype: str = "fp32"  # dtype the target runs in while regenerating and extracting features
+
+
+@dataclass(frozen=True)
+class DraftSection:
+    num_layers: int = 2  # draft transformer layers
+    layer_ids: tuple[int, ...] = (1, 15, 27)  # tapped target layers (output of layer i)
+    block_size: int = 5  # γ
+    markov_rank: int = 64  # r; 0 = DFlash-style draft (no Markov head)
+    markov_head_type: str = "vanilla"  # vanilla | gated | rnn
+    confidence: bool = True  # confidence head on/off
+    mask_token_id: int | None = None  # None: the target's pad token, else a reserved special token
+    intermediate_size: int | None = None  # None: the target's MLP width
+
+
+@dataclass(frozen=True)
+class DataSection:
+    dataset: str = "sharegpt"  # built-in name, local file or hub id (see data/prompts.py)
+    field: str | None = None  # prompt field for local files / hub datasets
+    num_prompts: int = 600  # prompts used (after the length filter), train + held-out
+    max_prompt_tokens: int = 64  # prompts longer than this (chat-encoded) are skipped
+    max_new_tokens: int = 128  # regenerated response length cap
+    temperature: float = 0.7  # regeneration temperature (0 = greedy)
+    batch_size: int = 32  # regeneration batch
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class OptimSection:
+    steps: int = 2000
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 50
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    batch_sequences: int = 4  # sequences per step
+    anchors_per_sequence: int = 16  # blocks per sequence per step (one forward)
+    checkpoint_every: int = 100  # steps between resumable checkpoints
+    keep_checkpoints: tuple[int, ...] = ()  # steps whose checkpoint is kept (e.g. for equal-budget comparisons)
+    threads: int = 0  # torch CPU threads (0 = leave torch's default)
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class EvalSection:
+    holdout: int = 24  # regenerated sequences kept out of training for the final teacher-forced τ
+    temperature: float = 0.0  # temperature at which the held-out τ is computed
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str = "draft"
+    target: TargetSection = TargetSection()
+    draft: DraftSection = DraftSection()
+    data: DataSection = DataSection()
+    optim: OptimSection = OptimSection()
+    eval: EvalSection = EvalSection()
+
+    def to_dict(self) -> dict[str, Any]:
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    def digest(self, *sections: str) -> str:
+        """Short hash of the named sections (all when none): keys caches and run folders."""
+        d = self.to_dict()
+        part = {s: d[s] for s in sections} if sections else d
+        return hashlib.sha256(json.dumps(part, sort_keys=True).encode()).hexdigest()[:12]
+
+    def data_digest(self) -> str:
+        """What the regenerated token ids depend on: target and data settings only."""
+        return self.digest("target", "data")
+
+
+SECTIONS: dict[str, type] = {"target": TargetSection, "draft": DraftSection, "data": DataSection,
+                             "optim": OptimSection, "eval": EvalSection}
+
+
+def _coerce(value: Any, default: Any, where: str) -> Any:
+    """Check/convert a TOML value against the field's default type."""
+    if isinstance(default, bool):
+        if isinstance(value, bool):
+            return value
+    elif isinstance(default, int) and not isinstance(default, bool):
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif isinstance(default, float):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif isinstance(default, str):
+        if isinstance(value, str):
+            return value
+    elif isinstance(default, tuple):
+        if isinstance(value, (list, tuple)):
+            kind = type(default[0]) if default else int
+            try:
+                return tuple(kind(v) for v in value)
+            except (TypeError, ValueError):
+                pass
+    elif default is None:  # optional fields: int or str
+        if isinstance(value, (int, str)) and not isinstance(value, bool):
+            return value
+    raise InputError(f"{where}: expected {type(default).__name__ if default is not None else 'a value'}, "
+                     f"got {value!r}", "fix the value's type in the recipe")
+
+
+def recipe_from_dict(raw: Mapping[str, Any], source: str = "recipe") -> Recipe:
+    """Build and validate a Recipe; unknown sections/keys and wrong types raise InputError."""
+    kw: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key == "name":
+            if not isinstance(value, str) or not value:
+                raise InputError(f"{source}: name must be a non-empty string")
+            kw["name"] = value
+            continue
+        if key not in SECTIONS:
+            raise InputError(f"{source}: unknown recipe key {key!r}",
+                             f"use name or the sections {', '.join(SECTIONS)}")
+        if not isinstance(value, Mapping):
+            raise InputError(f"{source}: [{key}] must be a table")
+        cls = SECTIONS[key]
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        fields = {}
+        for k, v in value.items():
+            if k not in defaults:
+                raise InputError(f"{source}: unknown recipe key {key}.{k}",
+                                 f"valid keys in [{key}]: {', '.join(defaults)}")
+            fields[k] = _coerce(v, defaults[k], f"{source}: {key}.{k}")
+        kw[key] = cls(**fields)
+    recipe = Recipe(**kw)
+    validate(recipe, source)
+    return recipe
+
+
+def validate(r: Recipe, source: str) -> None:
+    def bad(msg: str, hint: str | None = None) -> None:
+        raise InputError(f"{source}: {msg}", hint)
+    d, o, da = r.draft, r.optim, r.data
+    if d.num_layers < 1:
+        bad("draft.num_layers must be >= 1")
+    if d.block_size < 1:
+        bad("draft.block_size must be >= 1")
+    if d.markov_rank < 0:
+        bad("draft.markov_rank must be >= 0")
+    if d.markov_head_type not in ("vanilla", "gated", "rnn"):
+        bad(f"draft.markov_head_type {d.markov_head_type!r}", "use vanilla, gated or rnn")
+    if not d.layer_ids or list(d.layer_ids) != sorted(set(d.layer_ids)):
+        bad(f"draft.layer_ids must be non-empty and strictly increasing, got {list(d.layer_ids)}")
+    if o.steps < 1 or o.batch_sequences < 1 or o.anchors_per_sequence < 1 or o.checkpoint_every < 1:
+        bad("optim.steps, batch_sequences, anchors_per_sequence and checkpoint_every must be >= 1")
+    if not o.lr > 0 or not 0 <= o.min_lr_ratio <= 1:
+        bad("optim.lr must be > 0 and optim.min_lr_ratio in [0, 1]")
+    if da.num_prompts < 2 or da.max_new_tokens < 1 or da.batch_size < 1:
+        bad("data.num_prompts must be >= 2, max_new_tokens and batch_size >= 1")
+    if da.temperature < 0 or r.eval.temperature < 0:
+        bad("temperatures must be >= 0")
+    if not 1 <= r.eval.holdout < da.num_prompts:
+        bad(f"eval.holdout must be in [1, data.num_prompts), got {r.eval.holdout}")
+    if r.target.dtype not in ("fp32", "bf16", "fp16"):
+        bad(f"target.dtype {r.target.dtype!r}", "use fp32, bf16 or fp16")
+
+
+def parse_overrides(pairs: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """`section.key=value` / `key=value` strings -> nested dict (values parsed as TOML)."""
+    unique: dict[str, str] = {}
+    clash: set[str] = set()
+    for sec, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            if f.name in unique:
+                clash.add(f.name)
+            unique[f.name] = sec
+    out: dict[str, dict[str, Any]] = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise InputError(f"--set {pair!r}: expected key=value", "e.g. --set draft.markov_rank=0")
+        key, text = (s.strip() for s in pair.split("=", 1))
+        if "." in key:
+            sec, name = key.split(".", 1)
+        elif key in unique and key not in clash:
+            sec, name = unique[key], key
+        else:
+            hint = "qualify it with its section, e.g. optim.seed" if key in clash else "see the recipe's keys"
+            raise InputError(f"--set {key}: unknown recipe key" if key not in clash
+                             else f"--set {key}: ambiguous key", hint)
+        try:
+            value = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = text  # bare strings
+        out.setdefault(sec, {})[name] = value
+    return out
+
+
+def load_recipe(path: str | Path | None, overrides: Sequence[str] = ()) -> Recipe:
+    """Read a TOML recipe (or defaults when path is None), apply --set overrides, validate."""
+    raw: dict[str, Any] = {}
+    source = "recipe"
+    if path is not None:
+        p = Path(path)
+        source = str(p)
+        if not p.is_file():
+            raise InputError(f"recipe {p} does not exist", "pass a TOML file such as recipes/smollm2-135m-dspark.toml")
+        try:
+            raw = tomllib.loads(p.read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as exc:
+            raise InputError(f"{p}: not valid TOML ({exc})") from None
+        if "name" not in raw:
+            raw["name"] = p.stem
+    for sec, kv in parse_overrides(overrides).items():
+        if sec not in SECTIONS:
+            raise InputError(f"--set {sec}.…: unknown recipe section {sec!r}", f"use {', '.join(SECTIONS)}")
+        base = raw.setdefault(sec, {})
+        if not isinstance(base, dict):
+            raise InputError(f"{source}: [{sec}] must be a table")
+        base.update(kv)
+    return recipe_from_dict(raw, source)

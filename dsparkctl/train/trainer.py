@@ -1,0 +1,217 @@
+"""The training loop: many anchors per sequence in one draft forward, AdamW, exact resume.
+
+Run folder (outside the repo; `runs_dir/<recipe name>-<recipe hash>/`):
+    checkpoints/step_000100/   draft.safetensors (fp32 trainable tensors) + state.pt
+                               (optimizer, step, sampler generator state; loaded weights_only)
+    latest.json                the newest complete checkpoint
+    log.jsonl                  one line per logged step (loss parts, lr, seconds)
+    final/                     the trained draft in DeepSpec format (bf16, no embed/lm_head)
+A checkpoint folder is complete or absent (written atomically), so a killed run resumes at the
+last checkpoint and, because batch sampling uses only the saved generator, reproduces the same
+batches and parameters as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from dsparkctl.errors import InputError
+from dsparkctl.fsutil import atomic_dir, atomic_open, write_json
+from dsparkctl.models.draft import DSparkDraft
+from dsparkctl.train.data import Sequence
+from dsparkctl.train.loss import LossParts, dspark_loss, lr_at
+from dsparkctl.train.recipe import Recipe
+
+
+@dataclass
+class Batch:
+    features: torch.Tensor  # [B, S, F] float32 (zero padded)
+    anchor_ids: torch.Tensor  # [B, N]
+    anchor_pos: torch.Tensor  # [B, N]
+    prev_tokens: torch.Tensor  # [B, N, γ]  (anchor, x*_1..x*_{γ-1})
+    target_tokens: torch.Tensor  # [B, N, γ]  x*_1..x*_γ
+    target_final: torch.Tensor  # [B, N, γ, H] target final hidden at positions a..a+γ-1
+    valid: torch.Tensor  # [B, N, γ] bool
+
+
+def anchor_range(seq: Sequence, gamma: int) -> tuple[int, int]:
+    """Anchors a with a full block inside the sequence: prompt_len <= a <= S-1-γ (may be empty)."""
+    return seq.prompt_len, len(seq.tokens) - 1 - gamma
+
+
+def make_batch(seqs: list[Sequence], n_anchors: int, gamma: int, gen: torch.Generator) -> Batch:
+    """Sample up to n_anchors distinct full-block anchors per sequence (padding slots are invalid)."""
+    B = len(seqs)
+    S = max(len(s.features) for s in seqs)
+    F_, H = seqs[0].features.shape[1], seqs[0].final.shape[1]
+    feats = torch.zeros(B, S, F_)
+    a_pos = torch.zeros(B, n_anchors, dtype=torch.long)
+    ok = torch.zeros(B, n_anchors, dtype=torch.bool)
+    for b, s in enumerate(seqs):
+        feats[b, : len(s.features)] = s.features.float()
+        lo, hi = anchor_range(s, gamma)
+        count = max(0, hi - lo + 1)
+        pick = torch.randperm(count, generator=gen)[:n_anchors] + lo if count else torch.zeros(0, dtype=torch.long)
+        a_pos[b, : len(pick)] = torch.sort(pick).values
+        ok[b, : len(pick)] = True
+        a_pos[b, len(pick):] = lo if count else 0
+    k = torch.arange(gamma)
+    toks = torch.zeros(B, n_anchors, gamma + 1, dtype=torch.long)
+    final = torch.zeros(B, n_anchors, gamma, H)
+    for b, s in enumerate(seqs):
+        idx = (a_pos[b][:, None] + torch.arange(gamma + 1)).clamp(max=len(s.tokens) - 1)
+        toks[b] = s.tokens[idx]
+        fidx = (a_pos[b][:, None] + k).clamp(max=len(s.final) - 1)
+        final[b] = s.final[fidx].float()
+    valid = ok[:, :, None].expand(B, n_anchors, gamma).clone()
+    return Batch(features=feats, anchor_ids=toks[:, :, 0], anchor_pos=a_pos, prev_tokens=toks[:, :, :gamma],
+                 target_tokens=toks[:, :, 1:], target_final=final, valid=valid)
+
+
+def batch_loss(draft: DSparkDraft, target_head: torch.nn.Module, batch: Batch) -> LossParts:
+    hidden = draft.forward_blocks(batch.features, batch.anchor_ids, batch.anchor_pos)  # [B, N, γ, H]
+    logits, conf = draft.block_logits(hidden, batch.prev_tokens)  # [B, N, γ, V], [B, N, γ]
+    g, V = logits.shape[-2:]
+    with torch.no_grad():
+        t_logits = target_head(batch.target_final.to(target_head.weight.dtype))
+    return dspark_loss(logits.reshape(-1, g, V), t_logits.reshape(-1, g, V), batch.target_tokens.reshape(-1, g),
+                       conf.reshape(-1, g) if conf is not None else None, batch.valid.reshape(-1, g))
+
+
+def trainable(draft: DSparkDraft) -> dict[str, torch.nn.Parameter]:
+    """Everything but the borrowed, frozen embedding and LM head."""
+    return {n: p for n, p in draft.named_parameters() if not n.startswith(("embed_tokens.", "lm_head."))}
+
+
+@dataclass
+class StepLog:
+    step: int
+    loss: float
+    ce: float
+    l1: float
+    bce: float
+    lr: float
+    overlap: list[float]
+    seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: (round(v, 5) if isinstance(v, float) else [round(x, 4) for x in v] if isinstance(v, list) else v)
+                for k, v in self.__dict__.items()}
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    resumed_from: int
+    logs: list[StepLog] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+class Trainer:
+    def __init__(self, recipe: Recipe, draft: DSparkDraft, train_seqs: list[Sequence], run_dir: Path):
+        usable = [s for s in train_seqs if anchor_range(s, draft.block_size)[1] >= anchor_range(s, draft.block_size)[0]]
+        if not usable:
+            raise InputError("no training sequence is long enough for one block",
+                             "raise data.max_new_tokens or lower draft.block_size")
+        self.recipe, self.draft, self.seqs, self.run_dir = recipe, draft, usable, Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        for n, p in draft.named_parameters():
+            p.requires_grad_(n in trainable(draft))
+        o = recipe.optim
+        params = list(trainable(draft).values())
+        decay = [p for p in params if p.ndim >= 2]
+        no_decay = [p for p in params if p.ndim < 2]
+        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
+                                      {"params": no_decay, "weight_decay": 0.0}], lr=o.lr, betas=o.betas)
+        self.gen = torch.Generator().manual_seed(o.seed)
+        self.step = 0
+
+    # ------------------------------------------------------------------ checkpoints
+    def ckpt_dir(self, step: int) -> Path:
+        return self.run_dir / "checkpoints" / f"step_{step:06d}"
+
+    def save_checkpoint(self) -> Path:
+        from safetensors.torch import save_file
+
+        path = self.ckpt_dir(self.step)
+        if path.exists():
+            shutil.rmtree(path)
+        with atomic_dir(path) as tmp:
+            save_file({n: p.detach().contiguous() for n, p in trainable(self.draft).items()}, str(tmp / "draft.safetensors"))
+            with open(tmp / "state.pt", "wb") as fh:
+                torch.save({"step": self.step, "optimizer": self.opt.state_dict(), "generator": self.gen.get_state(),
+                            "recipe_digest": self.recipe.digest("draft", "optim")}, fh)
+        write_json(self.run_dir / "latest.json", {"step": self.step, "path": path.name})
+        keep = set(self.recipe.optim.keep_checkpoints) | {self.step}
+        for old in (self.run_dir / "checkpoints").glob("step_*"):
+            if int(old.name.split("_")[1]) not in keep:
+                shutil.rmtree(old, ignore_errors=True)
+        return path
+
+    def load_latest(self) -> int:
+        """Restore the newest checkpoint if any; returns its step (0 when starting fresh)."""
+        from safetensors.torch import load_file
+
+        latest = self.run_dir / "latest.json"
+        if not latest.is_file():
+            return 0
+        info = json.loads(latest.read_text())
+        path = self.run_dir / "checkpoints" / info["path"]
+        state = torch.load(path / "state.pt", weights_only=True)
+        if state["recipe_digest"] != self.recipe.digest("draft", "optim"):
+            raise InputError(f"{path}: checkpoint was made with a different draft/optim recipe",
+                             "resume with the same recipe, or start a fresh run without --resume")
+        tensors = load_file(str(path / "draft.safetensors"))
+        params = trainable(self.draft)
+        if set(tensors) != set(params):
+            raise InputError(f"{path}: checkpoint tensors do not match the draft")
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(tensors[n])
+        self.opt.load_state_dict(state["optimizer"])
+        self.gen.set_state(state["generator"])
+        self.step = int(state["step"])
+        return self.step
+
+    # ------------------------------------------------------------------ loop
+    def train(self, on_step: Callable[[StepLog], None] | None = None, stop_after: int | None = None) -> TrainResult:
+        """Run to recipe.optim.steps (or stop_after more steps); checkpoint every checkpoint_every."""
+        o = self.recipe.optim
+        head = self.draft.lm_head
+        result = TrainResult(steps=self.step, resumed_from=self.step)
+        t0 = time.perf_counter()
+        end = o.steps if stop_after is None else min(o.steps, self.step + stop_after)
+        self.draft.train()
+        while self.step < end:
+            ts = time.perf_counter()
+            lr = lr_at(self.step, o.steps, o.lr, o.warmup_steps, o.min_lr_ratio)
+            for g in self.opt.param_groups:
+                g["lr"] = lr
+            pick = torch.randint(len(self.seqs), (o.batch_sequences,), generator=self.gen).tolist()
+            batch = make_batch([self.seqs[i] for i in pick], o.anchors_per_sequence, self.draft.block_size, self.gen)
+            parts = batch_loss(self.draft, head, batch)
+            self.opt.zero_grad(set_to_none=True)
+            parts.total.backward()
+            torch.nn.utils.clip_grad_norm_(list(trainable(self.draft).values()), o.grad_clip)
+            self.opt.step()
+            self.step += 1
+            log = StepLog(self.step, float(parts.total.detach()), parts.ce, parts.l1, parts.bce, lr, parts.overlap,
+                          time.perf_counter() - ts)
+            result.logs.append(log)
+            with open(self.run_dir / "log.jsonl", "a") as fh:
+                fh.write(json.dumps(log.to_json()) + "\n")
+            if self.step % o.checkpoint_every == 0 or self.step == end:
+                self.save_checkpoint()
+            if on_step:
+                on_step(log)
+        self.draft.eval()
+        result.steps = self.step
+        result.seconds = time.perf_counter() - t0
+        return result

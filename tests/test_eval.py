@@ -1,0 +1,99 @@
+"""Acceptance evaluation: teacher-forced aggregation, live vs teacher-forced agreement, CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from dsparkctl.cli.main import app
+from dsparkctl.evaluation.run import DraftUnderTest, evaluate_dataset
+from dsparkctl.evaluation.teacher_forced import TeacherForcedStats, sequence_betas
+from dsparkctl.math.sampling import SamplingParams
+from dsparkctl.models.target import TargetAdapter
+from tests.tiny_models import bigram_oracle_draft, save_tiny_target, tiny_target, write_deepspec_draft
+
+runner = CliRunner()
+
+
+def test_teacher_forced_stats_on_hand_values():
+    st = TeacherForcedStats(block_size=2)
+    st.add(torch.tensor([[1.0, 0.5], [0.5, 1.0]]))  # s = [1, .5], [.5, .5]
+    st.add(torch.tensor([[0.0, 1.0]]))  # s = [0, 0]
+    st.add(torch.zeros(0, 2))  # nothing
+    assert st.anchors == 3 and st.positions == 6
+    assert st.survival() == pytest.approx([1.5 / 3, 1.0 / 3])
+    assert st.conditional() == pytest.approx([0.5, 1.0 / 1.5])
+    assert st.tau == pytest.approx(1 + 1.5 / 3 + 1.0 / 3)
+    lo, hi = st.conditional_interval()[0]
+    assert lo <= 0.5 <= hi
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = tiny_target("qwen3", vocab=64, layers=4)
+    adapter = TargetAdapter(model, (0, 1))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 64, (int(n),), generator=g).tolist() for n in torch.randint(2, 6, (24,), generator=g)]
+    draft = bigram_oracle_draft(adapter, prompts[:8], steps=24, block_size=4)
+    return model, draft, prompts
+
+
+def test_betas_are_probabilities_and_greedy_is_exact_match(tiny):
+    model, draft, prompts = tiny
+    seq = prompts[0] + [5, 9, 11, 13, 17, 19, 23]
+    out = model(torch.tensor([seq]), output_hidden_states=True)
+    feats = torch.cat([out.hidden_states[i + 1] for i in draft.cfg.target_layer_ids], -1)[0]
+    b1 = sequence_betas(draft, torch.tensor(seq), feats, out.logits[0], len(prompts[0]), SamplingParams(1.0))
+    b0 = sequence_betas(draft, torch.tensor(seq), feats, out.logits[0], len(prompts[0]), SamplingParams(0.0))
+    assert b1.shape == (len(seq) - len(prompts[0]) - 4, 4)
+    assert ((b1 >= 0) & (b1 <= 1)).all()
+    assert set(b0.unique().tolist()) <= {0.0, 1.0}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_live_and_teacher_forced_agree_within_95_percent(tiny, temperature):
+    model, draft, prompts = tiny
+    res = evaluate_dataset(model, [DraftUnderTest("oracle", draft, "mem")], prompts, mode="both",
+                           params=SamplingParams(temperature), max_new_tokens=40, stop_ids=[], seed=0,
+                           batch_size=8)
+    r = res["drafts"]["oracle"]
+    live, tf = r["live"], r["teacher_forced"]
+    assert live["rounds"] > 50 and tf["anchors"] > 300
+    assert 1.1 < live["tau"] < 3.9  # multi-token accepts and rejections both happen
+    assert r["agreement"]["all_overlap"], r["agreement"]
+    widths = [iv[1] - iv[0] for iv in live["conditional_interval"][:2]]
+    assert max(widths) < 0.35  # the check is not vacuous: the first positions are well measured
+
+
+def test_cli_eval_json_plot_trace_and_mismatch(tmp_path):
+    target = save_tiny_target(tmp_path / "target", "qwen3", vocab=64, layers=4)
+    draft = write_deepspec_draft(tmp_path / "draft", vocab=64, hidden=32, taps=(0, 1), rank=8, block_size=4)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("w1 w2 w3\nw4 w5\nw6 w7 w8 w9\n")
+    plot, trace = tmp_path / "fig.png", tmp_path / "t.jsonl"
+    res = runner.invoke(app, ["eval-acceptance", "--target", str(target), "--draft", str(draft), "--draft", str(draft),
+                              "--label", "a", "--label", "b", "--dataset", str(prompts), "--max-new-tokens", "12",
+                              "--temperature", "1.0", "--json", "--plot", str(plot), "--trace", str(trace)])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout)
+    d = rep["datasets"][str(prompts)]["drafts"]
+    assert set(d) == {"a", "b"} and d["a"]["live"]["tau"] >= 1.0 and d["a"]["teacher_forced"]["tau"] >= 1.0
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+    assert len(list(tmp_path.glob("t.*.jsonl"))) == 2
+    # a draft whose vocabulary differs from the target's: one line, exit != 0
+    bad = write_deepspec_draft(tmp_path / "bad", vocab=80, hidden=32, taps=(0, 1), rank=8)
+    res = runner.invoke(app, ["eval-acceptance", "--target", str(target), "--draft", str(bad), "--dataset", str(prompts)])
+    assert res.exit_code != 0 and "vocabulary 80 != target vocabulary 64" in res.output
+    lines = [ln for ln in res.output.replace("\r", "\n").splitlines() if ln.strip() and "Loading weights" not in ln]
+    assert len(lines) == 1 and lines[0].startswith("error:")
+
+
+def test_cli_empty_prompt_rows_are_one_line(tmp_path):
+    p = tmp_path / "p.jsonl"
+    p.write_text('{"prompt": "hello"}\n{"prompt": "   "}\n')
+    res = runner.invoke(app, ["eval-acceptance", "--dataset", str(p)])
+    assert res.exit_code != 0 and "row 2: empty prompt" in res.output
+    assert len(res.output.strip().splitlines()) == 1

@@ -1,0 +1,185 @@
+"""Training: recipe loader, the objective on hand values, data capture, exact resume, CLI errors."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from dsparkctl.cli.main import app
+from dsparkctl.errors import InputError
+from dsparkctl.models.target import TargetAdapter
+from dsparkctl.train.data import regenerate_batch, unpack
+from dsparkctl.train.loss import dspark_loss, lr_at, position_weights
+from dsparkctl.train.recipe import load_recipe, parse_overrides
+from dsparkctl.train.run import init_draft
+from dsparkctl.train.trainer import Trainer, make_batch
+from tests.tiny_models import tiny_target
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "smollm2-135m-dspark.toml"
+
+
+# ------------------------------------------------------------------ recipes
+def test_shipped_recipe_loads_and_rank0_override():
+    r = load_recipe(RECIPE)
+    assert r.draft.block_size == 5 and r.draft.markov_rank == 64 and r.draft.layer_ids == (1, 15, 27)
+    r0 = load_recipe(RECIPE, ["markov_rank=0"])
+    assert r0.draft.markov_rank == 0 and r0.data_digest() == r.data_digest()  # rank 0 reuses the data cache
+    assert r0.digest() != r.digest()
+
+
+@pytest.mark.parametrize("toml, message", [
+    ("[draft]\nnum_layer = 2\n", "unknown recipe key draft.num_layer"),
+    ("[drafts]\nnum_layers = 2\n", "unknown recipe key 'drafts'"),
+    ("[draft]\nblock_size = 'five'\n", "expected int"),
+    ("[draft]\nlayer_ids = [3, 1]\n", "strictly increasing"),
+    ("[eval]\nholdout = 0\n", "eval.holdout"),
+    ("[draft\n", "not valid TOML"),
+])
+def test_bad_recipes(tmp_path, toml, message):
+    p = tmp_path / "r.toml"
+    p.write_text(toml)
+    with pytest.raises(InputError, match=message):
+        load_recipe(p)
+
+
+@pytest.mark.parametrize("pairs, expected", [
+    (["draft.markov_rank=0"], {"draft": {"markov_rank": 0}}),
+    (["lr=3e-4", "layer_ids=[2, 4]"], {"optim": {"lr": 3e-4}, "draft": {"layer_ids": [2, 4]}}),
+    (["dataset=humaneval"], {"data": {"dataset": "humaneval"}}),
+])
+def test_overrides(pairs, expected):
+    assert parse_overrides(pairs) == expected
+
+
+@pytest.mark.parametrize("pairs, message", [(["seed=1"], "ambiguous"), (["nope=1"], "unknown recipe key"),
+                                            (["markov_rank"], "key=value"), (["draft.nope=1"], "draft.nope")])
+def test_bad_overrides(pairs, message):
+    with pytest.raises(InputError, match=message):
+        load_recipe(RECIPE, pairs)
+
+
+# ------------------------------------------------------------------ objective
+def test_loss_on_hand_values():
+    # one block, γ = 2, V = 2; draft uniform, target one-hot on token 0 then uniform
+    d = torch.zeros(1, 2, 2)
+    t = torch.tensor([[[100.0, 0.0], [0.0, 0.0]]])
+    tok = torch.tensor([[0, 1]])
+    conf = torch.zeros(1, 2)
+    parts = dspark_loss(d, t, tok, conf, torch.ones(1, 2, dtype=torch.bool))
+    l1 = [1.0, 0.0]  # ‖(.5,.5) − (1,0)‖₁ = 1; second slot identical
+    w = [1.0, math.exp(-1 / 2)]
+    ce = math.log(2)
+    overlap = [0.5, 1.0]
+    bce = sum(-(c * math.log(0.5) + (1 - c) * math.log(0.5)) for c in overlap) / 2
+    assert parts.ce == pytest.approx(ce)
+    assert parts.l1 == pytest.approx(w[0] * l1[0] + w[1] * l1[1])
+    assert parts.bce == pytest.approx(bce)
+    assert float(parts.total) == pytest.approx(0.1 * ce + 0.9 * (w[0] * l1[0] + w[1] * l1[1]) + bce, rel=1e-5)
+    assert parts.overlap == pytest.approx(overlap)
+
+
+def test_loss_ignores_invalid_slots_and_grads_flow():
+    d = torch.randn(3, 4, 7, requires_grad=True)
+    t = torch.randn(3, 4, 7)
+    tok = torch.randint(0, 7, (3, 4))
+    valid = torch.ones(3, 4, dtype=torch.bool)
+    valid[2] = False
+    a = dspark_loss(d, t, tok, None, valid)
+    b = dspark_loss(d[:2], t[:2], tok[:2], None, valid[:2])
+    assert (a.ce, a.l1, a.bce) == pytest.approx((b.ce, b.l1, b.bce), rel=1e-6)
+    a.total.backward()
+    assert d.grad[2].abs().sum() == 0 and d.grad[:2].abs().sum() > 0
+
+
+def test_position_weights_and_schedule():
+    assert position_weights(5).tolist() == pytest.approx([math.exp(-k / 5) for k in range(5)])
+    assert lr_at(0, 100, 1.0, 10, 0.1) == pytest.approx(0.1)
+    assert lr_at(10, 100, 1.0, 10, 0.1) == pytest.approx(1.0)
+    assert lr_at(100, 100, 1.0, 10, 0.1) == pytest.approx(0.1)
+
+
+# ------------------------------------------------------------------ data + resume on a tiny target
+@pytest.fixture(scope="module")
+def tiny():
+    model = tiny_target("llama", vocab=64, layers=4)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
+    batch = regenerate_batch(model, prompts, (0, 2), max_new_tokens=16, temperature=1.0, stop_ids=[1],
+                             pad_id=2, seed=0)
+    return model, prompts, unpack(batch)
+
+
+def test_regenerated_features_match_a_full_forward(tiny):
+    model, prompts, seqs = tiny
+    for s in seqs:
+        out = model(s.tokens[None], output_hidden_states=True)
+        taps = torch.cat([out.hidden_states[1], out.hidden_states[3]], dim=-1)[0, :-1]
+        assert s.features.shape == taps.shape and s.final.shape[0] == len(s.tokens) - 1
+        torch.testing.assert_close(s.features.float(), taps, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(model.lm_head(s.final.float()), out.logits[0, :-1], atol=0.2, rtol=2e-2)
+
+
+def _trainer(model, seqs, run_dir, steps=6):
+    rec = load_recipe(None, ["num_layers=1", "layer_ids=[0, 2]", "block_size=3", "markov_rank=8",
+                             "mask_token_id=2", f"steps={steps}", "checkpoint_every=3", "batch_sequences=2",
+                             "anchors_per_sequence=4", "warmup_steps=2", "optim.threads=0", "holdout=1",
+                             "num_prompts=4"])
+    draft = init_draft(rec, TargetAdapter(model), 2)
+    return Trainer(rec, draft, seqs, run_dir)
+
+
+def test_exact_resume(tiny, tmp_path):
+    model, _, seqs = tiny
+    straight = _trainer(model, seqs, tmp_path / "a")
+    straight.train()
+    first = _trainer(model, seqs, tmp_path / "b")
+    first.train(stop_after=3)
+    second = _trainer(model, seqs, tmp_path / "b")
+    assert second.load_latest() == 3
+    second.train()
+    for (n, p), (_, q) in zip(straight.draft.named_parameters(), second.draft.named_parameters()):
+        assert torch.equal(p, q), n
+    losses = [float(x) for x in (tmp_path / "a" / "log.jsonl").read_text().split("\"loss\": ")[1:] for x in [x.split(",")[0]]]
+    assert all(math.isfinite(v) for v in losses)
+
+
+def test_training_lowers_the_loss(tiny, tmp_path):
+    model, _, seqs = tiny
+    tr = _trainer(model, seqs, tmp_path / "c", steps=30)
+    res = tr.train()
+    assert sum(l.loss for l in res.logs[-5:]) < sum(l.loss for l in res.logs[:5])
+
+
+def test_batch_anchors_stay_in_the_response(tiny):
+    _, _, seqs = tiny
+    g = torch.Generator().manual_seed(0)
+    b = make_batch(seqs, 4, 3, g)
+    for i, s in enumerate(seqs):
+        for n in range(4):
+            if b.valid[i, n, 0]:
+                a = int(b.anchor_pos[i, n])
+                assert s.prompt_len <= a <= len(s.tokens) - 1 - 3
+                assert b.target_tokens[i, n].tolist() == s.tokens[a + 1: a + 4].tolist()
+
+
+# ------------------------------------------------------------------ CLI one-liners
+def test_cli_unknown_recipe_key_is_one_line(tmp_path):
+    p = tmp_path / "bad.toml"
+    p.write_text("[optim]\nstepz = 3\n")
+    res = CliRunner().invoke(app, ["train", str(p)])
+    assert res.exit_code != 0
+    assert "unknown recipe key optim.stepz" in res.output and len(res.output.strip().splitlines()) == 1
+
+
+def test_cli_missing_dataset_field_is_one_line(tmp_path):
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"question": "hi"}\n')
+    res = CliRunner().invoke(app, ["eval-acceptance", "--dataset", str(data), "--field", "prompt"])
+    assert res.exit_code != 0 and "field 'prompt' is missing" in res.output
+    assert len(res.output.strip().splitlines()) == 1
