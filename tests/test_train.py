@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -183,3 +184,56 @@ def test_cli_missing_dataset_field_is_one_line(tmp_path):
     res = CliRunner().invoke(app, ["eval-acceptance", "--dataset", str(data), "--field", "prompt"])
     assert res.exit_code != 0 and "field 'prompt' is missing" in res.output
     assert len(res.output.strip().splitlines()) == 1
+
+
+def test_cli_train_end_to_end_resume_and_export(tmp_path):
+    from tests.tiny_models import save_tiny_target
+
+    target = save_tiny_target(tmp_path / "target", "llama", vocab=64, layers=4)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("\n".join(f"w{i} w{i + 1} w{i + 2}" for i in range(3, 40, 3)) + "\n")
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(f"""name = "tiny"
+[target]
+model = "{target}"
+[draft]
+num_layers = 1
+layer_ids = [0, 2]
+block_size = 3
+markov_rank = 8
+mask_token_id = 2
+[data]
+dataset = "{prompts}"
+num_prompts = 10
+max_new_tokens = 12
+batch_size = 4
+temperature = 1.0
+[optim]
+steps = 4
+checkpoint_every = 2
+keep_checkpoints = [2]
+batch_sequences = 2
+anchors_per_sequence = 3
+threads = 0
+[eval]
+holdout = 2
+""")
+    cache = tmp_path / "cache"
+    args = ["train", str(recipe), "--cache-dir", str(cache), "--json"]
+    res = CliRunner().invoke(app, args + ["--max-steps", "2"])
+    assert res.exit_code == 0, res.output
+    first = json.loads(res.stdout)
+    assert first["steps"] == 2 and first["train_sequences"] == 8 and first["heldout_sequences"] == 2
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code != 0 and "--resume" in res.output
+    res = CliRunner().invoke(app, args + ["--resume", "--set", "holdout=2"])
+    assert res.exit_code == 0, res.output
+    done = json.loads(res.stdout)
+    assert done["steps"] == 4 and done["resumed_from"] == 2
+    assert done["heldout_teacher_forced"]["tau"] >= 1.0
+    cfg = json.loads((Path(done["draft"]) / "config.json").read_text())
+    assert cfg["markov_rank"] == 8 and cfg["dsparkctl"]["steps"] == 4
+    out = tmp_path / "step2"
+    res = CliRunner().invoke(app, ["train", str(recipe), "--cache-dir", str(cache), "--export-step", "2", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert (out / "model.safetensors").is_file()

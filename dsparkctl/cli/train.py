@@ -58,25 +58,41 @@ def register(app: typer.Typer) -> None:
             eta = el / done * (total - done)
             err.print(f"data: batch {done}/{total}  elapsed {el:.0f}s  eta {eta:.0f}s", highlight=False)
 
-        state = {"t": None, "first": None}
+        state: dict = {"first": None, "progress": None, "task": None}
+        if bar:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+            state["progress"] = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+                                         TimeRemainingColumn(), TextColumn("{task.description}"), console=err)
 
         def on_step(log) -> None:
             now = time.perf_counter()
             if state["first"] is None:
                 state["first"] = (log.step - 1, now - log.seconds)
+                if state["progress"] is not None:
+                    state["progress"].start()
+                    state["task"] = state["progress"].add_task("", total=rec.optim.steps, completed=log.step - 1)
+            ov = " ".join(f"{x:.2f}" for x in log.overlap)
+            text = (f"loss {log.loss:.3f} (ce {log.ce:.3f} l1 {log.l1:.3f} bce {log.bce:.3f})  "
+                    f"β@T1 [{ov}]  lr {log.lr:.2e}")
+            if state["progress"] is not None:
+                state["progress"].update(state["task"], completed=log.step, description=text)
+                if log.step == rec.optim.steps:
+                    state["progress"].stop()
+                return
             s0, t_s = state["first"]
             rate = (log.step - s0) / max(now - t_s, 1e-9)
             eta = (rec.optim.steps - log.step) / rate if rate > 0 else 0.0
-            every = 1 if bar else 10
-            if log.step % every == 0 or log.step == rec.optim.steps:
-                ov = " ".join(f"{x:.2f}" for x in log.overlap)
-                err.print(f"step {log.step}/{rec.optim.steps}  loss {log.loss:.3f} (ce {log.ce:.3f} l1 {log.l1:.3f} "
-                          f"bce {log.bce:.3f})  β@T1 [{ov}]  lr {log.lr:.2e}  {log.seconds:.2f}s/step  "
+            if log.step % 10 == 0 or log.step == rec.optim.steps:
+                err.print(f"step {log.step}/{rec.optim.steps}  {text}  {log.seconds:.2f}s/step  "
                           f"eta {eta / 60:.1f} min", highlight=False)
 
-        res = run_training(rec, model=lt.model, tokenizer=lt.tokenizer, stop_ids=stops, resume=resume,
-                           cache_dir=cache_dir, out=out_dir, log=lambda s: err.print(s), on_data=on_data,
-                           on_step=on_step, stop_after=max_steps)
+        try:
+            res = run_training(rec, model=lt.model, tokenizer=lt.tokenizer, stop_ids=stops, resume=resume,
+                               cache_dir=cache_dir, out=out_dir, log=lambda s: err.print(s), on_data=on_data,
+                               on_step=on_step, stop_after=max_steps)
+        finally:
+            if state["progress"] is not None:
+                state["progress"].stop()
         summary = {"recipe": rec.name, "recipe_hash": rec.digest(), "run_dir": res.run_dir, "draft": res.draft_dir,
                    "steps": res.steps, "resumed_from": res.resumed_from, "train_seconds": round(res.seconds, 1),
                    "train_sequences": res.train_sequences, "heldout_sequences": res.heldout_sequences,
