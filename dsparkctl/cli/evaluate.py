@@ -70,13 +70,12 @@ def eval_acceptance(
     trace: Annotated[Optional[Path], typer.Option("--trace", help="Write live round traces (one file per dataset "
                                                   "and draft when there are several).")] = None,
     out_path: Annotated[Optional[Path], typer.Option("--out", help="Also write the JSON result here.")] = None,
+    chat: Annotated[bool, typer.Option("--chat/--no-chat", help="Wrap prompts in the target's chat template.")] = True,
     device: DeviceOpt = Device.auto,
     dtype: DTypeOpt = DType.auto,
     seed: SeedOpt = 0,
     json_out: JsonOpt = False,
 ) -> None:
-    import torch
-
     from dsparkctl.data.prompts import encode_prompts, load_prompts
     from dsparkctl.errors import UsageError
     from dsparkctl.evaluation.run import FORMAT, DraftUnderTest, evaluate_dataset
@@ -126,7 +125,7 @@ def eval_acceptance(
                                "max_new_tokens": max_new_tokens, "seed": seed, "target": lt.name, "datasets": {},
                                "provenance": provenance(command="eval-acceptance", seed=seed)}
     for ds in datasets:
-        ids = encode_prompts(lt.tokenizer, prompt_texts[ds])
+        ids = encode_prompts(lt.tokenizer, prompt_texts[ds], chat=chat)
         err.print(f"{ds}: {len(ids)} prompts, mode {mode.value}, T={temperature}", highlight=False)
         header = {"target": lt.name, "dataset": ds, "temperature": temperature, "seed": seed}
         results["datasets"][ds] = evaluate_dataset(
@@ -150,4 +149,3 @@ def eval_acceptance(
                           f"{r['teacher_forced']['ms_per_position']:.3f} ms ({r['speed_ratio_live_over_tf']:.1f}x)")
     if plot is not None:
         out.print(f"plot: {plot}")
-    _ = torch
