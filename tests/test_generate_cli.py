@@ -123,3 +123,32 @@ def test_bad_input_one_line_error(models, tmp_path, kind):
     assert needle.lower() in errors[0].lower(), errors[0]
     assert "Traceback" not in res.output
     assert not trace.exists()
+
+
+def test_profile_sps_then_scheduled_generation_then_calibration(models, tmp_path):
+    """The whole loop a user runs: profile the engine, generate under a DSpark scheduler with a
+    trace, calibrate the confidence head on that trace, then generate with the temperatures."""
+    _, target, draft = models
+    sps = tmp_path / "sps.json"
+    res = run("profile-sps", "--target", target, "--out", sps, "--requests", "1,2", "--tokens-per-request",
+              "1,3", "--repeats", 2, "--warmup", 1, "--context-len", 16, "--json")
+    assert res.exit_code == 0, res.output
+    prof = json.loads(res.stdout)
+    assert prof["batch_tokens"] == [1, 2, 3, 6] and all(s > 0 for s in prof["steps_per_sec"])
+    sg = json.loads((tmp_path / "sps.sglang.json").read_text())
+    assert sg["sample_batch_tokens"] == [1, 2, 3, 6] and sg["max_batch_tokens"] >= 6
+    assert (tmp_path / "sps.png").stat().st_size > 1000
+
+    trace = tmp_path / "full.jsonl"
+    res = run("generate", "--target", target, "--draft", draft, "--no-chat", "--max-new-tokens", 16,
+              "--json", "--trace", trace, *[f"w{i} w{i + 1}" for i in range(3, 15)])
+    assert res.exit_code == 0, res.output
+    calib = tmp_path / "calib.json"
+    res = run("calibrate", trace, "--out", calib, "--holdout", 0.25, "--bins", 5)
+    assert res.exit_code == 0, res.output
+    for policy in ("dspark", "dspark-async", "survival:0.2"):
+        res = run("generate", "--target", target, "--draft", draft, "--no-chat", "--max-new-tokens", 10,
+                  "--policy", policy, "--sps-table", sps, "--calibration", calib, "--json", "w1 w2", "w3")
+        assert res.exit_code == 0, (policy, res.output)
+        rep = json.loads(res.stdout)
+        assert rep["policy"] == policy and rep["acceptance"]["rounds"] > 0

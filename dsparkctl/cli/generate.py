@@ -41,8 +41,8 @@ def load_policy(spec: str | None, block_size: int, sps_table: Path | None, calib
 
     temps = None
     if calibration is not None:
-        from dsparkctl.math.calibration import load_temperatures
-        temps = load_temperatures(calibration)
+        from dsparkctl.calibrate import load_temperatures
+        temps = load_temperatures(calibration, gamma=block_size)
     sps = SPSTable.load(sps_table) if sps_table is not None else None
     return parse_policy(spec or f"static:{block_size}", sps=sps, temperatures=temps)
 
