@@ -71,7 +71,7 @@ def evaluate_dataset(model: Any, drafts: Sequence[DraftUnderTest], prompts: Sequ
             seqs = [list(p) + list(c) for p, c in zip(prompts, conts)]
             t = time.perf_counter()
             with torch.no_grad():
-                tf = evaluate_sequences(d.draft, model, seqs, [len(p) for p in prompts], params, batch_size)
+                tf = evaluate_sequences(d.draft, model, seqs, [len(p) for p in prompts], params, min(batch_size, 8))
             secs = time.perf_counter() - t
             r["teacher_forced"] = {**tf.to_json(), "positions": tf.positions, "seconds": round(secs, 3),
                                    "ms_per_position": round(1000 * secs / max(tf.positions, 1), 4),
