@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -155,4 +156,82 @@ def test_interrupted_extract_leaves_no_out(tmp_path: Path, monkeypatch):
     monkeypatch.setattr(extract_mod, "_dequant", boom)
     r = run("extract", str(src), str(tmp_path / "out"), "--dequantize", "bf16")
     assert r.exit_code == 130
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
+
+
+def _assert_same_draft(src: Path, out: Path) -> None:
+    ckpt, draft = open_local(src), open_local(out)
+    assert sorted(draft.weight_map) == sorted(ckpt.draft_names())
+    for name in draft.weight_map:
+        a, b = ckpt.tensor(name), draft.tensor(name)
+        with open(src / a.file, "rb") as fa, open(out / b.file, "rb") as fb:
+            fa.seek(a.start), fb.seek(b.start)
+            assert fa.read(a.nbytes) == fb.read(b.nbytes), name
+    shas = json.loads((out / "config.json").read_text())["provenance"]["source_shards_sha256"]
+    assert shas == {f: hashlib.sha256((src / f).read_bytes()).hexdigest() for f in shas}
+
+
+@pytest.mark.parametrize("chunk,max_shard,fadvise", [
+    (4096, 5_000_000_000, True),  # many chunks per segment, one output shard, writeback kicked often
+    (4096, 60_000, True),  # segments cut where an output shard ends; shards fed by several workers
+    (1 << 20, 60_000, False),  # no posix_fadvise (non-Linux): writeback is left to the final fsync
+])
+def test_parallel_stream_writes_every_byte_at_its_offset(chunk, max_shard, fadvise, tmp_path: Path, monkeypatch):
+    src = write_fixture(tmp_path / "s", "v4.1-flash")
+    monkeypatch.setattr(extract_mod, "STREAM_CHUNK", chunk)
+    monkeypatch.setattr(extract_mod, "WRITEBACK_STEP", 3 * 4096)
+    if not fadvise:
+        monkeypatch.delattr(extract_mod.os, "posix_fadvise")
+    seen = []
+    res = extract_mod.extract(open_local(src), tmp_path / "out", max_shard_size=max_shard, verify=True,
+                              on_bytes=seen.append)
+    assert res.verified and (len(res.shards) > 1) == (max_shard < 1e6)
+    _assert_same_draft(src, tmp_path / "out")
+    # progress counts every byte of every source shard read, once
+    assert sum(seen) == sum((src / f).stat().st_size for f in res.source_shards)
+    assert all(p.stat().st_mode & 0o777 == 0o644 for p in (tmp_path / "out").iterdir())
+
+
+def test_mixed_copy_and_dequantize_in_one_run(tmp_path: Path):
+    """Workers copy while this thread dequantizes; offsets of both kinds interleave in one shard."""
+    src = write_fixture(tmp_path / "s", "v4.1-flash")
+    res = extract_mod.extract(open_local(src), tmp_path / "out", dequantize=True, verify=True)
+    draft = open_local(tmp_path / "out")
+    assert res.verified and len(draft.headers) == 1
+    assert {t.dtype for t in draft.headers[res.shards[0]].tensors.values()} >= {"BF16", "F32"}
+
+
+def test_shard_truncated_while_streaming_fails_and_leaves_nothing(tmp_path: Path, monkeypatch):
+    src = write_fixture(tmp_path / "s", "v4.1-flash")
+    real = extract_mod._open_source
+
+    def open_then_truncate(ckpt, file):
+        fd = real(ckpt, file)  # passes the size check, then the file shrinks under the worker
+        if file == "model-00006-of-00008.safetensors":
+            os.truncate(src / file, (src / file).stat().st_size - 100)
+        return fd
+
+    monkeypatch.setattr(extract_mod, "_open_source", open_then_truncate)
+    r = run("extract", str(src), str(tmp_path / "out"))
+    assert r.exit_code != 0 and "model-00006-of-00008.safetensors: truncated at byte" in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
+
+
+def test_verify_catches_a_byte_written_wrong(tmp_path: Path, monkeypatch):
+    src = write_fixture(tmp_path / "s", "v4.1-flash")
+    real = extract_mod._Output.pwrite
+    hit = []
+
+    def flip_once(fd, data, offset):
+        view = memoryview(data).cast("B")
+        if not hit and offset > 4096 and len(view) > 16:  # a tensor write, not a header
+            hit.append(offset)
+            bad = bytearray(view)
+            bad[7] ^= 0xFF
+            return real(fd, bad, offset)
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(extract_mod._Output, "pwrite", staticmethod(flip_once))
+    r = run("extract", str(src), str(tmp_path / "out"), "--verify")
+    assert hit and r.exit_code != 0 and "does not match its source bytes" in r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
