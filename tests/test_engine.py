@@ -124,3 +124,17 @@ def test_sampled_output_matches_target_distribution(params):
         stat, pval = chisquare(o.numpy(), (ek * o.sum() / ek.sum()).numpy())
         print(f"{params}: {name} chi2={stat:.1f} p={pval:.3f}")
         assert pval > 1e-3, (name, stat, pval)
+
+
+def test_bf16_path_runs_and_stays_greedy_exact():
+    """--dtype bf16: draft and target in bf16, verification in fp32 probabilities."""
+    model = tiny_target("qwen3").to(torch.bfloat16)
+    tgt = TargetAdapter(model, [0, 1])
+    draft = bigram_oracle_draft(tgt, PROMPTS, layer_ids=[0, 1])
+    assert next(draft.fc.parameters()).dtype == torch.bfloat16
+    rep = SpeculativeEngine(tgt, draft, parse_policy("static:4"), SamplingParams(0.0)).generate(PROMPTS, 30)
+    base = plain_generate(TargetAdapter(model), PROMPTS, 30, SamplingParams(0.0))
+    assert [o.tokens for o in rep.outputs] == [o.tokens for o in base.outputs]
+    sampled = SpeculativeEngine(tgt, draft, parse_policy("static:4"), SamplingParams(1.0))
+    out = sampled.generate(PROMPTS, 30, generator=torch.Generator().manual_seed(0))
+    assert all(len(o.tokens) == 30 for o in out.outputs)
