@@ -24,9 +24,9 @@ COMMIT = "a" * 40
 
 
 class FakeHub:
-    """Serves `folder` as repo REPO at revision main == COMMIT."""
+    """Serves `folder` as `repo` at revision main == COMMIT."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, repo: str = REPO):
         self.folder, self.served, self.requests = folder, 0, []
         hub_ = self
 
@@ -42,7 +42,7 @@ class FakeHub:
 
             def _answer(self, body: bool):
                 hub_.requests.append((self.command, self.path, self.headers.get("Range")))
-                m = re.fullmatch(rf"/{re.escape(REPO)}/resolve/(main|{COMMIT})/(.+)", self.path.split("?")[0])
+                m = re.fullmatch(rf"/{re.escape(repo)}/resolve/(main|{COMMIT})/(.+)", self.path.split("?")[0])
                 if not m:
                     self.send_response(404)
                     self.send_header("X-Error-Code", "RepoNotFound")

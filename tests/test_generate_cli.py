@@ -152,3 +152,33 @@ def test_profile_sps_then_scheduled_generation_then_calibration(models, tmp_path
         assert res.exit_code == 0, (policy, res.output)
         rep = json.loads(res.stdout)
         assert rep["policy"] == policy and rep["acceptance"]["rounds"] > 0
+
+
+def test_draft_and_target_from_a_hub_over_loopback(models, tmp_path, monkeypatch):
+    """`--draft org/name` and `--target org/name` are fetched through huggingface_hub from a real
+    HTTP server on 127.0.0.1 that answers like the hub's resolve endpoint."""
+    from huggingface_hub import constants
+
+    from tests.test_checkpoint_hub import FakeHub
+
+    _, target, draft = models
+    hubs = {"draft": FakeHub(draft, repo="acme/tiny-dspark"), "target": FakeHub(target, repo="acme/tiny-target")}
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    try:
+        monkeypatch.setenv("HF_ENDPOINT", hubs["draft"].url)
+        res = run("generate", "--target", target, "--draft", "acme/tiny-dspark", "--no-chat",
+                  "--max-new-tokens", 6, "--json", "w1 w2")
+        assert res.exit_code == 0, res.output
+        assert json.loads(res.stdout)["draft"] == "acme/tiny-dspark"
+        assert hubs["draft"].served >= (draft / "model.safetensors").stat().st_size
+        monkeypatch.setenv("HF_ENDPOINT", hubs["target"].url)
+        res = run("generate", "--target", "acme/tiny-target", "--draft", draft, "--no-chat",
+                  "--max-new-tokens", 6, "--json", "w1 w2")
+        assert res.exit_code == 0, res.output
+        res = run("generate", "--target", "acme/missing", "--draft", draft, "w1")
+        assert res.exit_code != 0 and "not found" in res.stderr
+    finally:
+        for h in hubs.values():
+            h.server.shutdown()

@@ -19,27 +19,48 @@ from dsparkctl.fsutil import atomic_dir
 from dsparkctl.models.draft import DSparkDraft
 from dsparkctl.models.draft_config import DraftConfig
 
-BORROWED = ("embed_tokens.weight", "lm_head.weight")  # frozen copies of the target's; borrowed when absent
+BORROWED = ("embed_tokens.weight", "lm_head.weight")
+INDEX_NAME = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "chat_template.jinja", "tokenizer.model")  # frozen copies of the target's; borrowed when absent
 
 
 def resolve_folder(source: str | os.PathLike, revision: str | None = None) -> Path:
-    """A local folder as is; otherwise a hub repo id fetched (config + safetensors only)."""
+    """A local folder as is; otherwise a hub repo id, fetched file by file into the hub cache:
+    config.json, the safetensors index and its shards (or model.safetensors), and the tokenizer
+    files that exist. Only safetensors weights are ever fetched."""
     p = Path(source).expanduser()
     if p.is_dir():
         return p
     s = str(source)
     if p.exists() or s.startswith((".", "/", "~")) or s.count("/") != 1:
         raise InputError(f"model path {s} does not exist", "pass a local folder or a hub repo id like org/name")
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    import huggingface_hub
+    from huggingface_hub.errors import EntryNotFoundError
 
-    try:
-        return Path(snapshot_download(s, revision=revision, allow_patterns=[
-            "config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer*", "*.jinja",
-            "generation_config.json", "special_tokens_map.json"]))
-    except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError) as exc:
-        raise InputError(f"cannot fetch {s} from the hub: {str(exc).splitlines()[0]}",
-                         "check the repo id and network, or pass a local folder") from None
+    from dsparkctl.checkpoint.hub import _hub_errors, endpoint
+
+    def fetch(name: str, optional: bool = False) -> Path | None:
+        try:
+            return Path(huggingface_hub.hf_hub_download(s, name, revision=revision, endpoint=endpoint()))
+        except EntryNotFoundError:
+            if optional:
+                return None
+            raise InputError(f"{s}: the repo has no {name}", "is it a transformers model or DeepSpec draft?") from None
+
+    with _hub_errors(s):
+        config = fetch("config.json")
+        index = fetch(INDEX_NAME, optional=True)
+        if index is not None:
+            for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+                if not isinstance(shard, str) or os.path.isabs(shard) or ".." in Path(shard).parts:
+                    raise CheckpointError(f"{s}: index entry {shard!r} points outside the repo")
+                fetch(shard)
+        else:
+            fetch("model.safetensors")
+        for name in TOKENIZER_FILES:
+            fetch(name, optional=True)
+    return config.parent
 
 
 def _weight_files(folder: Path) -> list[Path]:
