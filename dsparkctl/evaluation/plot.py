@@ -21,6 +21,7 @@ def plot_acceptance(results: dict[str, Any], path: str | Path, title: str | None
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for col, ds in enumerate(datasets):
         drafts = results["datasets"][ds]["drafts"]
+        gamma = max((r["block_size"] for r in drafts.values()), default=1)
         for i, (label, r) in enumerate(drafts.items()):
             c = colors[i % len(colors)]
             for mode, style in (("live", "-"), ("teacher_forced", "--")):
@@ -42,6 +43,8 @@ def plot_acceptance(results: dict[str, Any], path: str | Path, title: str | None
         axes[1][col].set_ylabel("survival a_j")
         for row in range(2):
             axes[row][col].set_xlabel("position j")
+            axes[row][col].set_xticks(range(1, gamma + 1))
+            axes[row][col].set_xlim(0.8, gamma + 0.2)
             axes[row][col].set_ylim(0, 1.02)
             axes[row][col].grid(alpha=0.3)
         axes[0][col].legend(fontsize=7, loc="lower left")
