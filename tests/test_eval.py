@@ -97,3 +97,12 @@ def test_cli_empty_prompt_rows_are_one_line(tmp_path):
     res = runner.invoke(app, ["eval-acceptance", "--dataset", str(p)])
     assert res.exit_code != 0 and "row 2: empty prompt" in res.output
     assert len(res.output.strip().splitlines()) == 1
+
+
+def test_continuation_shorter_than_a_block_has_no_anchors(tiny):
+    model, draft, prompts = tiny
+    seq = prompts[0] + [5, 1]  # the target stopped after two tokens (< γ)
+    out = model(torch.tensor([seq]), output_hidden_states=True)
+    feats = torch.cat([out.hidden_states[i + 1] for i in draft.cfg.target_layer_ids], -1)[0]
+    b = sequence_betas(draft, torch.tensor(seq), feats, out.logits[0], len(prompts[0]), SamplingParams(1.0))
+    assert b.shape == (0, 4)

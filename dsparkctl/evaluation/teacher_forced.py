@@ -42,7 +42,7 @@ def sequence_betas(draft: DSparkDraft, tokens: torch.Tensor, features: torch.Ten
     """
     g = draft.block_size
     S = int(tokens.shape[0])
-    anchors = torch.arange(start, S - g, device=tokens.device)  # a + γ <= S - 1
+    anchors = torch.arange(start, max(start, S - g), device=tokens.device)  # a + γ <= S - 1 (none if too short)
     out = []
     dt = next(draft.fc.parameters()).dtype
     feats = features[None].to(dt)
