@@ -75,6 +75,7 @@ def test_cli_eval_json_plot_trace_and_mismatch(tmp_path):
     prompts.write_text("w1 w2 w3\nw4 w5\nw6 w7 w8 w9\n")
     plot, trace = tmp_path / "fig.png", tmp_path / "t.jsonl"
     res = runner.invoke(app, ["eval-acceptance", "--target", str(target), "--draft", str(draft), "--draft", str(draft),
+                              "--out", str(tmp_path / "r.json"),
                               "--label", "a", "--label", "b", "--dataset", str(prompts), "--max-new-tokens", "12",
                               "--temperature", "1.0", "--json", "--plot", str(plot), "--trace", str(trace)])
     assert res.exit_code == 0, res.output

@@ -97,8 +97,9 @@ def agreement(live: dict[str, Any], tf: dict[str, Any]) -> dict[str, Any]:
         if lc is None or tc is None or li is None or ti is None:
             rows.append({"position": j + 1, "within": None, "overlap": None})
             continue
-        within = li[0] <= tc <= li[1] or ti[0] <= lc <= ti[1]
-        overlap = li[0] <= ti[1] and ti[0] <= li[1]
-        rows.append({"position": j + 1, "live": lc, "teacher_forced": tc, "within": within, "overlap": overlap})
+        within = bool(li[0] <= tc <= li[1] or ti[0] <= lc <= ti[1])
+        overlap = bool(li[0] <= ti[1] and ti[0] <= li[1])
+        rows.append({"position": j + 1, "live": float(lc), "teacher_forced": float(tc), "within": within,
+                     "overlap": overlap})
     return {"positions": rows, "all_overlap": all(r["overlap"] is not False for r in rows),
             "all_within": all(r["within"] is not False for r in rows)}

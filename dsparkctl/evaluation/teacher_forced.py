@@ -95,7 +95,7 @@ class TeacherForcedStats:
         if not self.counts:
             return [None] * self.block_size
         S0, n = self._arrays()
-        return (S0[:, 1:].sum(0) / n.sum()).tolist()
+        return [float(x) for x in S0[:, 1:].sum(0) / n.sum()]
 
     def conditional(self) -> list[float | None]:
         if not self.counts:
@@ -120,7 +120,7 @@ class TeacherForcedStats:
             return (0.0, 1.0)
         resid = num - r * den
         se = math.sqrt(C / (C - 1) * (resid ** 2).sum()) / den.sum()
-        return (max(0.0, r - z * se), min(1.0, r + z * se))
+        return (float(max(0.0, r - z * se)), float(min(1.0, r + z * se)))
 
     def conditional_interval(self, z: float = 1.96) -> list[tuple[float, float] | None]:
         if not self.counts:
@@ -146,7 +146,7 @@ class TeacherForcedStats:
         r = num.sum() / den.sum()
         C = len(num)
         se = math.sqrt(C / (C - 1) * ((num - r * den) ** 2).sum()) / den.sum() if C > 1 else 0.0
-        return (1.0 + max(0.0, r - z * se), 1.0 + min(float(self.block_size), r + z * se))
+        return (float(1.0 + max(0.0, r - z * se)), float(1.0 + min(float(self.block_size), r + z * se)))
 
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT, "block_size": self.block_size, "sequences": len(self.counts),
