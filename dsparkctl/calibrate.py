@@ -17,6 +17,7 @@ from typing import Any, Sequence
 import torch
 
 from dsparkctl.errors import InputError, UsageError
+from dsparkctl.fsutil import read_json
 from dsparkctl.math.calibration import CalibrationData, fit_sts, position_metrics, split_requests
 from dsparkctl.provenance import provenance
 from dsparkctl.trace import Trace, read_trace
@@ -114,12 +115,7 @@ def strip_diagrams(result: dict[str, Any]) -> dict[str, Any]:
 def load_temperatures(path: str | os.PathLike, gamma: int | None = None) -> list[float]:
     """Temperatures from our calibration JSON or SGLang's STS file; checks the block size."""
     path = Path(path)
-    if not path.is_file():
-        raise InputError(f"calibration file {path} does not exist", "write one with `dsparkctl calibrate`")
-    try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InputError(f"{path}: not valid JSON ({exc})", "pass a file written by `dsparkctl calibrate`") from None
+    obj = read_json(path, "calibration file", "write one with `dsparkctl calibrate`")
     temps = obj.get("temperatures") if isinstance(obj, dict) else None
     if (not isinstance(temps, list) or not temps
             or not all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0

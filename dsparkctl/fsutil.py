@@ -39,6 +39,19 @@ def write_json(path: str | os.PathLike, obj: Any) -> None:
         fh.write("\n")
 
 
+def read_json(path: str | os.PathLike, what: str, hint: str) -> Any:
+    """Parse a user-supplied JSON file; a missing or malformed file is a one-line InputError."""
+    from dsparkctl.errors import InputError
+
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{what} {path} does not exist", hint)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path}: not valid JSON ({exc})", hint) from None
+
+
 def save_figure(fig: Any, path: str | os.PathLike, dpi: int = 120) -> None:
     """Atomically save a matplotlib figure (format from the suffix)."""
     path = Path(path)

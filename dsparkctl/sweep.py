@@ -81,7 +81,7 @@ def replay(pool: dict[str, Any], policy_specs: Sequence[str], concurrency: Seque
     if need_conf and not pool["has_confidence"]:
         raise InputError(f"policies {', '.join(need_conf)} need confidence logits but the traces have none",
                          "use static:K policies, or record traces with a DSpark draft")
-    logits, acc_full, gamma = pool["logits"], pool["accepted"], pool["gamma"]
+    logits, acc_full = pool["logits"], pool["accepted"]
     surv_all = survival_from_logits(logits, temperatures) if need_conf else torch.zeros_like(logits)  # [N, γ]
     rows = []
     for ci, C in enumerate(concurrency):

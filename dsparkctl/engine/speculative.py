@@ -106,7 +106,7 @@ class SpeculativeEngine:
                 on_tokens(r, [int(anchors[r])])
         done = torch.isin(anchors, self.stop_ids) | (produced >= max_new_tokens)
         for r in done.nonzero().flatten().tolist():
-            outputs[r].finish_reason = "stop" if int(anchors[r]) in self.stop_ids.tolist() else "length"
+            outputs[r].finish_reason = "stop" if bool(torch.isin(anchors[r], self.stop_ids)) else "length"
         round_no = [0] * R
         steps = 0
         live = ~done
@@ -180,7 +180,7 @@ def plain_generate(target: TargetAdapter, prompts: Sequence[Sequence[int]], max_
                    generator: torch.Generator | None = None) -> RunReport:
     """Plain (non-speculative) batched decoding with the same adapter: the baseline."""
     dev = target.device
-    stop_ids = torch.tensor(sorted(set(int(t) for t in stop_token_ids)) or [-1], device=dev)
+    stop_set = {int(t) for t in stop_token_ids}
     outputs = [RequestOutput(prompt_tokens=list(p)) for p in prompts]
     clock = Clock(dev)
     clock.start()
@@ -197,7 +197,7 @@ def plain_generate(target: TargetAdapter, prompts: Sequence[Sequence[int]], max_
         for i, req in enumerate(rows.tolist()):
             t = int(tok[i])
             outputs[req].tokens.append(t)
-            if t in stop_ids.tolist():
+            if t in stop_set:
                 outputs[req].finish_reason = "stop"
             elif len(outputs[req].tokens) >= max_new_tokens:
                 outputs[req].finish_reason = "length"

@@ -27,10 +27,8 @@ Files
 
 from __future__ import annotations
 
-import json
 import math
 import os
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -211,11 +209,7 @@ class SPSTable:
     def load(cls, path: str | os.PathLike, mode: str | None = None,
              extrapolate: str | None = None) -> "SPSTable":
         """Read our JSON or SGLang's (auto-detected). Errors name the file."""
-        path = Path(path)
-        if not path.is_file():
-            raise InputError(f"SPS table {path} does not exist", "profile one with `dsparkctl profile-sps`")
-        try:
-            obj = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise InputError(f"{path}: not valid JSON ({exc})", "pass an SPS table JSON file") from None
+        from dsparkctl.fsutil import read_json
+
+        obj = read_json(path, "SPS table", "profile one with `dsparkctl profile-sps`")
         return cls.from_json(obj, source=str(path), mode=mode, extrapolate=extrapolate)

@@ -112,7 +112,7 @@ def build_dataset(recipe: Recipe, model: Any, tokenizer: Any, stop_ids: list[int
                   log: Callable[[str], None] = print,
                   on_batch: Callable[[int, int], None] | None = None) -> list[Sequence]:
     """Regenerate (or reuse cached) responses and features for every selected prompt."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     folder = cache_dir / f"data-{recipe.data_digest()}"
     folder.mkdir(parents=True, exist_ok=True)

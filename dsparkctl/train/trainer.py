@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 
 from dsparkctl.errors import InputError
-from dsparkctl.fsutil import atomic_dir, atomic_open, write_json
+from dsparkctl.fsutil import atomic_dir, write_json
 from dsparkctl.models.draft import DSparkDraft
 from dsparkctl.train.data import Sequence
 from dsparkctl.train.loss import LossParts, dspark_loss, lr_at
