@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 from dsparkctl.cli.main import app
 from dsparkctl.errors import InputError
 from dsparkctl.models.target import TargetAdapter
-from dsparkctl.train.data import regenerate_batch, unpack
-from dsparkctl.train.loss import dspark_loss, lr_at, position_weights
+from dsparkctl.train.data import regenerate_part, unpack
+from dsparkctl.train.loss import dspark_loss, lr_at, position_weights, sparse_l1
 from dsparkctl.train.recipe import load_recipe, parse_overrides
 from dsparkctl.train.run import init_draft
 from dsparkctl.train.trainer import Trainer, make_batch
@@ -27,7 +27,8 @@ RECIPE = ROOT / "recipes" / "smollm2-135m-dspark.toml"
 # ------------------------------------------------------------------ recipes
 def test_shipped_recipe_loads_and_rank0_override():
     r = load_recipe(RECIPE)
-    assert r.draft.block_size == 5 and r.draft.markov_rank == 64 and r.draft.layer_ids == (1, 15, 27)
+    assert r.draft.block_size == 5 and r.draft.markov_rank == 64 and r.draft.layer_ids == (1, 10, 19, 28)
+    assert r.draft.vocab_size == 8192 and r.draft.init == "target"
     r0 = load_recipe(RECIPE, ["markov_rank=0"])
     assert r0.draft.markov_rank == 0 and r0.data_digest() == r.data_digest()  # rank 0 reuses the data cache
     assert r0.digest() != r.digest()
@@ -65,13 +66,18 @@ def test_bad_overrides(pairs, message):
 
 
 # ------------------------------------------------------------------ objective
+def _dense_l1(q, p):
+    return (q - p).abs().sum(-1)
+
+
 def test_loss_on_hand_values():
-    # one block, γ = 2, V = 2; draft uniform, target one-hot on token 0 then uniform
+    # one block, γ = 2, draft vocabulary = full V = 2; draft uniform, target one-hot on 0 then uniform
     d = torch.zeros(1, 2, 2)
-    t = torch.tensor([[[100.0, 0.0], [0.0, 0.0]]])
+    topk_idx = torch.tensor([[[0, 1], [0, 1]]])
+    topk_p = torch.tensor([[[1.0, 0.0], [0.5, 0.5]]])
     tok = torch.tensor([[0, 1]])
     conf = torch.zeros(1, 2)
-    parts = dspark_loss(d, t, tok, conf, torch.ones(1, 2, dtype=torch.bool))
+    parts = dspark_loss(d, topk_idx, topk_p, tok, conf, torch.ones(1, 2, dtype=torch.bool))
     l1 = [1.0, 0.0]  # ‖(.5,.5) − (1,0)‖₁ = 1; second slot identical
     w = [1.0, math.exp(-1 / 2)]
     ce = math.log(2)
@@ -84,14 +90,33 @@ def test_loss_on_hand_values():
     assert parts.overlap == pytest.approx(overlap)
 
 
+def test_sparse_l1_equals_dense_l1_when_the_top_k_holds_all_mass():
+    g = torch.Generator().manual_seed(0)
+    V, k = 12, 4
+    q = torch.softmax(torch.randn(5, 3, V, generator=g), -1)
+    p = torch.zeros(5, 3, V)
+    idx = torch.stack([torch.randperm(V, generator=g)[:k] for _ in range(15)]).view(5, 3, k)
+    p.scatter_(-1, idx, torch.softmax(torch.randn(5, 3, k, generator=g), -1))
+    torch.testing.assert_close(sparse_l1(q, idx, p.gather(-1, idx)), _dense_l1(q, p))
+    # a reduced draft vocabulary: the draft covers ids 0..7; target mass on 8..11 is pure loss
+    sub = torch.arange(8)
+    q_sub = torch.softmax(torch.randn(5, 3, 8, generator=g), -1)
+    q_full = torch.zeros(5, 3, V)
+    q_full[..., sub] = q_sub
+    to_draft = torch.full((V,), -1)
+    to_draft[sub] = torch.arange(8)
+    torch.testing.assert_close(sparse_l1(q_sub, to_draft[idx], p.gather(-1, idx)), _dense_l1(q_full, p))
+
+
 def test_loss_ignores_invalid_slots_and_grads_flow():
     d = torch.randn(3, 4, 7, requires_grad=True)
-    t = torch.randn(3, 4, 7)
+    idx = torch.randint(0, 7, (3, 4, 3))
+    pk = torch.softmax(torch.randn(3, 4, 3), -1)
     tok = torch.randint(0, 7, (3, 4))
     valid = torch.ones(3, 4, dtype=torch.bool)
     valid[2] = False
-    a = dspark_loss(d, t, tok, None, valid)
-    b = dspark_loss(d[:2], t[:2], tok[:2], None, valid[:2])
+    a = dspark_loss(d, idx, pk, tok, None, valid)
+    b = dspark_loss(d[:2], idx[:2], pk[:2], tok[:2], None, valid[:2])
     assert (a.ce, a.l1, a.bce) == pytest.approx((b.ce, b.l1, b.bce), rel=1e-6)
     a.total.backward()
     assert d.grad[2].abs().sum() == 0 and d.grad[:2].abs().sum() > 0
@@ -111,19 +136,38 @@ def tiny():
     for p in model.parameters():
         p.requires_grad_(False)
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
-    batch = regenerate_batch(model, prompts, (0, 2), max_new_tokens=16, temperature=1.0, stop_ids=[1],
-                             pad_id=2, seed=0)
-    return model, prompts, unpack(batch)
+    part = regenerate_part(model, prompts, (0, 2), max_new_tokens=16, temperature=1.0, stop_ids=[1],
+                           pad_id=2, topk=8, generator=torch.Generator().manual_seed(0))
+    return model, prompts, unpack(part, part)
 
 
 def test_regenerated_features_match_a_full_forward(tiny):
     model, prompts, seqs = tiny
+    assert [s.tokens[: s.prompt_len].tolist() for s in seqs] == prompts
     for s in seqs:
         out = model(s.tokens[None], output_hidden_states=True)
         taps = torch.cat([out.hidden_states[1], out.hidden_states[3]], dim=-1)[0, :-1]
-        assert s.features.shape == taps.shape and s.final.shape[0] == len(s.tokens) - 1
+        assert s.features.shape == taps.shape
         torch.testing.assert_close(s.features.float(), taps, atol=2e-2, rtol=2e-2)
-        torch.testing.assert_close(model.lm_head(s.final.float()), out.logits[0, :-1], atol=0.2, rtol=2e-2)
+        logp = torch.log_softmax(out.logits[0, s.prompt_len - 1: -1].float(), -1)  # [S-P, V]
+        assert s.topk_ids.shape == (s.response_len, 8)
+        v, i = logp.topk(8, -1)
+        assert (s.topk_ids[:, 0].long() == i[:, 0]).all()
+        torch.testing.assert_close(s.topk_logp.float(), v, atol=2e-2, rtol=2e-2)
+
+
+def test_greedy_regeneration_is_the_top1_and_matches_plain_greedy():
+    from dsparkctl.engine.speculative import plain_generate
+    from dsparkctl.math.sampling import SamplingParams
+
+    model = tiny_target("qwen3", vocab=64, layers=3)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 20, 21]]
+    part = regenerate_part(model, prompts, (0,), max_new_tokens=12, temperature=0.0, stop_ids=[1], pad_id=2,
+                           topk=4, generator=torch.Generator())
+    ref = plain_generate(TargetAdapter(model), prompts, 12, SamplingParams(0.0), stop_token_ids=[1])
+    for s, o in zip(unpack(part, part), ref.outputs):
+        assert s.tokens[s.prompt_len:].tolist() == o.tokens
+        assert (s.topk_ids[:, 0].long() == s.tokens[s.prompt_len:]).all()
 
 
 def _trainer(model, seqs, run_dir, steps=6):
@@ -160,13 +204,15 @@ def test_training_lowers_the_loss(tiny, tmp_path):
 def test_batch_anchors_stay_in_the_response(tiny):
     _, _, seqs = tiny
     g = torch.Generator().manual_seed(0)
-    b = make_batch(seqs, 4, 3, g)
+    b = make_batch(seqs, 4, 3, g, torch.arange(64))
     for i, s in enumerate(seqs):
         for n in range(4):
             if b.valid[i, n, 0]:
                 a = int(b.anchor_pos[i, n])
                 assert s.prompt_len <= a <= len(s.tokens) - 1 - 3
-                assert b.target_tokens[i, n].tolist() == s.tokens[a + 1: a + 4].tolist()
+                assert b.target_idx[i, n].tolist() == s.tokens[a + 1: a + 4].tolist()
+                # slot k's target distribution is the one at position a+k-1 (top-k row a+k-1-P)
+                assert b.topk_idx[i, n, :, 0].tolist() == s.topk_ids[a - s.prompt_len: a - s.prompt_len + 3, 0].tolist()
 
 
 # ------------------------------------------------------------------ CLI one-liners

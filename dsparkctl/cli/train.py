@@ -24,6 +24,9 @@ def register(app: typer.Typer) -> None:
                                                        "(default ~/.cache/dsparkctl/train).")] = None,
         max_steps: Annotated[int | None, typer.Option("--max-steps", help="Stop after this many more steps "
                                                       "(a checkpoint is written; resume later).")] = None,
+        max_minutes: Annotated[float | None, typer.Option("--max-minutes", min=0.01, help="Stop after this many "
+                                                          "minutes of training (a checkpoint is written; resume "
+                                                          "later).")] = None,
         export_step: Annotated[int | None, typer.Option("--export-step", help="Do not train: write the kept "
                                                         "checkpoint of this step as a draft to --out.")] = None,
         json_: JsonOpt = False,
@@ -47,7 +50,7 @@ def register(app: typer.Typer) -> None:
             if out_dir is None:
                 raise UsageError("--export-step needs --out FOLDER")
             path = export_checkpoint(rec, export_step, model=lt.model, tokenizer=lt.tokenizer, out=out_dir,
-                                     cache_dir=cache_dir)
+                                     stop_ids=stops, cache_dir=cache_dir)
             out.print(f"exported step {export_step} of {rec.name} to {path}")
             return
         t0 = time.perf_counter()
@@ -71,9 +74,9 @@ def register(app: typer.Typer) -> None:
                 if state["progress"] is not None:
                     state["progress"].start()
                     state["task"] = state["progress"].add_task("", total=rec.optim.steps, completed=log.step - 1)
-            ov = " ".join(f"{x:.2f}" for x in log.overlap)
+            top1 = " ".join(f"{x:.2f}" for x in log.top1)
             text = (f"loss {log.loss:.3f} (ce {log.ce:.3f} l1 {log.l1:.3f} bce {log.bce:.3f})  "
-                    f"β@T1 [{ov}]  lr {log.lr:.2e}")
+                    f"top-1 [{top1}]  lr {log.lr:.2e}")
             if state["progress"] is not None:
                 state["progress"].update(state["task"], completed=log.step, description=text)
                 if log.step == rec.optim.steps:
@@ -86,16 +89,26 @@ def register(app: typer.Typer) -> None:
                 err.print(f"step {log.step}/{rec.optim.steps}  {text}  {log.seconds:.2f}s/step  "
                           f"eta {eta / 60:.1f} min", highlight=False)
 
+        def on_eval(step: int, h: dict) -> None:
+            tau = h.get("tau")
+            line = f"held-out τ at step {step}: {tau:.3f}" if tau is not None else f"held-out τ at step {step}: -"
+            if state["progress"] is not None:
+                state["progress"].console.print(line, highlight=False, markup=False)
+            else:
+                err.print(line, highlight=False, markup=False)
+
         try:
             res = run_training(rec, model=lt.model, tokenizer=lt.tokenizer, stop_ids=stops, resume=resume,
-                               cache_dir=cache_dir, out=out_dir, log=lambda s: err.print(s), on_data=on_data,
-                               on_step=on_step, stop_after=max_steps)
+                               cache_dir=cache_dir, out=out_dir, log=lambda s: err.print(s, markup=False),
+                               on_data=on_data, on_step=on_step, stop_after=max_steps, on_eval=on_eval,
+                               max_seconds=max_minutes * 60 if max_minutes is not None else None)
         finally:
             if state["progress"] is not None:
                 state["progress"].stop()
         summary = {"recipe": rec.name, "recipe_hash": rec.digest(), "run_dir": res.run_dir, "draft": res.draft_dir,
                    "steps": res.steps, "resumed_from": res.resumed_from, "train_seconds": round(res.seconds, 1),
                    "train_sequences": res.train_sequences, "heldout_sequences": res.heldout_sequences,
+                   "vocab_coverage": res.vocab_coverage,
                    "last_loss": res.last.to_json() if res.last else None, "heldout_teacher_forced": res.heldout}
         if json_:
             print_json(summary)

@@ -50,24 +50,59 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _sharegpt(path: Path) -> list[str]:
-    """The shipped file is cut off mid-way: decode conversation objects one at a time."""
+def _sharegpt_pairs(path: Path) -> list[tuple[str, str]]:
+    """(first human turn, the answer that follows it or "") per conversation.
+
+    The shipped file is cut off mid-way: decode conversation objects one at a time."""
     text = path.read_text(encoding="utf-8", errors="replace")
     dec = json.JSONDecoder()
     i = text.find("{")
-    out: list[str] = []
+    out: list[tuple[str, str]] = []
     while i != -1:
         try:
             obj, end = dec.raw_decode(text, i)
         except json.JSONDecodeError:
             break
-        for turn in obj.get("conversations", []) if isinstance(obj, dict) else []:
-            if turn.get("from") == "human":
+        turns = obj.get("conversations", []) if isinstance(obj, dict) else []
+        for n, turn in enumerate(turns):
+            if isinstance(turn, dict) and turn.get("from") == "human":
                 v = str(turn.get("value", "")).strip()
                 if v:
-                    out.append(v)
+                    nxt = turns[n + 1] if n + 1 < len(turns) and isinstance(turns[n + 1], dict) else {}
+                    answer = str(nxt.get("value", "")).strip() if nxt.get("from") == "gpt" else ""
+                    out.append((v, answer))
                 break
         i = text.find("{", end)
+    return out
+
+
+def _sharegpt(path: Path) -> list[str]:
+    return [p for p, _ in _sharegpt_pairs(path)]
+
+
+def load_conversations(dataset: str, field: str | None = None,
+                       response_field: str | None = None) -> list[tuple[str, str]]:
+    """(prompt, response) pairs: built-in `sharegpt`, or a local JSON/JSONL file with both fields."""
+    if dataset == "sharegpt" and not Path(dataset).exists():
+        pkg, rel, pip_name = BUILTIN[dataset]
+        return [(p, r) for p, r in _sharegpt_pairs(_package_file(pkg, rel, pip_name)) if r]
+    path = Path(dataset).expanduser()
+    if not path.is_file() or not response_field:
+        raise InputError(f"{dataset}: responses need the built-in sharegpt or a local JSON/JSONL file "
+                         "with data.response_field", "set data.response_field, or use data.source = \"regenerate\"")
+    rows = _read_jsonl(path) if path.suffix in (".jsonl", ".gz") else json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(rows, list):
+        raise InputError(f"{path}: expected a list of objects")
+    out = []
+    for i, row in enumerate(rows):
+        where = f"{path} row {i + 1}"
+        if not isinstance(row, dict):
+            raise InputError(f"{where}: expected an object")
+        p, r = _field_value(row, field, where), _field_value(row, response_field, where)
+        if p.strip() and r.strip():
+            out.append((p, r))
+    if not out:
+        raise InputError(f"{path}: no row has both a prompt and a response")
     return out
 
 

@@ -135,8 +135,8 @@ class SpeculativeEngine:
             out = tgt.extend(ids, ell + 1)
             verify_ms = clock.lap("verify")
             p = warp_probs(out.logits, self.sampling)  # [n, T, V]
-            res = verify(p, prop.block.probs[:, : T - 1], prop.block.tokens[:, : T - 1], ell,
-                         generator, greedy)
+            q = None if greedy else prop.block.full_probs(p.shape[-1])[:, : T - 1]  # [n, T-1, V]
+            res = verify(p, q, prop.block.tokens[:, : T - 1], ell, generator, greedy)
             emitted, num = res.emitted, res.num_emitted
             cut = _first_stop(emitted, num, self.stop_ids)  # tokens kept this round per row
             tgt.commit(res.accepted + 1)

@@ -51,8 +51,8 @@ def sequence_betas(draft: DSparkDraft, tokens: torch.Tensor, features: torch.Ten
         idx = a[:, None] + torch.arange(g + 1, device=a.device)  # [n, γ+1]
         toks = tokens[idx]
         hidden = draft.forward_blocks(feats, toks[None, :, 0], a[None])[0]  # [n, γ, H]
-        logits, _ = draft.block_logits(hidden, toks[:, :g])  # [n, γ, V]
-        q = warp_probs(logits.float(), params)
+        logits, _ = draft.block_logits(hidden, toks[:, :g])  # [n, γ, K]
+        q = draft.full_vocab(warp_probs(logits.float(), params))  # [n, γ, V]
         p = warp_probs(target_logits[idx[:, :g]].float(), params)
         out.append((1.0 - 0.5 * (p - q).abs().sum(-1)).clamp(0.0, 1.0))
     if not out:

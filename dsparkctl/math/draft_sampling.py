@@ -8,6 +8,12 @@ token). With a Markov head the loop is
 where U_k = base_logits[:, k-1]. Without a head (DFlash) the slots are independent and all γ
 tokens are drawn in one vectorised call. `probs` is the warped distribution each x_k was drawn
 from: exactly the q that verification needs for its residual.
+
+Reduced draft vocabulary (FR-Spec / EAGLE-3 style): the logits cover K target ids
+`vocab_ids` [K] (strictly increasing). Draws are indices into that list and are mapped back to
+target ids before they become x_k (the Markov head's W1 is indexed by target ids). `probs`
+stays [R, γ, K]; `DraftBlock.full_probs` spreads it over the target vocabulary with zeros
+elsewhere, which is the q verification needs: a token outside the subset has q = 0.
 """
 
 from __future__ import annotations
@@ -24,9 +30,18 @@ __all__ = ["DraftBlock", "sample_block"]
 
 @dataclass
 class DraftBlock:
-    tokens: Tensor               # [R, γ] long, x_1..x_γ
-    probs: Tensor                # [R, γ, V] float32 warped draft distribution of each x_k
+    tokens: Tensor               # [R, γ] long, x_1..x_γ (target ids)
+    probs: Tensor                # [R, γ, K] float32 warped draft distribution of each x_k (K = V if full)
     markov_embeds: Tensor | None # [R, γ, r] W1[x_{k-1}] per slot (confidence-head input); None for DFlash
+    vocab_ids: Tensor | None = None  # [K] target id of each draft index; None = the full vocabulary
+
+    def full_probs(self, vocab_size: int) -> Tensor:
+        """q over the target vocabulary [R, γ, V]: zero outside the draft's subset."""
+        if self.vocab_ids is None:
+            return self.probs
+        R, g, _ = self.probs.shape
+        full = self.probs.new_zeros(R, g, vocab_size)
+        return full.index_copy_(2, self.vocab_ids, self.probs)
 
 
 def _draw(probs: Tensor, params: SamplingParams, generator) -> Tensor:
@@ -41,12 +56,18 @@ def sample_block(
     hidden: Tensor | None,        # [R, γ, H] backbone hidden per slot (gated/rnn heads)
     params: SamplingParams,
     generator: torch.Generator | None,
+    vocab_ids: Tensor | None = None,  # [K] target ids of the logits' columns; None = full vocabulary
 ) -> DraftBlock:
     """Run the serial Markov loop (or the parallel DFlash draw) and return the draft block."""
     R, g, V = base_logits.shape
+
+    def to_target(idx: Tensor) -> Tensor:
+        return idx if vocab_ids is None else vocab_ids[idx]
+
     if head is None:
-        probs = warp_probs(base_logits, params)                              # [R, γ, V]
-        return DraftBlock(tokens=_draw(probs, params, generator), probs=probs, markov_embeds=None)
+        probs = warp_probs(base_logits, params)                              # [R, γ, K]
+        return DraftBlock(tokens=to_target(_draw(probs, params, generator)), probs=probs, markov_embeds=None,
+                          vocab_ids=vocab_ids)
 
     device = base_logits.device
     tokens = torch.empty((R, g), dtype=torch.long, device=device)
@@ -59,9 +80,9 @@ def sample_block(
         for k in range(g):
             bias, embed, state = head.step(prev, None if hidden is None else hidden[:, k], state)
             logits = base_logits[:, k] + bias                                # new tensor [R, V]
-            p = warp_probs(logits, params)                                   # [R, V] float32
-            prev = _draw(p, params, generator)                               # [R]
+            p = warp_probs(logits, params)                                   # [R, K] float32
+            prev = to_target(_draw(p, params, generator))                    # [R] target ids
             probs[:, k] = p
             tokens[:, k] = prev
             embeds[:, k] = embed
-    return DraftBlock(tokens=tokens, probs=probs, markov_embeds=embeds)
+    return DraftBlock(tokens=tokens, probs=probs, markov_embeds=embeds, vocab_ids=vocab_ids)

@@ -12,6 +12,11 @@ Architecture (DSPARK.md, FORMATS.md §3; parameter names follow DeepSpec checkpo
     U        = lm_head(h)  (the target's head)                             [R, γ, V]
     conf_k   = confidence_head.proj([h_k ; W1[x_{k-1}]])  (raw logit)      [R, γ]
 
+Reduced draft vocabulary (config `draft_vocab_size` K > 0; FR-Spec / EAGLE-3): the head is the
+target head's rows at `draft_vocab_ids` [K] (a stored tensor, strictly increasing target ids),
+so U is [R, γ, K] and the Markov head's W2 is [K, r]; W1 and the embedding stay target-sized.
+Tokens outside the subset get draft probability 0, which verification handles exactly.
+
 In inference the context keys/values are cached per layer and per row (`DraftState`): each
 round appends the features of the tokens the target just committed. Rows are ragged.
 """
@@ -170,9 +175,14 @@ class DSparkDraft(nn.Module):
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.fc = nn.Linear(len(cfg.target_layer_ids) * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(H, cfg.vocab_size, bias=False)
+        K = cfg.output_vocab_size
+        self.lm_head = nn.Linear(H, K, bias=False)
+        if cfg.draft_vocab_size:
+            self.register_buffer("draft_vocab_ids", torch.arange(K, dtype=torch.long))
+        else:
+            self.draft_vocab_ids = None
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
-        self.markov_head = (MarkovHead(cfg.vocab_size, cfg.markov_rank, H, cfg.markov_head_type)
+        self.markov_head = (MarkovHead(cfg.vocab_size, cfg.markov_rank, H, cfg.markov_head_type, out_size=K)
                             if cfg.markov_rank > 0 else None)
         self.confidence_head = None
         if cfg.enable_confidence_head:
@@ -184,9 +194,26 @@ class DSparkDraft(nn.Module):
         return self.cfg.block_size
 
     def share_target_embeddings(self, embed: nn.Module, head: nn.Module) -> None:
-        """Borrow the target's frozen embedding and LM head (same modules, no copy)."""
+        """Borrow the target's frozen embedding and LM head (same modules, no copy).
+
+        With a reduced vocabulary the head is a frozen copy of the target head's rows at
+        `draft_vocab_ids` (call again after changing the ids)."""
         self.embed_tokens = embed
-        self.lm_head = head
+        if self.draft_vocab_ids is None:
+            self.lm_head = head
+            return
+        sub = nn.Linear(head.weight.shape[1], self.draft_vocab_ids.numel(), bias=False,
+                        device=head.weight.device, dtype=head.weight.dtype)
+        with torch.no_grad():
+            sub.weight.copy_(head.weight[self.draft_vocab_ids.to(head.weight.device)])
+        sub.weight.requires_grad_(False)
+        self.lm_head = sub
+
+    def set_draft_vocab(self, ids: Tensor) -> None:
+        """Install the reduced vocabulary's target ids [K] (strictly increasing)."""
+        if self.draft_vocab_ids is None or ids.shape != self.draft_vocab_ids.shape:
+            raise ValueError(f"draft vocabulary ids must have shape [{self.cfg.draft_vocab_size}]")
+        self.draft_vocab_ids.copy_(ids)
 
     # ------------------------------------------------------------------ inference state
     def new_state(self, batch: int, device, dtype, capacity: int = 256) -> DraftState:
@@ -250,7 +277,8 @@ class DSparkDraft(nn.Module):
         h = self.backbone(state, anchors)  # [R, γ, H]
         base = self.lm_head(h.to(self.lm_head.weight.dtype)).float()  # [R, γ, V]
         need_h = self.markov_head is not None and self.markov_head.needs_hidden
-        block = sample_block(base, anchors, self.markov_head, h if need_h else None, params, generator)
+        block = sample_block(base, anchors, self.markov_head, h if need_h else None, params, generator,
+                             vocab_ids=self.draft_vocab_ids)
         conf = None
         if self.confidence_head is not None:
             feats = h
@@ -292,7 +320,8 @@ class DSparkDraft(nn.Module):
         """Teacher-forced draft logits and confidence logits for blocks with known previous tokens.
 
         hidden: [..., γ, H] from `forward_blocks`; prev_tokens: [..., γ] = (anchor, x*_1..x*_{γ-1}).
-        Returns logits [..., γ, V] (U + Markov bias) and confidence logits [..., γ] or None.
+        Returns logits [..., γ, K] (U + Markov bias; K = V unless the vocabulary is reduced, see
+        `draft_vocab_ids`) and confidence logits [..., γ] or None.
         """
         lead = hidden.shape[:-2]
         g, H = hidden.shape[-2:]
@@ -310,3 +339,10 @@ class DSparkDraft(nn.Module):
                 feats = torch.cat([h, embeds.to(h.dtype)], dim=-1)
             conf = self.confidence_head(feats).reshape(*lead, g)
         return logits.reshape(*lead, g, -1), conf
+
+    def full_vocab(self, probs: Tensor) -> Tensor:
+        """Draft-vocabulary probabilities [..., K] -> target vocabulary [..., V] (zeros outside)."""
+        if self.draft_vocab_ids is None:
+            return probs
+        full = probs.new_zeros(*probs.shape[:-1], self.cfg.vocab_size)
+        return full.index_copy_(-1, self.draft_vocab_ids, probs)

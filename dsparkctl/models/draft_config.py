@@ -34,11 +34,17 @@ class DraftConfig:
     enable_confidence_head: bool = False
     confidence_head_with_markov: bool = False  # confidence input [h; W1[x_{k-1}]] vs [h]
     num_anchors: int = 512  # training-time anchors per sequence (kept for DeepSpec compatibility)
+    draft_vocab_size: int = 0  # K > 0: the head covers K target ids (tensor draft_vocab_ids); 0 = full
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
     attention_bias: bool = False
     qk_norm: bool = True  # Qwen3-style per-head q/k RMSNorm (DeepSpec drafts always have it)
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # the rest of config.json
+
+    @property
+    def output_vocab_size(self) -> int:
+        """Columns of the draft's logits: K with a reduced vocabulary, else the target's V."""
+        return self.draft_vocab_size or self.vocab_size
 
     @property
     def kind(self) -> str:
@@ -80,6 +86,7 @@ class DraftConfig:
             enable_confidence_head=enable_conf,
             confidence_head_with_markov=bool(d.get("confidence_head_with_markov", False)) and enable_conf,
             num_anchors=int(d.get("num_anchors", 512) or 512),
+            draft_vocab_size=int(d.get("draft_vocab_size", 0) or 0),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
             attention_bias=bool(d.get("attention_bias", False)),
@@ -104,6 +111,9 @@ class DraftConfig:
             bad(f"target layer {max(self.target_layer_ids)} >= num_target_layers {self.num_target_layers}")
         if self.num_attention_heads % self.num_key_value_heads:
             bad("num_attention_heads must be a multiple of num_key_value_heads")
+        if not 0 <= self.draft_vocab_size <= self.vocab_size:
+            bad(f"draft_vocab_size {self.draft_vocab_size} must be in [0, vocab_size={self.vocab_size}]",
+                "0 means the full vocabulary")
         if self.confidence_head_with_markov and self.markov_rank == 0:
             bad("confidence_head_with_markov needs markov_rank > 0")
 
@@ -113,6 +123,9 @@ class DraftConfig:
             if f.name == "extra":
                 continue
             v = getattr(self, f.name)
+            if f.name == "draft_vocab_size" and not v:
+                d.pop(f.name, None)  # a full-vocabulary draft's config stays exactly DeepSpec's
+                continue
             d[f.name] = list(v) if isinstance(v, tuple) else v
         d["architectures"] = ["Qwen3DSparkModel"]
         return d

@@ -124,6 +124,22 @@ def check_compatible(cfg: DraftConfig, target: Any, source: str) -> None:
             f"{target.num_layers} layers (the last is not tappable)", "use a draft trained for this target")
 
 
+def check_draft_vocab(ids: torch.Tensor, cfg: DraftConfig, source: str) -> None:
+    """A reduced vocabulary's index map: [K] integer target ids, in range, strictly increasing."""
+    if ids.dtype not in (torch.int64, torch.int32) or ids.dim() != 1:
+        raise CheckpointError(f"{source}: draft_vocab_ids must be a 1-D int64 tensor, got {ids.dtype} "
+                              f"{list(ids.shape)}", "re-export the draft with dsparkctl train")
+    if ids.numel() != cfg.draft_vocab_size:
+        raise CheckpointError(f"{source}: draft_vocab_ids holds {ids.numel()} ids but config.json says "
+                              f"draft_vocab_size {cfg.draft_vocab_size}", "fix draft_vocab_size in config.json")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size):
+        raise CheckpointError(f"{source}: draft_vocab_ids has ids outside the vocabulary [0, {cfg.vocab_size})",
+                              "the index map must hold target token ids")
+    if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
+        raise CheckpointError(f"{source}: draft_vocab_ids must be strictly increasing (duplicate or unsorted ids)",
+                              "the index map must list distinct target ids in ascending order")
+
+
 def load_draft(source: str | os.PathLike, target: Any | None = None, revision: str | None = None,
                dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> DSparkDraft:
     """Load a DeepSpec DSpark/DFlash draft; borrow embed/LM head from `target` (a TargetAdapter)."""
@@ -164,6 +180,8 @@ def load_draft(source: str | os.PathLike, target: Any | None = None, revision: s
         if tuple(state[name].shape) != tuple(ref.shape):
             raise CheckpointError(f"{folder}: tensor {name} has shape {tuple(state[name].shape)}, "
                                   f"expected {tuple(ref.shape)} from config.json")
+    if "draft_vocab_ids" in state:
+        check_draft_vocab(state["draft_vocab_ids"], cfg, str(folder))
     missing_ok = [k for k in BORROWED if k not in state]
     draft.load_state_dict({k: v for k, v in state.items()}, strict=False)
     if target is not None:
@@ -191,7 +209,8 @@ def save_draft(draft: DSparkDraft, out: str | os.PathLike, *, dtype: torch.dtype
     for k, v in draft.state_dict().items():
         if k.startswith("rotary.") or (k in BORROWED and not include_embeddings):
             continue
-        sd[k] = v.detach().to(dtype=dtype, device="cpu").contiguous()
+        v = v.detach().to(device="cpu")
+        sd[k] = (v.to(dtype=dtype) if v.is_floating_point() else v).contiguous()
     cfg = draft.cfg.to_dict()
     if extra_config:
         cfg.update(extra_config)
@@ -204,7 +223,7 @@ def save_draft(draft: DSparkDraft, out: str | os.PathLike, *, dtype: torch.dtype
 def random_draft_config(target: Any, *, num_layers: int = 1, block_size: int = 5, markov_rank: int = 64,
                         markov_head_type: str = "vanilla", confidence: bool = True,
                         layer_ids: list[int] | None = None, mask_token_id: int = 0,
-                        intermediate_size: int | None = None) -> DraftConfig:
+                        intermediate_size: int | None = None, draft_vocab_size: int = 0) -> DraftConfig:
     """A draft config shaped for `target` (TargetAdapter); taps default to low/middle/high layers."""
     L = target.num_layers
     tc = target.text_config
@@ -215,7 +234,7 @@ def random_draft_config(target: Any, *, num_layers: int = 1, block_size: int = 5
         target_layer_ids=taps, num_target_layers=L, markov_rank=markov_rank,
         markov_head_type=markov_head_type, enable_confidence_head=confidence,
         confidence_head_with_markov=confidence and markov_rank > 0, vocab_size=target.vocab_size,
-        intermediate_size=intermediate_size or int(tc.intermediate_size),
+        intermediate_size=intermediate_size or int(tc.intermediate_size), draft_vocab_size=draft_vocab_size,
     )
     rp = base.get("rope_parameters") or {}
     base.setdefault("rope_theta", (rp.get("rope_theta") if isinstance(rp, dict) else None) or 10000.0)

@@ -45,6 +45,10 @@ def embedded_target_dir(log=print) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+    from dsparkctl.models.loading import quiet_transformers
+
+    quiet_transformers()
+
     gguf_model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
     cfg_dict = gguf_model.config.to_dict()

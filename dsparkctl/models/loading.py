@@ -46,12 +46,21 @@ class LoadedTarget:
     path: Path
 
 
+def quiet_transformers() -> None:
+    """Our own progress lines only: no third-party bars ("Loading weights", GGUF conversion)."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+
+
 def load_target(spec: str | None, device: torch.device, dtype: torch.dtype, revision: str | None = None,
                 trust_remote_code: bool = False, log: Callable[[str], None] = print) -> LoadedTarget:
     """Load a transformers causal LM + tokenizer from the embedded default, a folder or a hub id."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dsparkctl.models.draft_io import resolve_folder
+
+    quiet_transformers()
 
     if spec in (None, "", EMBEDDED):
         from dsparkctl.models.embedded import EMBEDDED_NAME, embedded_target_dir

@@ -2,8 +2,9 @@
 
 Parameter names and shapes follow DeepSpec checkpoints (prefix `markov_head.` in the draft):
 
-    markov_w1.weight   [V, r]       nn.Embedding(V, r)          W1, indexed by x_{k-1}
-    markov_w2.weight   [V, r]       nn.Linear(r, V, bias=False)  W2
+    markov_w1.weight   [V, r]       nn.Embedding(V, r)          W1, indexed by x_{k-1} (target id)
+    markov_w2.weight   [V', r]      nn.Linear(r, V', bias=False) W2; V' = V, or the draft's reduced
+                                                                 vocabulary K (its output side only)
     gated only:
     gate_proj.weight   [r, H + r]   nn.Linear(H + r, r)          input [h_k ; W1[x_{k-1}]]
     gate_proj.bias     [r]
@@ -45,7 +46,8 @@ MARKOV_HEAD_KINDS = ("vanilla", "gated", "rnn")
 
 
 class MarkovHead(nn.Module):
-    def __init__(self, vocab_size: int, rank: int, hidden_size: int, kind: str = "vanilla"):
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int, kind: str = "vanilla",
+                 out_size: int | None = None):
         super().__init__()
         kind = str(kind).lower()
         if kind not in MARKOV_HEAD_KINDS:
@@ -61,7 +63,8 @@ class MarkovHead(nn.Module):
         self.rank = int(rank)
         self.hidden_size = int(hidden_size)
         self.markov_w1 = nn.Embedding(self.vocab_size, self.rank)
-        self.markov_w2 = nn.Linear(self.rank, self.vocab_size, bias=False)
+        self.out_size = int(out_size or vocab_size)
+        self.markov_w2 = nn.Linear(self.rank, self.out_size, bias=False)
         if kind == "gated":
             self.gate_proj = nn.Linear(self.hidden_size + self.rank, self.rank)
         elif kind == "rnn":
@@ -83,7 +86,7 @@ class MarkovHead(nn.Module):
         hidden: Tensor | None,    # [R, H] backbone hidden at this step (gated/rnn only)
         state: Tensor | None,     # [R, r] rnn state s_{k-1} (None -> zeros), else ignored
     ) -> tuple[Tensor, Tensor, Tensor | None]:
-        """One serial step -> (bias [R, V], markov_embed [R, r] = W1[x_{k-1}], new_state)."""
+        """One serial step -> (bias [R, V'], markov_embed [R, r] = W1[x_{k-1}], new_state)."""
         embed = self.markov_w1(prev_tokens)                                  # [R, r]
         if self.kind == "vanilla":
             return self.markov_w2(embed), embed, None
@@ -106,7 +109,7 @@ class MarkovHead(nn.Module):
         prev_tokens: Tensor,      # [R, γ] long, x_0..x_{γ-1}
         hidden: Tensor | None,    # [R, γ, H]
     ) -> tuple[Tensor, Tensor]:
-        """Bias for a whole block with known previous tokens -> (bias [R, γ, V], embeds [R, γ, r])."""
+        """Bias for a whole block with known previous tokens -> (bias [R, γ, V'], embeds [R, γ, r])."""
         R, g = prev_tokens.shape
         if self.kind == "vanilla":
             embeds = self.markov_w1(prev_tokens)

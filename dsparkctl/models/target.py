@@ -21,6 +21,51 @@ import torch
 from dsparkctl.errors import ModelMismatchError
 
 
+def _growing_layer_class():
+    from transformers.cache_utils import DynamicLayer
+
+    class GrowingLayer(DynamicLayer):
+        """A DynamicLayer that writes into a preallocated buffer (doubling when full) instead of
+        concatenating: `keys`/`values` are views of the buffer's first n slots. A `cat` per layer
+        per step copies the whole cache, which dominated decode time at batch 64 on CPU.
+        Assigning new tensors to `keys`/`values` (row selection, compaction) is allowed: the
+        next update re-buffers them."""
+
+        _kbuf = _vbuf = None
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            n, T = self.keys.shape[-2] if self.keys.dim() == 4 else 0, key_states.shape[-2]
+            buf = self._kbuf
+            if (buf is None or n + T > buf.shape[-2] or buf.shape[:2] != key_states.shape[:2]
+                    or (n and (self.keys.data_ptr() != buf.data_ptr() or self.keys.stride() != buf.stride()))):
+                cap = max(256, 2 * (n + T))
+                shape = (*key_states.shape[:2], cap, key_states.shape[-1])
+                self._kbuf = key_states.new_empty(shape)
+                self._vbuf = value_states.new_empty(shape[:3] + (value_states.shape[-1],))
+                if n:
+                    self._kbuf[:, :, :n] = self.keys
+                    self._vbuf[:, :, :n] = self.values
+            self._kbuf[:, :, n: n + T] = key_states
+            self._vbuf[:, :, n: n + T] = value_states
+            self.keys, self.values = self._kbuf[:, :, : n + T], self._vbuf[:, :, : n + T]
+            return self.keys, self.values
+
+    return GrowingLayer
+
+
+def new_cache(config):
+    """A transformers DynamicCache whose full-attention layers grow in place (see GrowingLayer)."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    cache = DynamicCache(config=config)
+    cls = _growing_layer_class()
+    cache.layers = [cls() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
 @dataclass
 class TargetOutput:
     logits: torch.Tensor  # [R, T, V] float32, row r valid for t < lengths[r]
@@ -90,8 +135,6 @@ class TargetAdapter:
     @torch.no_grad()
     def prefill(self, prompts: Sequence[Sequence[int]]) -> TargetOutput:
         """Start a new batch: feed each prompt (right-padded) and commit all of it."""
-        from transformers import DynamicCache
-
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prefill needs non-empty prompts")
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
@@ -99,7 +142,7 @@ class TargetAdapter:
         ids = torch.zeros(len(prompts), T, dtype=torch.long, device=self.device)
         for r, p in enumerate(prompts):
             ids[r, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
-        self.cache = DynamicCache(config=self.config)
+        self.cache = new_cache(self.config)
         self.valid = torch.zeros(len(prompts), 0, dtype=torch.bool, device=self.device)
         self.seq_len = torch.zeros(len(prompts), dtype=torch.long, device=self.device)
         out = self.extend(ids, lengths)

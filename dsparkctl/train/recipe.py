@@ -45,17 +45,23 @@ class DraftSection:
     confidence: bool = True  # confidence head on/off
     mask_token_id: int | None = None  # None: the target's pad token, else a reserved special token
     intermediate_size: int | None = None  # None: the target's MLP width
+    vocab_size: int = 0  # K > 0: the draft's head covers the K most frequent response tokens; 0 = full
+    init: str = "random"  # random: N(0, 0.02); target: layers copied from the target's top layers
+    tap_norm: bool = False  # scale each tapped layer to unit RMS before fc (folded into fc on export)
 
 
 @dataclass(frozen=True)
 class DataSection:
     dataset: str = "sharegpt"  # built-in name, local file or hub id (see data/prompts.py)
     field: str | None = None  # prompt field for local files / hub datasets
-    num_prompts: int = 600  # prompts used (after the length filter), train + held-out
-    max_prompt_tokens: int = 64  # prompts longer than this (chat-encoded) are skipped
-    max_new_tokens: int = 128  # regenerated response length cap
-    temperature: float = 0.7  # regeneration temperature (0 = greedy)
-    batch_size: int = 32  # regeneration batch
+    source: str = "regenerate"  # regenerate: the target answers; responses: the dataset's own answers
+    response_field: str | None = None  # answer field for source = "responses" with local files
+    num_prompts: int = 600  # prompts used (after the length filter), held-out first, then training
+    max_prompt_tokens: int = 256  # prompts longer than this (chat-encoded) are skipped
+    max_new_tokens: int = 256  # response length cap (regenerated, or dataset answers cut to it)
+    temperature: float = 0.0  # regeneration temperature (0 = greedy)
+    batch_size: int = 32  # prompts per cached part (one regeneration batch)
+    topk: int = 32  # target distribution cached as its top-k per position
     seed: int = 0
 
 
@@ -74,12 +80,15 @@ class OptimSection:
     keep_checkpoints: tuple[int, ...] = ()  # steps whose checkpoint is kept (e.g. for equal-budget comparisons)
     threads: int = 0  # torch CPU threads (0 = leave torch's default)
     seed: int = 0
+    loss_weights: tuple[float, ...] = (0.1, 0.9, 1.0)  # CE, L1, BCE (the paper's)
+    init_from: str = ""  # a draft folder to start from (same shape); the optimizer starts fresh
 
 
 @dataclass(frozen=True)
 class EvalSection:
-    holdout: int = 24  # regenerated sequences kept out of training for the final teacher-forced τ
+    holdout: int = 24  # the first N sequences are kept out of training for the teacher-forced τ
     temperature: float = 0.0  # temperature at which the held-out τ is computed
+    every: int = 0  # also evaluate at every checkpoint whose step is a multiple of this (0 = only at the end)
 
 
 @dataclass(frozen=True)
@@ -101,8 +110,11 @@ class Recipe:
         return hashlib.sha256(json.dumps(part, sort_keys=True).encode()).hexdigest()[:12]
 
     def data_digest(self) -> str:
-        """What the regenerated token ids depend on: target and data settings only."""
-        return self.digest("target", "data")
+        """What the cached data depends on: target and data settings, except how many prompts
+        are used (parts are prefix-stable, so a larger num_prompts extends the same cache)."""
+        d = self.to_dict()
+        part = {"target": d["target"], "data": {k: v for k, v in d["data"].items() if k != "num_prompts"}}
+        return hashlib.sha256(json.dumps(part, sort_keys=True).encode()).hexdigest()[:12]
 
 
 SECTIONS: dict[str, type] = {"target": TargetSection, "draft": DraftSection, "data": DataSection,
@@ -189,6 +201,16 @@ def validate(r: Recipe, source: str) -> None:
         bad("temperatures must be >= 0")
     if not 1 <= r.eval.holdout < da.num_prompts:
         bad(f"eval.holdout must be in [1, data.num_prompts), got {r.eval.holdout}")
+    if d.vocab_size < 0:
+        bad("draft.vocab_size must be >= 0 (0 = the full vocabulary)")
+    if d.init not in ("random", "target"):
+        bad(f"draft.init {d.init!r}", "use random or target")
+    if da.source not in ("regenerate", "responses"):
+        bad(f"data.source {da.source!r}", "use regenerate or responses")
+    if not 1 <= da.topk <= 1024:
+        bad(f"data.topk must be in [1, 1024], got {da.topk}")
+    if len(o.loss_weights) != 3 or any(not (w >= 0 and w < float("inf")) for w in o.loss_weights):
+        bad(f"optim.loss_weights must be three finite weights >= 0 (CE, L1, BCE), got {list(o.loss_weights)}")
     if r.target.dtype not in ("fp32", "bf16", "fp16"):
         bad(f"target.dtype {r.target.dtype!r}", "use fp32, bf16 or fp16")
 

@@ -1,8 +1,10 @@
-"""`train` as a library call: load the target, regenerate data, train, save, report held-out τ."""
+"""`train` as a library call: load the target, build data, train, save, report held-out τ."""
 
 from __future__ import annotations
 
+import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -11,29 +13,71 @@ import torch
 
 from dsparkctl.errors import InputError
 from dsparkctl.models.draft import DSparkDraft
-from dsparkctl.models.draft_io import random_draft_config, save_draft
+from dsparkctl.models.draft_io import load_draft, random_draft_config, save_draft
 from dsparkctl.models.target import TargetAdapter
 from dsparkctl.provenance import provenance
 from dsparkctl.train.data import Sequence, build_dataset
 from dsparkctl.train.recipe import Recipe
-from dsparkctl.train.trainer import StepLog, Trainer
+from dsparkctl.train.trainer import StepLog, Trainer, anchor_range, trainable
 
 
 def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dsparkctl" / "train"
 
 
-def init_draft(recipe: Recipe, adapter: TargetAdapter, mask_token_id: int) -> DSparkDraft:
-    """A fresh draft shaped by the recipe, weights N(0, 0.02) from a seeded generator.
+def run_dir_for(recipe: Recipe, cache_dir: Path | None = None, runs_dir: Path | None = None) -> Path:
+    """The run folder of a recipe: `<runs>/<name>-<hash of the whole recipe>`."""
+    return (runs_dir or (cache_dir or default_cache_dir()) / "runs") / f"{recipe.name}-{recipe.digest()}"
 
-    The Markov output projection W2 starts at zero, so training starts from the plain backbone
-    (the bias grows as W1/W2 learn), and the confidence head starts at σ(0) = ½.
+
+# ------------------------------------------------------------------------------------ vocabulary
+def select_vocab(seqs: list[Sequence], size: int, vocab_size: int) -> torch.Tensor:
+    """The `size` most frequent response tokens (ties: lower id), as ascending target ids [K]."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for s in seqs:
+        counts += torch.bincount(s.tokens[s.prompt_len:], minlength=vocab_size)
+    order = sorted(range(vocab_size), key=lambda t: (-int(counts[t]), t))[:size]
+    return torch.tensor(sorted(order), dtype=torch.long)
+
+
+def vocab_coverage(seqs: list[Sequence], ids: torch.Tensor | None, vocab_size: int) -> float | None:
+    """Share of response tokens (the target's outputs) that the draft vocabulary can emit."""
+    if ids is None:
+        return 1.0
+    inside = torch.zeros(vocab_size, dtype=torch.bool)
+    inside[ids] = True
+    hit = total = 0
+    for s in seqs:
+        r = s.tokens[s.prompt_len:]
+        hit += int(inside[r].sum())
+        total += r.numel()
+    return hit / total if total else None
+
+
+def tap_scale(seqs: list[Sequence], n_taps: int, sample: int = 200) -> torch.Tensor:
+    """Per-feature multiplier [F] that brings each tapped layer to unit RMS (over a data sample)."""
+    rows = torch.cat([s.features[:: max(1, len(s.features) // 16)].float() for s in seqs[:sample]])
+    F_ = rows.shape[1]
+    per_tap = rows.view(-1, n_taps, F_ // n_taps).pow(2).mean(dim=(0, 2)).sqrt().clamp(min=1e-6)  # [n_taps]
+    return (1.0 / per_tap).repeat_interleave(F_ // n_taps)
+
+
+# ------------------------------------------------------------------------------------ the draft
+def init_draft(recipe: Recipe, adapter: TargetAdapter, mask_token_id: int) -> DSparkDraft:
+    """A fresh draft shaped by the recipe.
+
+    `draft.init = "random"`: weights N(0, 0.02) from a seeded generator. `"target"`: draft layer
+    i starts as target layer L-n+i (attention, MLP and their norms) and the final norm as the
+    target's, so the backbone starts as the target's top layers. Either way biases, the Markov
+    output projection W2 and the confidence head start at zero: training starts from the plain
+    backbone and σ(c) = ½.
     """
     d = recipe.draft
     cfg = random_draft_config(adapter, num_layers=d.num_layers, block_size=d.block_size,
                               markov_rank=d.markov_rank, markov_head_type=d.markov_head_type,
                               confidence=d.confidence, layer_ids=list(d.layer_ids),
-                              mask_token_id=mask_token_id, intermediate_size=d.intermediate_size)
+                              mask_token_id=mask_token_id, intermediate_size=d.intermediate_size,
+                              draft_vocab_size=d.vocab_size)
     draft = DSparkDraft(cfg)
     g = torch.Generator().manual_seed(recipe.optim.seed)
     with torch.no_grad():
@@ -44,8 +88,60 @@ def init_draft(recipe: Recipe, adapter: TargetAdapter, mask_token_id: int) -> DS
                 p.zero_()
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+        if d.init == "target":
+            copy_target_layers(draft, adapter.model)
     draft.share_target_embeddings(adapter.embed_tokens(), adapter.lm_head())
     return draft.float()
+
+
+def copy_target_layers(draft: DSparkDraft, model: Any) -> None:
+    """Warm start: draft layer i <- target layer L-n+i, draft norm <- target final norm."""
+    layers = model.model.layers
+    n, L = len(draft.layers), len(layers)
+    for i, dl in enumerate(draft.layers):
+        src = layers[L - n + i].state_dict()
+        own = dl.state_dict()
+        for k, v in src.items():
+            if k in own and own[k].shape == v.shape:
+                own[k].copy_(v)
+            elif k in own:
+                raise InputError(f"draft.init = target: layer tensor {k} has shape {tuple(own[k].shape)} in the "
+                                 f"draft, {tuple(v.shape)} in the target",
+                                 "use draft.init = random, or the target's intermediate_size")
+    draft.norm.weight.copy_(model.model.norm.weight)
+
+
+def load_init_draft(recipe: Recipe, draft: DSparkDraft, adapter: TargetAdapter,
+                    scale: torch.Tensor | None) -> None:
+    """Start from a draft folder (`optim.init_from`) of the same shape; fc is unfolded by `scale`."""
+    src = load_draft(recipe.optim.init_from, adapter, dtype=torch.float32, device="cpu")
+    mine, theirs = trainable(draft), dict(src.named_parameters())
+    for n, p in mine.items():
+        if n not in theirs or theirs[n].shape != p.shape:
+            raise InputError(f"optim.init_from {recipe.optim.init_from}: tensor {n} does not match the recipe's "
+                             "draft", "use a draft trained with the same [draft] section")
+    with torch.no_grad():
+        for n, p in mine.items():
+            p.copy_(theirs[n])
+        if scale is not None:
+            draft.fc.weight.div_(scale)  # exported fc = trained fc · scale: undo the fold
+        if draft.draft_vocab_ids is not None:
+            if src.draft_vocab_ids is None:
+                raise InputError(f"optim.init_from {recipe.optim.init_from}: has the full vocabulary, the recipe "
+                                 "a reduced one", "set draft.vocab_size = 0")
+            draft.set_draft_vocab(src.draft_vocab_ids)
+            draft.share_target_embeddings(adapter.embed_tokens(), adapter.lm_head())
+
+
+def export_draft(draft: DSparkDraft, out: Path, scale: torch.Tensor | None, extra: dict[str, Any]) -> Path:
+    """Save in DeepSpec format with the tap scale folded into fc (the file needs no extra op)."""
+    w = draft.fc.weight.data
+    if scale is not None:
+        draft.fc.weight.data = w * scale[None, :]
+    try:
+        return save_draft(draft, out, dtype=torch.bfloat16, extra_config=extra, overwrite=True)
+    finally:
+        draft.fc.weight.data = w
 
 
 def pick_mask_token(recipe: Recipe, tokenizer: Any, vocab: int) -> int:
@@ -56,6 +152,53 @@ def pick_mask_token(recipe: Recipe, tokenizer: Any, vocab: int) -> int:
         return m
     pad = getattr(tokenizer, "pad_token_id", None)
     return int(pad) if pad is not None else 0
+
+
+# ------------------------------------------------------------------------------------ evaluation
+@torch.no_grad()
+def heldout_stats(draft: DSparkDraft, seqs: list[Sequence], temperature: float,
+                  scale: torch.Tensor | None = None, chunk: int = 64):
+    """Teacher-forced stats from cached held-out sequences (features and the target's top-k).
+
+    At T = 0 this is exact (β = 1 when the draft's argmax is the target's); at T > 0 the target's
+    distribution is its cached top-k (tail mass ignored), so β is approximate there."""
+    from dsparkctl.evaluation.teacher_forced import TeacherForcedStats
+    from dsparkctl.math.sampling import SamplingParams, warp_probs
+    from dsparkctl.train.loss import sparse_l1
+
+    params = SamplingParams(temperature=temperature)
+    g = draft.block_size
+    V = draft.cfg.vocab_size
+    ids = draft.draft_vocab_ids
+    to_draft = torch.full((V,), -1, dtype=torch.long)
+    to_draft[ids if ids is not None else torch.arange(V)] = torch.arange(draft.cfg.output_vocab_size)
+    stats = TeacherForcedStats(block_size=g)
+    was_training = draft.training
+    draft.eval()
+    for s in seqs:
+        lo, hi = anchor_range(s, g)
+        if hi < lo:
+            continue
+        feats = s.features.float()[None]
+        if scale is not None:
+            feats = feats * scale
+        betas = []
+        for a0 in range(lo, hi + 1, chunk):
+            a = torch.arange(a0, min(hi + 1, a0 + chunk))
+            idx = a[:, None] + torch.arange(g + 1)
+            toks = s.tokens[idx]
+            hidden = draft.forward_blocks(feats[:, : int(a.max())], toks[None, :, 0], a[None])[0]
+            logits, _ = draft.block_logits(hidden, toks[:, :g])  # [n, γ, K]
+            rows = idx[:, :g] - s.prompt_len
+            if params.greedy:
+                betas.append((to_draft[s.topk_ids[rows, 0].long()] == logits.argmax(-1)).float())
+            else:
+                q = warp_probs(logits.float(), params)
+                p = warp_probs(s.topk_logp[rows].float(), params)  # warped over the top-k only
+                betas.append((1 - 0.5 * sparse_l1(q, to_draft[s.topk_ids[rows].long()], p)).clamp(0, 1))
+        stats.add(torch.cat(betas))
+    draft.train(was_training)
+    return stats
 
 
 @dataclass
@@ -69,76 +212,92 @@ class TrainOutcome:
     heldout: dict[str, Any]
     train_sequences: int
     heldout_sequences: int
+    vocab_coverage: float | None
 
 
-def heldout_stats(draft: DSparkDraft, seqs: list[Sequence], temperature: float):
-    """Teacher-forced stats on cached held-out sequences (features and target final hidden)."""
-    from dsparkctl.evaluation.teacher_forced import TeacherForcedStats, sequence_betas
-    from dsparkctl.math.sampling import SamplingParams
+def split(recipe: Recipe, seqs: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
+    """(train, held-out): the first `eval.holdout` sequences are held out (stable as data grows)."""
+    hold = recipe.eval.holdout
+    return seqs[hold:], seqs[:hold]
 
-    params = SamplingParams(temperature=temperature)
-    stats = TeacherForcedStats(block_size=draft.block_size)
-    head = draft.lm_head
-    with torch.no_grad():
-        for s in seqs:
-            logits = head(s.final.to(head.weight.dtype)).float()
-            stats.add(sequence_betas(draft, s.tokens, s.features.float(), logits, s.prompt_len, params))
-    return stats
+
+def prepare(recipe: Recipe, model: Any, tokenizer: Any, stop_ids: list[int], cache_dir: Path,
+            log: Callable[[str], None], on_data: Callable[[int, int], None] | None):
+    """Data, split, the initial draft (vocabulary, tap scale, warm start or init_from)."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    adapter = TargetAdapter(model)
+    seqs = build_dataset(recipe, model, tokenizer, stop_ids, cache_dir, log=log, on_batch=on_data)
+    train_seqs, held = split(recipe, seqs)
+    draft = init_draft(recipe, adapter, pick_mask_token(recipe, tokenizer, adapter.vocab_size))
+    if recipe.draft.vocab_size:
+        draft.set_draft_vocab(select_vocab(train_seqs, recipe.draft.vocab_size, adapter.vocab_size))
+        draft.share_target_embeddings(adapter.embed_tokens(), adapter.lm_head())
+    scale = tap_scale(train_seqs, len(recipe.draft.layer_ids)) if recipe.draft.tap_norm else None
+    if recipe.optim.init_from:
+        load_init_draft(recipe, draft, adapter, scale)
+    return adapter, train_seqs, held, draft, scale
 
 
 def run_training(recipe: Recipe, *, model: Any, tokenizer: Any, stop_ids: list[int], resume: bool,
                  cache_dir: Path | None = None, runs_dir: Path | None = None, out: Path | None = None,
                  log: Callable[[str], None] = print, on_data: Callable[[int, int], None] | None = None,
-                 on_step: Callable[[StepLog], None] | None = None, stop_after: int | None = None) -> TrainOutcome:
+                 on_step: Callable[[StepLog], None] | None = None, stop_after: int | None = None,
+                 on_eval: Callable[[int, dict[str, Any]], None] | None = None,
+                 max_seconds: float | None = None) -> TrainOutcome:
     if recipe.optim.threads:
         torch.set_num_threads(recipe.optim.threads)
     cache_dir = cache_dir or default_cache_dir()
-    run_dir = (runs_dir or cache_dir / "runs") / f"{recipe.name}-{recipe.digest()}"
+    run_dir = run_dir_for(recipe, cache_dir, runs_dir)
     if (run_dir / "latest.json").is_file() and not resume:
         raise InputError(f"{run_dir} already holds checkpoints of this recipe",
                          "pass --resume to continue it, or delete the folder to start over")
+    adapter, train_seqs, held, draft, scale = prepare(recipe, model, tokenizer, stop_ids, cache_dir, log, on_data)
     run_dir.mkdir(parents=True, exist_ok=True)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    adapter = TargetAdapter(model)
-    seqs = build_dataset(recipe, model, tokenizer, stop_ids, cache_dir, log=log, on_batch=on_data)
-    hold = recipe.eval.holdout
-    train_seqs, held = seqs[:-hold], seqs[-hold:]
-    mask = pick_mask_token(recipe, tokenizer, adapter.vocab_size)
-    draft = init_draft(recipe, adapter, mask)
-    trainer = Trainer(recipe, draft, train_seqs, run_dir)
+    coverage = vocab_coverage(held, draft.draft_vocab_ids, adapter.vocab_size)
+    trainer = Trainer(recipe, draft, train_seqs, run_dir, feature_scale=scale)
     start = trainer.load_latest() if resume else 0
     if start:
         log(f"resumed {run_dir.name} at step {start}")
-    res = trainer.train(on_step=on_step, stop_after=stop_after)
-    stats = heldout_stats(draft, held, recipe.eval.temperature)
+
+    def evaluate(step: int) -> None:
+        if recipe.eval.every and step % recipe.eval.every == 0:
+            t = time.perf_counter()
+            st = heldout_stats(draft, held, recipe.eval.temperature, scale)
+            row = {"step": step, "temperature": recipe.eval.temperature, **st.to_json(),
+                   "eval_seconds": round(time.perf_counter() - t, 2)}
+            with open(run_dir / "evals.jsonl", "a") as fh:
+                fh.write(json.dumps(row) + "\n")
+            if on_eval:
+                on_eval(step, row)
+
+    res = trainer.train(on_step=on_step, stop_after=stop_after, on_checkpoint=evaluate, max_seconds=max_seconds)
+    stats = heldout_stats(draft, held, recipe.eval.temperature, scale)
     heldout = {"temperature": recipe.eval.temperature, **stats.to_json()}
     extra = {"dsparkctl": provenance(recipe=recipe.to_dict(), recipe_hash=recipe.digest(), steps=res.steps,
                                      target=recipe.target.model, heldout_tau=stats.tau,
-                                     train_sequences=len(train_seqs))}
-    final = run_dir / "final"
-    save_draft(draft, final, dtype=torch.bfloat16, extra_config=extra, overwrite=True)
+                                     train_sequences=len(train_seqs), vocab_coverage=coverage)}
+    export_draft(draft, run_dir / "final", scale, extra)
     if out is not None:
-        save_draft(draft, out, dtype=torch.bfloat16, extra_config=extra, overwrite=True)
-    return TrainOutcome(run_dir=run_dir, draft_dir=out or final, steps=res.steps, resumed_from=start,
+        export_draft(draft, out, scale, extra)
+    return TrainOutcome(run_dir=run_dir, draft_dir=out or run_dir / "final", steps=res.steps, resumed_from=start,
                         seconds=res.seconds, last=res.logs[-1] if res.logs else None, heldout=heldout,
-                        train_sequences=len(train_seqs), heldout_sequences=len(held))
+                        train_sequences=len(train_seqs), heldout_sequences=len(held), vocab_coverage=coverage)
 
 
-def export_checkpoint(recipe: Recipe, step: int, *, model: Any, tokenizer: Any, out: Path,
+def export_checkpoint(recipe: Recipe, step: int, *, model: Any, tokenizer: Any, out: Path, stop_ids: list[int],
                       cache_dir: Path | None = None, runs_dir: Path | None = None) -> Path:
     """Write the kept checkpoint of `step` (see optim.keep_checkpoints) as a DeepSpec draft folder."""
     from safetensors.torch import load_file
 
     cache_dir = cache_dir or default_cache_dir()
-    run_dir = (runs_dir or cache_dir / "runs") / f"{recipe.name}-{recipe.digest()}"
+    run_dir = run_dir_for(recipe, cache_dir, runs_dir)
     path = run_dir / "checkpoints" / f"step_{step:06d}" / "draft.safetensors"
     if not path.is_file():
         kept = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) if run_dir.is_dir() else []
         raise InputError(f"no checkpoint for step {step} in {run_dir}",
                          f"kept checkpoints: {', '.join(kept) or 'none'} (list steps in optim.keep_checkpoints)")
-    adapter = TargetAdapter(model)
-    draft = init_draft(recipe, adapter, pick_mask_token(recipe, tokenizer, adapter.vocab_size))
+    _, _, _, draft, scale = prepare(recipe, model, tokenizer, stop_ids, cache_dir, lambda s: None, None)
     tensors = load_file(str(path))
     with torch.no_grad():
         for n, p in draft.named_parameters():
@@ -146,4 +305,4 @@ def export_checkpoint(recipe: Recipe, step: int, *, model: Any, tokenizer: Any, 
                 p.copy_(tensors[n])
     extra = {"dsparkctl": provenance(recipe=recipe.to_dict(), recipe_hash=recipe.digest(), steps=step,
                                      target=recipe.target.model, exported_from=str(path))}
-    return save_draft(draft, out, dtype=torch.bfloat16, extra_config=extra, overwrite=True)
+    return export_draft(draft, out, scale, extra)

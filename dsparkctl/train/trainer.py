@@ -4,7 +4,7 @@ Run folder (outside the repo; `runs_dir/<recipe name>-<recipe hash>/`):
     checkpoints/step_000100/   draft.safetensors (fp32 trainable tensors) + state.pt
                                (optimizer, step, sampler generator state; loaded weights_only)
     latest.json                the newest complete checkpoint
-    log.jsonl                  one line per logged step (loss parts, lr, seconds)
+    log.jsonl                  one line per logged step (loss parts, lr, seconds by phase)
     final/                     the trained draft in DeepSpec format (bf16, no embed/lm_head)
 A checkpoint folder is complete or absent (written atomically), so a killed run resumes at the
 last checkpoint and, because batch sampling uses only the saved generator, reproduces the same
@@ -14,6 +14,7 @@ batches and parameters as an uninterrupted run.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -32,12 +33,13 @@ from dsparkctl.train.recipe import Recipe
 
 @dataclass
 class Batch:
-    features: torch.Tensor  # [B, S, F] float32 (zero padded)
+    features: torch.Tensor  # [B, S, F] float32 (zero padded), already scaled by the tap scales
     anchor_ids: torch.Tensor  # [B, N]
     anchor_pos: torch.Tensor  # [B, N]
     prev_tokens: torch.Tensor  # [B, N, γ]  (anchor, x*_1..x*_{γ-1})
-    target_tokens: torch.Tensor  # [B, N, γ]  x*_1..x*_γ
-    target_final: torch.Tensor  # [B, N, γ, H] target final hidden at positions a..a+γ-1
+    target_idx: torch.Tensor  # [B, N, γ]  draft-vocabulary index of x*_1..x*_γ (-1: not emittable)
+    topk_idx: torch.Tensor  # [B, N, γ, k] draft-vocabulary index of the target's top-k (-1: outside)
+    topk_p: torch.Tensor  # [B, N, γ, k] float32 target probabilities of those ids
     valid: torch.Tensor  # [B, N, γ] bool
 
 
@@ -46,43 +48,53 @@ def anchor_range(seq: Sequence, gamma: int) -> tuple[int, int]:
     return seq.prompt_len, len(seq.tokens) - 1 - gamma
 
 
-def make_batch(seqs: list[Sequence], n_anchors: int, gamma: int, gen: torch.Generator) -> Batch:
-    """Sample up to n_anchors distinct full-block anchors per sequence (padding slots are invalid)."""
+def make_batch(seqs: list[Sequence], n_anchors: int, gamma: int, gen: torch.Generator, to_draft: torch.Tensor,
+               feature_scale: torch.Tensor | None = None) -> Batch:
+    """Sample up to n_anchors distinct full-block anchors per sequence (padding slots are invalid).
+
+    to_draft: [V] long, the draft-vocabulary index of each target id (-1 outside the subset).
+    Context is cut at the last sampled anchor (later positions are never attended to)."""
     B = len(seqs)
-    S = max(len(s.features) for s in seqs)
-    F_, H = seqs[0].features.shape[1], seqs[0].final.shape[1]
-    feats = torch.zeros(B, S, F_)
     a_pos = torch.zeros(B, n_anchors, dtype=torch.long)
     ok = torch.zeros(B, n_anchors, dtype=torch.bool)
     for b, s in enumerate(seqs):
-        feats[b, : len(s.features)] = s.features.float()
         lo, hi = anchor_range(s, gamma)
         count = max(0, hi - lo + 1)
         pick = torch.randperm(count, generator=gen)[:n_anchors] + lo if count else torch.zeros(0, dtype=torch.long)
         a_pos[b, : len(pick)] = torch.sort(pick).values
         ok[b, : len(pick)] = True
         a_pos[b, len(pick):] = lo if count else 0
-    k = torch.arange(gamma)
+    S = max(1, int(a_pos.max()))
+    F_ = seqs[0].features.shape[1]
+    k = seqs[0].topk_ids.shape[1]
+    feats = torch.zeros(B, S, F_)
     toks = torch.zeros(B, n_anchors, gamma + 1, dtype=torch.long)
-    final = torch.zeros(B, n_anchors, gamma, H)
+    tk_ids = torch.zeros(B, n_anchors, gamma, k, dtype=torch.long)
+    tk_lp = torch.full((B, n_anchors, gamma, k), -math.inf)
+    steps = torch.arange(gamma + 1)
     for b, s in enumerate(seqs):
-        idx = (a_pos[b][:, None] + torch.arange(gamma + 1)).clamp(max=len(s.tokens) - 1)
+        n = min(S, len(s.features))
+        feats[b, :n] = s.features[:n].float()
+        idx = (a_pos[b][:, None] + steps).clamp(max=len(s.tokens) - 1)  # [N, γ+1]
         toks[b] = s.tokens[idx]
-        fidx = (a_pos[b][:, None] + k).clamp(max=len(s.final) - 1)
-        final[b] = s.final[fidx].float()
+        rows = (idx[:, :gamma] - s.prompt_len).clamp(0, len(s.topk_ids) - 1)  # top-k row of slot k: position a+k-1
+        tk_ids[b] = s.topk_ids[rows].long()
+        tk_lp[b] = s.topk_logp[rows].float()
+    if feature_scale is not None:
+        feats *= feature_scale
     valid = ok[:, :, None].expand(B, n_anchors, gamma).clone()
     return Batch(features=feats, anchor_ids=toks[:, :, 0], anchor_pos=a_pos, prev_tokens=toks[:, :, :gamma],
-                 target_tokens=toks[:, :, 1:], target_final=final, valid=valid)
+                 target_idx=to_draft[toks[:, :, 1:]], topk_idx=to_draft[tk_ids], topk_p=tk_lp.exp(), valid=valid)
 
 
-def batch_loss(draft: DSparkDraft, target_head: torch.nn.Module, batch: Batch) -> LossParts:
+def batch_loss(draft: DSparkDraft, batch: Batch, weights: tuple[float, float, float]) -> LossParts:
     hidden = draft.forward_blocks(batch.features, batch.anchor_ids, batch.anchor_pos)  # [B, N, γ, H]
-    logits, conf = draft.block_logits(hidden, batch.prev_tokens)  # [B, N, γ, V], [B, N, γ]
-    g, V = logits.shape[-2:]
-    with torch.no_grad():
-        t_logits = target_head(batch.target_final.to(target_head.weight.dtype))
-    return dspark_loss(logits.reshape(-1, g, V), t_logits.reshape(-1, g, V), batch.target_tokens.reshape(-1, g),
-                       conf.reshape(-1, g) if conf is not None else None, batch.valid.reshape(-1, g))
+    logits, conf = draft.block_logits(hidden, batch.prev_tokens)  # [B, N, γ, K], [B, N, γ]
+    g, K = logits.shape[-2:]
+    k = batch.topk_idx.shape[-1]
+    return dspark_loss(logits.reshape(-1, g, K), batch.topk_idx.reshape(-1, g, k), batch.topk_p.reshape(-1, g, k),
+                       batch.target_idx.reshape(-1, g), conf.reshape(-1, g) if conf is not None else None,
+                       batch.valid.reshape(-1, g), weights)
 
 
 def trainable(draft: DSparkDraft) -> dict[str, torch.nn.Parameter]:
@@ -99,11 +111,21 @@ class StepLog:
     bce: float
     lr: float
     overlap: list[float]
+    top1: list[float]
     seconds: float
+    phases: dict[str, float]  # seconds: data, forward, backward, optimizer
+    blocks: int  # blocks (anchors) trained on in this step
 
     def to_json(self) -> dict[str, Any]:
-        return {k: (round(v, 5) if isinstance(v, float) else [round(x, 4) for x in v] if isinstance(v, list) else v)
-                for k, v in self.__dict__.items()}
+        def r(v: Any) -> Any:
+            if isinstance(v, float):
+                return round(v, 5) if math.isfinite(v) else None
+            if isinstance(v, list):
+                return [r(x) for x in v]
+            if isinstance(v, dict):
+                return {k: r(x) for k, x in v.items()}
+            return v
+        return {k: r(v) for k, v in self.__dict__.items()}
 
 
 @dataclass
@@ -114,14 +136,24 @@ class TrainResult:
     seconds: float = 0.0
 
 
+class NonFiniteLoss(InputError):
+    pass
+
+
 class Trainer:
-    def __init__(self, recipe: Recipe, draft: DSparkDraft, train_seqs: list[Sequence], run_dir: Path):
-        usable = [s for s in train_seqs if anchor_range(s, draft.block_size)[1] >= anchor_range(s, draft.block_size)[0]]
+    def __init__(self, recipe: Recipe, draft: DSparkDraft, train_seqs: list[Sequence], run_dir: Path,
+                 feature_scale: torch.Tensor | None = None):
+        g = draft.block_size
+        usable = [s for s in train_seqs if anchor_range(s, g)[1] >= anchor_range(s, g)[0]]
         if not usable:
             raise InputError("no training sequence is long enough for one block",
                              "raise data.max_new_tokens or lower draft.block_size")
         self.recipe, self.draft, self.seqs, self.run_dir = recipe, draft, usable, Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.feature_scale = feature_scale
+        V = draft.cfg.vocab_size
+        self.to_draft = torch.full((V,), -1, dtype=torch.long)
+        ids = draft.draft_vocab_ids if draft.draft_vocab_ids is not None else torch.arange(V)
+        self.to_draft[ids] = torch.arange(ids.numel())
         for n, p in draft.named_parameters():
             p.requires_grad_(n in trainable(draft))
         o = recipe.optim
@@ -181,13 +213,19 @@ class Trainer:
         return self.step
 
     # ------------------------------------------------------------------ loop
-    def train(self, on_step: Callable[[StepLog], None] | None = None, stop_after: int | None = None) -> TrainResult:
-        """Run to recipe.optim.steps (or stop_after more steps); checkpoint every checkpoint_every."""
+    def train(self, on_step: Callable[[StepLog], None] | None = None, stop_after: int | None = None,
+              on_checkpoint: Callable[[int], None] | None = None,
+              max_seconds: float | None = None) -> TrainResult:
+        """Run to recipe.optim.steps (or stop_after more steps, or until max_seconds of training
+        have passed: the step in progress finishes and is checkpointed); checkpoint every
+        checkpoint_every."""
         o = self.recipe.optim
-        head = self.draft.lm_head
+        weights = tuple(o.loss_weights)
         result = TrainResult(steps=self.step, resumed_from=self.step)
         t0 = time.perf_counter()
         end = o.steps if stop_after is None else min(o.steps, self.step + stop_after)
+        params = list(trainable(self.draft).values())
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.draft.train()
         while self.step < end:
             ts = time.perf_counter()
@@ -195,20 +233,38 @@ class Trainer:
             for g in self.opt.param_groups:
                 g["lr"] = lr
             pick = torch.randint(len(self.seqs), (o.batch_sequences,), generator=self.gen).tolist()
-            batch = make_batch([self.seqs[i] for i in pick], o.anchors_per_sequence, self.draft.block_size, self.gen)
-            parts = batch_loss(self.draft, head, batch)
+            batch = make_batch([self.seqs[i] for i in pick], o.anchors_per_sequence, self.draft.block_size,
+                               self.gen, self.to_draft, self.feature_scale)
+            t1 = time.perf_counter()
+            parts = batch_loss(self.draft, batch, weights)
+            loss = float(parts.total.detach())
+            if not math.isfinite(loss):
+                raise NonFiniteLoss(f"the loss became {loss} at step {self.step + 1}",
+                                    "lower optim.lr or check optim.grad_clip; nothing was saved for this step")
+            t2 = time.perf_counter()
             self.opt.zero_grad(set_to_none=True)
             parts.total.backward()
-            torch.nn.utils.clip_grad_norm_(list(trainable(self.draft).values()), o.grad_clip)
+            t3 = time.perf_counter()
+            norm = torch.nn.utils.clip_grad_norm_(params, o.grad_clip)
+            if not bool(torch.isfinite(norm)):
+                raise NonFiniteLoss(f"the gradient became {float(norm)} at step {self.step + 1}",
+                                    "lower optim.lr; the last checkpoint is intact")
             self.opt.step()
             self.step += 1
-            log = StepLog(self.step, float(parts.total.detach()), parts.ce, parts.l1, parts.bce, lr, parts.overlap,
-                          time.perf_counter() - ts)
+            t4 = time.perf_counter()
+            log = StepLog(self.step, loss, parts.ce, parts.l1, parts.bce, lr, parts.overlap,
+                          parts.top1, t4 - ts, {"data": t1 - ts, "forward": t2 - t1, "backward": t3 - t2,
+                                                "optimizer": t4 - t3}, int(batch.valid[:, :, 0].sum()))
             result.logs.append(log)
             with open(self.run_dir / "log.jsonl", "a") as fh:
                 fh.write(json.dumps(log.to_json()) + "\n")
+            out_of_time = max_seconds is not None and time.perf_counter() - t0 >= max_seconds
+            if out_of_time:
+                end = self.step
             if self.step % o.checkpoint_every == 0 or self.step == end:
                 self.save_checkpoint()
+                if on_checkpoint:
+                    on_checkpoint(self.step)
             if on_step:
                 on_step(log)
         self.draft.eval()

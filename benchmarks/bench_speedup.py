@@ -1,0 +1,141 @@
+"""Speculative decoding vs plain decoding, as a user at batch 1 sees it (greedy, one process).
+
+For each HumanEval prompt (chat-wrapped, as `generate --dataset humaneval` does) and each repeat,
+three decoders run back to back in a rotating order, so slow drifts of a shared machine hit all
+three alike:
+  * hf     transformers' own `model.generate` (greedy, KV cache) on the same target
+  * plain  dsparkctl's plain decoding (`plain_generate`, the engine's baseline)
+  * spec   dsparkctl's speculative engine with the draft and policy given
+Tokens/s of a run = generated tokens / wall seconds (prefill included for all three). The
+figures are medians over all (prompt, repeat) runs; the ratios are medians of the per-run
+ratios within one (prompt, repeat) triple. Also reported: τ, and the draft's share of a
+speculative round (draft ms / round ms, medians over rounds). Greedy outputs of spec and plain
+must be identical (checked); HF's are compared and reported.
+
+    .venv/bin/python benchmarks/bench_speedup.py [--draft PATH] [--prompts 8] [--repeats 3]
+        [--max-new-tokens 128] [--policy static:5] [--out benchmarks/results/speedup.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from dsparkctl.data.prompts import encode_prompts, load_prompts
+from dsparkctl.engine.session import open_session
+from dsparkctl.engine.speculative import SpeculativeEngine, plain_generate
+from dsparkctl.math.policies import parse_policy
+from dsparkctl.math.sampling import SamplingParams
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--draft", default=None, help="draft folder (default: the shipped draft)")
+    ap.add_argument("--dataset", default="humaneval")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--policy", default=None, help="default static:γ")
+    ap.add_argument("--sps-table", default=None, help="SPS table for dspark policies")
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "speedup.json")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sess = open_session(None, args.draft, "cpu", "fp32", log=lambda m: None)
+    tok, model = sess.target.tokenizer, sess.target.model
+    prompts = encode_prompts(tok, load_prompts(args.dataset, limit=args.prompts))
+    spec_policy = args.policy or f"static:{sess.draft.block_size}"
+    policy = parse_policy(spec_policy, sps_table=args.sps_table) if args.sps_table else parse_policy(spec_policy)
+    greedy = SamplingParams(0.0)
+    engine = SpeculativeEngine(sess.adapter, sess.draft, policy, greedy, stop_token_ids=sess.stop_ids)
+    plain_adapter = sess.plain_adapter()
+    N = args.max_new_tokens
+
+    def hf(p):
+        ids = torch.tensor([p])
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=N,
+                                 do_sample=False, eos_token_id=sess.stop_ids, pad_token_id=sess.stop_ids[0])
+        dt = time.perf_counter() - t0
+        return out[0, len(p):].tolist(), dt, None
+
+    def plain(p):
+        t0 = time.perf_counter()
+        rep = plain_generate(plain_adapter, [p], N, greedy, stop_token_ids=sess.stop_ids)
+        return rep.outputs[0].tokens, time.perf_counter() - t0, None
+
+    rounds: list[tuple[float, float]] = []
+
+    def spec(p):
+        t0 = time.perf_counter()
+        rep = engine.generate([p], N, on_round=lambda rows: rounds.append((rows[0].draft_ms, rows[0].verify_ms)))
+        dt = time.perf_counter() - t0
+        return rep.outputs[0].tokens, dt, rep
+
+    decoders = {"hf": hf, "plain": plain, "spec": spec}
+    names = list(decoders)
+    spec(prompts[0][:16])  # warm-up (allocations, kernel choice)
+    plain(prompts[0][:16])
+    hf(prompts[0][:16])
+    rounds.clear()
+    runs = []
+    identical = hf_identical = 0
+    for rep_i in range(args.repeats):
+        for i, p in enumerate(prompts):
+            order = names[(i + rep_i) % 3:] + names[:(i + rep_i) % 3]
+            res = {}
+            for name in order:
+                res[name] = decoders[name](p)
+            toks = {k: v[0] for k, v in res.items()}
+            identical += toks["spec"] == toks["plain"]
+            hf_identical += toks["hf"] == toks["plain"]
+            r = res["spec"][2]
+            n = len(toks["plain"])
+            runs.append({"prompt": i, "repeat": rep_i, "tokens": n,
+                         **{f"{k}_tok_s": len(toks[k]) / res[k][1] for k in names},
+                         "tau": r.stats.tau})
+            print(f"prompt {i} repeat {rep_i}: " + "  ".join(f"{k} {len(toks[k]) / res[k][1]:.1f} tok/s"
+                                                             for k in names) + f"  τ {r.stats.tau:.2f}", flush=True)
+    med = {k: statistics.median(r[f"{k}_tok_s"] for r in runs) for k in names}
+    ratio = {
+        "spec_over_hf": statistics.median(r["spec_tok_s"] / r["hf_tok_s"] for r in runs),
+        "spec_over_plain": statistics.median(r["spec_tok_s"] / r["plain_tok_s"] for r in runs),
+        "plain_over_hf": statistics.median(r["plain_tok_s"] / r["hf_tok_s"] for r in runs),
+    }
+    draft_share = statistics.median(d / (d + v) for d, v in rounds) if rounds else None
+    result = {
+        "draft": sess.draft_name, "policy": spec_policy, "dataset": args.dataset, "prompts": len(prompts),
+        "repeats": args.repeats, "max_new_tokens": N, "threads": torch.get_num_threads(),
+        "median_tok_s": med, "median_ratio": ratio,
+        "tau_median": statistics.median(r["tau"] for r in runs),
+        "draft_share_of_round_median": draft_share,
+        "round_ms_median": statistics.median(d + v for d, v in rounds) if rounds else None,
+        "draft_ms_median": statistics.median(d for d, _ in rounds) if rounds else None,
+        "verify_ms_median": statistics.median(v for _, v in rounds) if rounds else None,
+        "greedy_identical_spec_plain": f"{identical}/{len(runs)}",
+        "greedy_identical_hf_plain": f"{hf_identical}/{len(runs)}",
+        "runs": runs,
+    }
+    print(f"median tokens/s: hf {med['hf']:.1f}  plain {med['plain']:.1f}  spec {med['spec']:.1f}  "
+          f"(τ median {result['tau_median']:.2f})")
+    print(f"median ratios: spec/hf {ratio['spec_over_hf']:.2f}×  spec/plain {ratio['spec_over_plain']:.2f}×  "
+          f"plain/hf {ratio['plain_over_hf']:.2f}×")
+    if draft_share is not None:
+        print(f"draft share of a round: {100 * draft_share:.1f}% (draft {result['draft_ms_median']:.1f} ms, "
+              f"verify {result['verify_ms_median']:.1f} ms, medians)")
+    print(f"greedy outputs identical: spec=plain {result['greedy_identical_spec_plain']}, "
+          f"hf=plain {result['greedy_identical_hf_plain']}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
