@@ -11,6 +11,24 @@ from pathlib import Path
 from typing import IO, Any, Iterator
 
 
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def honour_umask(path: str | os.PathLike, directory: bool = False) -> None:
+    """Give a temp file/folder (created 0600/0700) the mode a plain open/mkdir would have."""
+    os.chmod(path, (0o777 if directory else 0o666) & ~current_umask())
+
+
+def temp_dir(parent: str | os.PathLike, name: str, suffix: str = ".partial") -> Path:
+    """A hidden temporary folder beside `parent/name`, with the umask's mode."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=suffix, dir=parent))
+    honour_umask(tmp, directory=True)
+    return tmp
+
+
 @contextlib.contextmanager
 def atomic_open(path: str | os.PathLike, mode: str = "w") -> Iterator[IO[Any]]:
     """Open a temporary file next to `path`; on success fsync and rename it over `path`.
@@ -21,6 +39,7 @@ def atomic_open(path: str | os.PathLike, mode: str = "w") -> Iterator[IO[Any]]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        honour_umask(tmp)
         with os.fdopen(fd, mode) as fh:
             yield fh
             fh.flush()
@@ -68,7 +87,7 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent))
+    tmp = temp_dir(path.parent, path.name)
     try:
         yield tmp
         for root, _dirs, files in os.walk(tmp):

@@ -7,14 +7,13 @@ from typing import Annotated, Any
 
 import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
-from rich.markup import escape
 from rich.table import Table
 
 from dsparkctl.checkpoint import hub
 from dsparkctl.checkpoint.extract import extract, parse_size
 from dsparkctl.checkpoint.inspect import inspect_report
 from dsparkctl.checkpoint.source import Checkpoint, open_local
-from dsparkctl.cli.common import JsonOpt, RevisionOpt, err, guarded, out, print_json, show_progress
+from dsparkctl.cli.common import JsonOpt, RevisionOpt, err, guarded, out, print_json, show_progress, styled
 from dsparkctl.errors import UsageError
 
 SourceArg = Annotated[str, typer.Argument(help="A local checkpoint folder or a hub repo id (org/name).")]
@@ -50,8 +49,8 @@ def inspect_cmd(source: SourceArg, revision: RevisionOpt = None, json: JsonOpt =
 
 def _print_report(r: dict[str, Any]) -> None:
     rev = f" @ {r['revision']}" if r["revision"] else ""
-    out.print(f"[bold]{r['source']}[/]{rev}: {r['layout']['title']} ({r['layout']['key']}), "
-              f"{r['stages'] or 1} stage(s), FP8 block {r['fp8_block'][0]}x{r['fp8_block'][1]}")
+    out.print(styled((str(r["source"]), "bold"), f"{rev}: {r['layout']['title']} ({r['layout']['key']}), "
+                     f"{r['stages'] or 1} stage(s), FP8 block {r['fp8_block'][0]}x{r['fp8_block'][1]}"))
     t = Table(title="draft components")
     for col in ("component", "tensors", "params", "bytes", "dtypes", "quant"):
         t.add_column(col, justify="right" if col in ("tensors", "params", "bytes") else "left")
@@ -59,7 +58,7 @@ def _print_report(r: dict[str, Any]) -> None:
         t.add_row(c["component"], str(c["tensors"]), f"{c['params']:,}", f"{c['bytes']:,}",
                   " ".join(c["dtypes"]), ", ".join(c["quant"]))
     d = r["draft"]
-    t.add_row("[bold]total[/]", str(d["tensors"]), f"{d['params']:,}", f"{d['bytes']:,}", "", "")
+    t.add_row(styled(("total", "bold")), str(d["tensors"]), f"{d['params']:,}", f"{d['bytes']:,}", "", "")
     out.print(t)
     dl = r["download"]
     out.print(f"draft shards: {', '.join(s['file'] for s in r['draft_shards'])}")
@@ -77,7 +76,7 @@ def _print_report(r: dict[str, Any]) -> None:
     out.print(cfg)
     colour = {"ok": "green", "warning": "yellow", "error": "red"}
     for f in r["findings"]:
-        out.print(f"[{colour[f['level']]}]{f['level']:>7}[/] {f['check']}: {escape(f['message'])}", highlight=False)
+        out.print(styled((f"{f['level']:>7}", colour[f["level"]]), f" {f['check']}: {f['message']}"), highlight=False)
 
 
 @guarded

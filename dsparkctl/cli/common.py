@@ -14,11 +14,29 @@ from typing import Annotated, Any, Callable, TypeVar
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from dsparkctl.errors import DsparkError
 
-out = Console(soft_wrap=True)  # results
-err = Console(stderr=True, soft_wrap=True)  # progress, warnings, errors (one-line errors stay one line)
+# Markup is off on both consoles: user text (paths, prompts, config values) is never parsed as
+# rich markup. Our own styling goes through `styled`, which builds Text objects.
+out = Console(soft_wrap=True, markup=False)  # results
+err = Console(stderr=True, soft_wrap=True, markup=False)  # progress, warnings, errors (one line each)
+
+
+def styled(*parts: str | tuple[str, str]) -> Text:
+    """Text from plain strings and (text, style) pairs; nothing is parsed as markup."""
+    t = Text()
+    for p in parts:
+        if isinstance(p, tuple):
+            t.append(p[0], style=p[1])
+        else:
+            t.append(p)
+    return t
+
+
+def error_line(label: str, message: str) -> Text:
+    return styled((label, "bold red"), " ", message.replace("\n", " "))
 
 STATE = {"debug": False}
 
@@ -79,22 +97,22 @@ def guarded(fn: F) -> F:
         except DsparkError as exc:
             if STATE["debug"]:
                 raise
-            err.print(f"[bold red]error:[/] {exc.one_line()}", markup=True, highlight=False)
+            err.print(error_line("error:", exc.one_line()), highlight=False)
             raise typer.Exit(exc.exit_code) from None
         except KeyboardInterrupt:
-            err.print("[red]interrupted[/]; nothing was written")
+            err.print(styled(("interrupted", "red"), "; nothing was written"))
             raise typer.Exit(130) from None
         except (OSError, MemoryError) as exc:
             if STATE["debug"]:
                 raise
-            err.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}", highlight=False)
+            err.print(error_line("error:", f"{type(exc).__name__}: {exc}"), highlight=False)
             raise typer.Exit(1) from None
         except Exception as exc:  # noqa: BLE001 - last-resort one-liner
             if STATE["debug"]:
                 raise
             msg = str(exc).splitlines()[0] if str(exc) else ""
-            err.print(f"[bold red]internal error:[/] {type(exc).__name__}: {msg} "
-                      "(fix: rerun with --debug for the traceback and report it)", highlight=False)
+            err.print(error_line("internal error:", f"{type(exc).__name__}: {msg} "
+                                 "(fix: rerun with --debug for the traceback and report it)"), highlight=False)
             raise typer.Exit(1) from None
 
     return wrapper  # type: ignore[return-value]

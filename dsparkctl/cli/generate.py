@@ -11,7 +11,7 @@ import typer
 from rich.table import Table
 
 from dsparkctl.cli.common import (DeviceOpt, DType, DTypeOpt, Device, JsonOpt, SeedOpt, err, guarded, out,
-                                  print_json, show_progress)
+                                  print_json, show_progress, styled)
 from dsparkctl.errors import InputError, UsageError
 
 
@@ -107,10 +107,10 @@ def generate(
     if limit:
         texts = texts[:limit]
 
-    log = (lambda m: err.print(f"[dim]{m}[/]")) if not json_out or show_progress() else (lambda m: None)
+    log = (lambda m: err.print(styled((m, "dim")))) if not json_out or show_progress() else (lambda m: None)
     sess = open_session(target, draft, device.value, dtype.value, revision, trust_remote_code, seed, log=log)
     for n in sess.notes:
-        err.print(f"[yellow]note:[/] {n}")
+        err.print(styled(("note:", "yellow"), f" {n}"))
     gamma = sess.draft.block_size
     pol = load_policy(policy, gamma, sps_table, calibration)
     engine = SpeculativeEngine(sess.adapter, sess.draft, pol, sampling, stop_token_ids=sess.stop_ids)
@@ -147,7 +147,7 @@ def generate(
             offset = chunk[0]
             on_tokens = None
             if stream:
-                out.print(f"[bold]── prompt {offset + 1}[/]")
+                out.print(styled((f"── prompt {offset + 1}", "bold")))
                 state = {"ids": [], "text": ""}
                 def on_tokens(_r: int, toks: list[int], state=state) -> None:
                     state["ids"].extend(toks)
@@ -225,7 +225,8 @@ def generate(
         return
     if show_text and not stream:
         for i, t in enumerate(texts_out):
-            out.print(f"[bold]── prompt {i + 1}[/] [dim]({len(results[i].tokens)} tokens, {results[i].finish_reason})[/]")
+            out.print(styled((f"── prompt {i + 1}", "bold"), " ", (f"({len(results[i].tokens)} tokens, "
+                                                                   f"{results[i].finish_reason})", "dim")))
             out.print(t, markup=False, highlight=False)
     summary = Table(title=f"{sess.draft_name} ({sess.draft.cfg.kind}, γ={gamma}) on {sess.target.name} · "
                     f"policy {pol.spec} · T={temperature}", title_justify="left")

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from dsparkctl.cli.common import DeviceOpt, DType, DTypeOpt, Device, JsonOpt, SeedOpt, err, guarded, out, print_json, show_progress
+from dsparkctl.cli.common import DeviceOpt, DType, DTypeOpt, Device, JsonOpt, SeedOpt, err, guarded, out, print_json, show_progress, styled
 from dsparkctl.errors import UsageError
 
 
@@ -76,7 +76,7 @@ def profile_sps_cmd(
         raise UsageError("--context-len and --repeats must be >= 1, --warmup >= 0")
     dev = resolve_device(device.value)
     dt = resolve_dtype(dtype.value, dev)
-    tgt = load_target(target, dev, dt, revision=revision, log=lambda m: err.print(f"[dim]{m}[/]"))
+    tgt = load_target(target, dev, dt, revision=revision, log=lambda m: err.print(styled((m, "dim"))))
     adapter = TargetAdapter(tgt.model, ())
     total = len(set(reqs)) * len(set(toks))
     progress = None

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from dsparkctl.cli.common import JsonOpt, SeedOpt, err, guarded, out, print_json
+from dsparkctl.cli.common import JsonOpt, SeedOpt, err, error_line, guarded, out, print_json
 from dsparkctl.errors import UsageError
 from dsparkctl.fsutil import write_json
 
@@ -149,7 +149,7 @@ def audit(
                       f"{r.mean_verify:.2f}", verdict)
         out.print(t)
     if unexpected:
-        err.print(f"[bold red]error:[/] {len(unexpected)} policy run(s) claimed lossless failed the audit")
+        err.print(error_line("error:", f"{len(unexpected)} policy run(s) claimed lossless failed the audit"))
         raise typer.Exit(1)
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from dsparkctl.errors import CheckpointError, InputError, ModelMismatchError
-from dsparkctl.fsutil import atomic_dir
+from dsparkctl.fsutil import atomic_dir, temp_dir
 from dsparkctl.models.draft import DSparkDraft
 from dsparkctl.models.draft_config import DraftConfig
 
@@ -193,18 +193,47 @@ def load_draft(source: str | os.PathLike, target: Any | None = None, revision: s
     return draft.to(device=device or "cpu", dtype=dtype or torch.float32).eval()
 
 
-def save_draft(draft: DSparkDraft, out: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16,
-               include_embeddings: bool = False, extra_config: dict[str, Any] | None = None,
-               overwrite: bool = False) -> Path:
-    """Write `draft` as a DeepSpec checkpoint folder (atomically)."""
-    from safetensors.torch import save_file
+DRAFT_FILES = {"config.json", "model.safetensors", INDEX_NAME}
 
+
+def is_our_draft(folder: Path) -> bool:
+    """A folder dsparkctl wrote as a draft: config.json with our provenance block and nothing
+    but draft files (so replacing it can never delete a user's own files)."""
+    cfg = folder / "config.json"
+    try:
+        ours = isinstance(json.loads(cfg.read_text(encoding="utf-8")).get("dsparkctl"), dict)
+    except (OSError, ValueError, AttributeError):
+        return False
+    names = {p.name for p in folder.iterdir()}
+    return ours and names <= DRAFT_FILES | set(TOKENIZER_FILES) and all((folder / n).is_file() for n in names)
+
+
+def check_draft_destination(out: str | os.PathLike, overwrite: bool) -> Path:
+    """Validate an output folder before any work: absent, or (with overwrite) a previous draft of ours."""
     out = Path(out)
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise InputError(f"{out} exists and is not a folder", "choose a new folder for the draft")
     if out.exists():
         if not overwrite:
             raise InputError(f"{out} already exists", "choose another folder or remove it")
-        import shutil
-        shutil.rmtree(out)
+        if not is_our_draft(out):
+            raise InputError(f"{out} exists and is not a draft written by dsparkctl; refusing to replace it",
+                             "choose a new folder (nothing was changed)")
+    return out
+
+
+def save_draft(draft: DSparkDraft, out: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16,
+               include_embeddings: bool = False, extra_config: dict[str, Any] | None = None,
+               overwrite: bool = False) -> Path:
+    """Write `draft` as a DeepSpec checkpoint folder, atomically.
+
+    With `overwrite`, an existing folder is replaced only if it is a previous draft of ours
+    (`is_our_draft`), and the swap is atomic: readers see the old draft or the new one."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    out = check_draft_destination(out, overwrite)
     sd = {}
     for k, v in draft.state_dict().items():
         if k.startswith("rotary.") or (k in BORROWED and not include_embeddings):
@@ -214,9 +243,23 @@ def save_draft(draft: DSparkDraft, out: str | os.PathLike, *, dtype: torch.dtype
     cfg = draft.cfg.to_dict()
     if extra_config:
         cfg.update(extra_config)
-    with atomic_dir(out) as tmp:
-        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    if not out.exists():
+        with atomic_dir(out) as tmp:
+            save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        return out
+    new, old = temp_dir(out.parent, out.name), temp_dir(out.parent, out.name, ".old")
+    try:
+        save_file(sd, str(new / "model.safetensors"), metadata={"format": "pt"})
+        (new / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        for f in new.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        os.replace(out, old / "draft")  # the previous draft steps aside, the new one takes its name
+        os.replace(new, out)
+    finally:
+        shutil.rmtree(new, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
     return out
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -177,6 +178,9 @@ def recipe_from_dict(raw: Mapping[str, Any], source: str = "recipe") -> Recipe:
     return recipe
 
 
+NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")
+
+
 def validate(r: Recipe, source: str) -> None:
     def bad(msg: str, hint: str | None = None) -> None:
         raise InputError(f"{source}: {msg}", hint)
@@ -193,8 +197,23 @@ def validate(r: Recipe, source: str) -> None:
         bad(f"draft.layer_ids must be non-empty and strictly increasing, got {list(d.layer_ids)}")
     if o.steps < 1 or o.batch_sequences < 1 or o.anchors_per_sequence < 1 or o.checkpoint_every < 1:
         bad("optim.steps, batch_sequences, anchors_per_sequence and checkpoint_every must be >= 1")
-    if not o.lr > 0 or not 0 <= o.min_lr_ratio <= 1:
-        bad("optim.lr must be > 0 and optim.min_lr_ratio in [0, 1]")
+    def finite(x: float) -> bool:
+        return x == x and abs(x) != float("inf")
+    if not (o.lr > 0 and finite(o.lr)) or not 0 <= o.min_lr_ratio <= 1:
+        bad(f"optim.lr must be a finite number > 0 and optim.min_lr_ratio in [0, 1] (got {o.lr}, {o.min_lr_ratio})")
+    if not (o.grad_clip > 0 and finite(o.grad_clip)):
+        bad(f"optim.grad_clip must be a finite number > 0, got {o.grad_clip}")
+    if not (o.weight_decay >= 0 and finite(o.weight_decay)):
+        bad(f"optim.weight_decay must be a finite number >= 0, got {o.weight_decay}")
+    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
+        bad(f"optim.betas must be two numbers in [0, 1), got {list(o.betas)}")
+    if o.warmup_steps < 0 or o.threads < 0 or any(k < 1 for k in o.keep_checkpoints):
+        bad("optim.warmup_steps and optim.threads must be >= 0 and optim.keep_checkpoints steps >= 1")
+    if any(i < -1 for i in d.layer_ids):
+        bad(f"draft.layer_ids must be >= -1 (-1 = the embeddings), got {list(d.layer_ids)}")
+    if not NAME_RE.fullmatch(r.name):
+        bad(f"name {r.name!r} must be letters, digits, '.', '_' or '-' and not start with '.'",
+            "it names the run folder, so it cannot hold a path")
     if da.num_prompts < 2 or da.max_new_tokens < 1 or da.batch_size < 1:
         bad("data.num_prompts must be >= 2, max_new_tokens and batch_size >= 1")
     if da.temperature < 0 or r.eval.temperature < 0:

@@ -13,7 +13,7 @@ import torch
 
 from dsparkctl.errors import InputError
 from dsparkctl.models.draft import DSparkDraft
-from dsparkctl.models.draft_io import load_draft, random_draft_config, save_draft
+from dsparkctl.models.draft_io import check_draft_destination, load_draft, random_draft_config, save_draft
 from dsparkctl.models.target import TargetAdapter
 from dsparkctl.provenance import provenance
 from dsparkctl.train.data import Sequence, build_dataset
@@ -226,7 +226,7 @@ def prepare(recipe: Recipe, model: Any, tokenizer: Any, stop_ids: list[int], cac
     """Data, split, the initial draft (vocabulary, tap scale, warm start or init_from)."""
     for p in model.parameters():
         p.requires_grad_(False)
-    adapter = TargetAdapter(model)
+    adapter = TargetAdapter(model, recipe.draft.layer_ids)  # refuses taps the target does not have
     seqs = build_dataset(recipe, model, tokenizer, stop_ids, cache_dir, log=log, on_batch=on_data)
     train_seqs, held = split(recipe, seqs)
     draft = init_draft(recipe, adapter, pick_mask_token(recipe, tokenizer, adapter.vocab_size))
@@ -249,6 +249,8 @@ def run_training(recipe: Recipe, *, model: Any, tokenizer: Any, stop_ids: list[i
         torch.set_num_threads(recipe.optim.threads)
     cache_dir = cache_dir or default_cache_dir()
     run_dir = run_dir_for(recipe, cache_dir, runs_dir)
+    if out is not None:
+        check_draft_destination(out, overwrite=True)  # fail now, not after the training
     if (run_dir / "latest.json").is_file() and not resume:
         raise InputError(f"{run_dir} already holds checkpoints of this recipe",
                          "pass --resume to continue it, or delete the folder to start over")
@@ -292,6 +294,7 @@ def export_checkpoint(recipe: Recipe, step: int, *, model: Any, tokenizer: Any, 
 
     cache_dir = cache_dir or default_cache_dir()
     run_dir = run_dir_for(recipe, cache_dir, runs_dir)
+    check_draft_destination(out, overwrite=True)
     path = run_dir / "checkpoints" / f"step_{step:06d}" / "draft.safetensors"
     if not path.is_file():
         kept = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) if run_dir.is_dir() else []
