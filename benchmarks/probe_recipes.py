@@ -27,12 +27,17 @@ from dsparkctl.train.run import default_cache_dir, heldout_stats, prepare, vocab
 from dsparkctl.train.trainer import Trainer
 
 
-def run_probe(name: str, overrides: list[str], args, lt, stops) -> dict:
-    rec = load_recipe(args.recipe, overrides + [f"min_lr_ratio=1.0", "steps=1000000", "checkpoint_every=1000000"])
+def run_probe(name: str, overrides: list[str], args, lt, stops, held: list) -> dict:
+    """Train one variant for args.minutes; `held` is the BASE recipe's held-out split (shared)."""
+    rec = load_recipe(args.recipe, args.base + overrides + ["min_lr_ratio=1.0", "steps=1000000",
+                                                            "checkpoint_every=1000000"])
     torch.set_num_threads(rec.optim.threads or torch.get_num_threads())
     t = time.perf_counter()
-    adapter, train, held, draft, scale = prepare(rec, lt.model, lt.tokenizer, stops, args.cache_dir,
-                                                 lambda s: None, None)
+    adapter, train, own_held, draft, scale = prepare(rec, lt.model, lt.tokenizer, stops, args.cache_dir,
+                                                     lambda s: None, None)
+    if own_held[0].tokens.tolist() != held[0].tokens.tolist():  # another data source: its held-out may train,
+        held_prompts = {tuple(s.tokens[: s.prompt_len].tolist()) for s in held}  # but no held-out prompt may
+        train = [s for s in train + own_held if tuple(s.tokens[: s.prompt_len].tolist()) not in held_prompts]
     setup_s = time.perf_counter() - t
     run_dir = args.out.parent / f".probe-{args.out.stem}-{name}"
     trainer = Trainer(rec, draft, train, run_dir, feature_scale=scale)
@@ -87,6 +92,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("recipe", type=Path)
     ap.add_argument("--probe", action="append", required=True, help="NAME:key=value,key=value")
+    ap.add_argument("--base", action="append", default=[], help="override applied to every probe (key=value)")
     ap.add_argument("--minutes", type=float, default=8.0)
     ap.add_argument("--every", type=float, default=2.0)
     ap.add_argument("--cache-dir", type=Path, default=default_cache_dir())
@@ -94,13 +100,16 @@ def main() -> None:
     args = ap.parse_args()
     lt = load_target(None, torch.device("cpu"), torch.float32, log=lambda s: None)
     stops = stop_token_ids(lt.tokenizer, lt.model)
+    base = load_recipe(args.recipe, args.base)
+    _, _, held, _, _ = prepare(base, lt.model, lt.tokenizer, stops, args.cache_dir, lambda s: None, None)
     results = []
     for spec in args.probe:
         name, _, rest = spec.partition(":")
         overrides = [kv for kv in rest.split(",") if kv]
-        results.append(run_probe(name, overrides, args, lt, stops))
+        results.append(run_probe(name, overrides, args, lt, stops, held))
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_suffix(".json").write_text(json.dumps({"recipe": str(args.recipe), "minutes": args.minutes,
+        args.out.with_suffix(".json").write_text(json.dumps({"recipe": str(args.recipe), "base": args.base,
+                                                              "minutes": args.minutes, "heldout_sequences": len(held),
                                                               "probes": results}, indent=2) + "\n")
     lines = ["| probe | overrides | steps | blocks | s/step | held-out τ | c1 | c5 |", "|---|---|---|---|---|---|---|---|"]
     for r in results:

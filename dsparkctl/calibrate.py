@@ -17,10 +17,10 @@ from typing import Any, Sequence
 import torch
 
 from dsparkctl.errors import InputError, UsageError
-from dsparkctl.fsutil import read_json
 from dsparkctl.math.calibration import CalibrationData, fit_sts, position_metrics, split_requests
 from dsparkctl.provenance import provenance
-from dsparkctl.trace import Trace, read_trace
+from dsparkctl.strict_json import read
+from dsparkctl.trace import Trace, read_traces
 
 CALIBRATION_FORMAT = "dsparkctl-calibration/1"
 
@@ -30,6 +30,7 @@ def calibration_data(traces: Sequence[Trace]) -> tuple[CalibrationData, torch.Te
 
     Refuses rounds without confidence logits and mixed block sizes."""
     logits, ell, acc, keys = [], [], [], []
+    ids: dict[tuple[int, int], int] = {}  # (file, request) -> dense request key
     gamma = None
     for fi, t in enumerate(traces):
         for r in t.rounds:
@@ -44,7 +45,7 @@ def calibration_data(traces: Sequence[Trace]) -> tuple[CalibrationData, torch.Te
             logits.append(r.confidence_logits)
             ell.append(r.verify_length)
             acc.append(r.accepted)
-            keys.append(fi * 1_000_000_000 + r.request)
+            keys.append(ids.setdefault((fi, r.request), len(ids)))
     if not logits:
         raise InputError("the traces contain no rounds", "record some with `dsparkctl generate --trace`")
     return (CalibrationData(torch.tensor(logits, dtype=torch.float64), torch.tensor(ell), torch.tensor(acc)),
@@ -53,13 +54,19 @@ def calibration_data(traces: Sequence[Trace]) -> tuple[CalibrationData, torch.Te
 
 def run_calibration(trace_paths: Sequence[str | os.PathLike], holdout: float = 0.2, bins: int = 20,
                     seed: int = 0) -> dict[str, Any]:
-    """Read, split by request, fit STS on the training part, measure before/after on the held-out part."""
+    """Read, split by request, fit STS on the training part, measure before/after on the held-out part.
+
+    `bins` is bounded by the data: at most one bin per recorded round (more bins than rounds only
+    adds empty ones, and each costs memory in the fit and a row in every reliability diagram)."""
     if not 0.0 < holdout < 1.0:
         raise UsageError(f"--holdout must be in (0, 1), got {holdout}", "e.g. --holdout 0.2")
     if bins < 2:
         raise UsageError(f"--bins must be ≥ 2, got {bins}", "e.g. --bins 20")
-    traces = [read_trace(p) for p in trace_paths]
+    traces = read_traces(trace_paths)
     data, keys = calibration_data(traces)
+    if bins > data.logits.shape[0]:
+        raise UsageError(f"--bins {bins} is more than the {data.logits.shape[0]} rounds in the traces",
+                         f"use at most {data.logits.shape[0]} bins (e.g. --bins 20)")
     gen = torch.Generator().manual_seed(seed)
     hold = split_requests(keys, holdout, gen)
     train, held = data.subset(~hold), data.subset(hold)
@@ -115,7 +122,7 @@ def strip_diagrams(result: dict[str, Any]) -> dict[str, Any]:
 def load_temperatures(path: str | os.PathLike, gamma: int | None = None) -> list[float]:
     """Temperatures from our calibration JSON or SGLang's STS file; checks the block size."""
     path = Path(path)
-    obj = read_json(path, "calibration file", "write one with `dsparkctl calibrate`")
+    obj = read(path, "calibration file", "write one with `dsparkctl calibrate`")
     temps = obj.get("temperatures") if isinstance(obj, dict) else None
     if (not isinstance(temps, list) or not temps
             or not all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0

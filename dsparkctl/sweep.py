@@ -2,6 +2,9 @@
 
 Replay model. Traces must come from full verification (`static:γ`, every `verify_length == γ`),
 so each recorded round tells how many drafts WOULD have been accepted (`accepted_if_full`).
+Rounds the engine marked `budget_capped` (ℓ cut by `--max-new-tokens` at the end of a request)
+are skipped: they do not say how many of γ drafts would have been accepted, and the cut depends
+only on the token count, not on the drafts, so skipping them biases nothing.
 At concurrency C the engine runs steps of C requests; each request's round is drawn uniformly
 (with replacement, seeded) from the pooled trace rounds. The policy sees the recorded
 confidence logits (with the calibration temperatures, if given) and picks ℓ; the round then
@@ -28,7 +31,7 @@ from dsparkctl.errors import InputError, UsageError
 from dsparkctl.math.policies import parse_policy, survival_from_logits
 from dsparkctl.math.sps import SPSTable
 from dsparkctl.provenance import provenance
-from dsparkctl.trace import read_trace
+from dsparkctl.trace import read_traces
 
 SWEEP_FORMAT = "dsparkctl-sweep/1"
 DEFAULT_POLICIES = ("static:1", "static:3", "threshold:0.5", "survival:0.4", "budget:256", "dspark", "dspark-async")
@@ -36,30 +39,43 @@ DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 def load_replay_rounds(trace_paths: Sequence[str | os.PathLike]) -> dict[str, Any]:
-    """Pool full-verification rounds: {"logits" [N, γ] (NaN rows when absent), "accepted" [N], "gamma"}."""
+    """Pool full-verification rounds: {"logits" [N, γ] (NaN rows when absent), "accepted" [N], "gamma",
+    "skipped" (budget-capped rounds left out)}."""
     logits, acc = [], []
-    gamma, has_conf = None, True
-    for p in trace_paths:
-        t = read_trace(p)
+    gamma, has_conf, skipped = None, True, 0
+    for t in read_traces(trace_paths):
+        p = t.path
         for r in t.rounds:
             if gamma is None:
                 gamma = r.block_size
             elif r.block_size != gamma:
                 raise InputError(f"{p}: block size {r.block_size} differs from {gamma}",
                                  "sweep traces of one block size at a time")
+            if r.budget_capped:
+                skipped += 1
+                continue
             if r.verify_length != r.block_size:
                 raise InputError(
                     f"{p}: request {r.request} round {r.round} verified {r.verify_length} of {r.block_size} "
-                    "drafts; the sweep needs traces recorded with full verification",
-                    f"record with `dsparkctl generate --policy static:{r.block_size} --trace ...`")
+                    "drafts; the sweep needs traces recorded with full verification", _full_hint(t.header, gamma))
             if r.confidence_logits is None:
                 has_conf = False
             logits.append(r.confidence_logits if r.confidence_logits is not None else [math.nan] * r.block_size)
             acc.append(r.accepted)
     if not acc:
-        raise InputError("the traces contain no rounds", "record some with `dsparkctl generate --trace`")
+        raise InputError("the traces contain no full-verification rounds"
+                         + (f" ({skipped} budget-capped rounds skipped)" if skipped else ""),
+                         "record some with `dsparkctl generate --trace` (and a larger --max-new-tokens)")
     return {"logits": torch.tensor(logits, dtype=torch.float64), "accepted": torch.tensor(acc),
-            "gamma": gamma, "has_confidence": has_conf}
+            "gamma": gamma, "has_confidence": has_conf, "skipped": skipped}
+
+
+def _full_hint(header: dict[str, Any], gamma: int) -> str:
+    """How to get a usable trace; not the command that produced this one."""
+    if header.get("policy") == f"static:{gamma}":
+        return (f"this trace was recorded with static:{gamma} but its shortened rounds are not marked "
+                "budget_capped (an older dsparkctl, or an edited file); record it again with this version")
+    return f"record with `dsparkctl generate --policy static:{gamma} --trace ...`"
 
 
 def parse_concurrency(text: str) -> list[int]:
@@ -111,6 +127,12 @@ def run_sweep(trace_paths, sps_path, policy_specs=DEFAULT_POLICIES, concurrency=
 
     if rounds < 1:
         raise UsageError(f"--rounds must be ≥ 1, got {rounds}")
+    if not policy_specs or not concurrency:
+        raise UsageError("nothing to sweep: no policies or no load levels", "e.g. --policies static:1,dspark "
+                         "--concurrency 1,8,64")
+    if max(concurrency) > rounds:  # a cell replays ≈ rounds request-rounds, and at least one step of C
+        raise UsageError(f"--concurrency {max(concurrency)} is more than --rounds {rounds}: one step of it "
+                         "replays more request-rounds than a whole cell may", "raise --rounds or lower --concurrency")
     for s in policy_specs:  # unknown names fail before any file is read
         parse_policy(s, sps=SPSTable([1], [1.0]))
     sps = SPSTable.load(sps_path)
@@ -118,7 +140,7 @@ def run_sweep(trace_paths, sps_path, policy_specs=DEFAULT_POLICIES, concurrency=
     temps = load_temperatures(calibration, pool["gamma"]) if calibration else None
     rows = replay(pool, policy_specs, concurrency, sps, temps, rounds, seed)
     return {"format": SWEEP_FORMAT, "block_size": pool["gamma"], "pooled_rounds": int(pool["accepted"].numel()),
-            "rounds_per_cell": rounds, "temperatures": temps, "policies": list(policy_specs),
-            "concurrency": list(concurrency), "rows": rows,
+            "budget_capped_rounds_skipped": pool["skipped"], "rounds_per_cell": rounds, "temperatures": temps,
+            "policies": list(policy_specs), "concurrency": list(concurrency), "rows": rows,
             "provenance": provenance(inputs=[str(p) for p in trace_paths], sps_table=str(sps_path),
                                      calibration=str(calibration) if calibration else None, seed=seed)}

@@ -13,8 +13,12 @@ Every further line is one round of one request:
     batch_tokens       int   Σ(1 + ℓ_r) over the batch this round ran in
     draft_ms           float wall time of the draft step for the whole batch
     verify_ms          float wall time of the target verify forward for the whole batch
+    budget_capped      bool  ℓ was cut below the policy's choice by the token budget
+                             (`--max-new-tokens`); optional, false when absent (older traces)
 
 Extra keys are allowed and preserved (forward compatible); these names never change.
+The reader is strict: UTF-8 lines of strict JSON (no NaN/Infinity, each key once), integers
+within int64, block_size ≤ MAX_BLOCK_SIZE, and each (request, round) once per file.
 """
 
 from __future__ import annotations
@@ -24,12 +28,16 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Sequence
 
 from dsparkctl.errors import InputError
 from dsparkctl.fsutil import atomic_open
+from dsparkctl.strict_json import StrictJSONError, finite, loads
 
 TRACE_FORMAT = "dsparkctl-trace/1"
+MAX_BLOCK_SIZE = 256  # drafts per round; real DSpark/DFlash blocks are 4-16
+_INT_LIMIT = 2 ** 63  # rounds become int64 tensors
+_WRITTEN_BY = "traces are written by `dsparkctl generate --trace`"
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,7 @@ class TraceRound:
     batch_tokens: int
     draft_ms: float
     verify_ms: float
+    budget_capped: bool = False  # ℓ shortened by the token budget, not chosen by the policy
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def to_json(self) -> dict[str, Any]:
@@ -58,41 +67,50 @@ _FLOAT_FIELDS = ("draft_ms", "verify_ms")
 
 def _parse_round(obj: Any, where: str) -> TraceRound:
     if not isinstance(obj, dict):
-        raise InputError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        raise InputError(f"{where}: expected a JSON object, got {type(obj).__name__}", _WRITTEN_BY)
     missing = [k for k in (*_INT_FIELDS, *_FLOAT_FIELDS, "confidence_logits") if k not in obj]
     if missing:
-        raise InputError(f"{where}: missing field(s) {', '.join(missing)}",
-                         "traces are written by `dsparkctl generate --trace`")
+        raise InputError(f"{where}: missing field(s) {', '.join(missing)}", _WRITTEN_BY)
     for k in _INT_FIELDS:
         v = obj[k]
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise InputError(f"{where}: field {k!r} must be a non-negative integer, got {v!r}")
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < _INT_LIMIT:
+            raise InputError(f"{where}: field {k!r} must be an integer in [0, 2^63), got {_short(v)}", _WRITTEN_BY)
     for k in _FLOAT_FIELDS:
         v = obj[k]
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
-            raise InputError(f"{where}: field {k!r} must be a non-negative number, got {v!r}")
+            raise InputError(f"{where}: field {k!r} must be a non-negative number, got {_short(v)}", _WRITTEN_BY)
     gamma, ell, acc = obj["block_size"], obj["verify_length"], obj["accepted"]
-    if gamma < 1:
-        raise InputError(f"{where}: block_size must be >= 1, got {gamma}")
+    if not 1 <= gamma <= MAX_BLOCK_SIZE:
+        raise InputError(f"{where}: block_size must be in [1, {MAX_BLOCK_SIZE}], got {gamma}", _WRITTEN_BY)
     if ell > gamma:
-        raise InputError(f"{where}: verify_length {ell} exceeds block_size {gamma}")
+        raise InputError(f"{where}: verify_length {ell} exceeds block_size {gamma}", _WRITTEN_BY)
     if acc > ell:
-        raise InputError(f"{where}: accepted {acc} exceeds verify_length {ell}")
+        raise InputError(f"{where}: accepted {acc} exceeds verify_length {ell}", _WRITTEN_BY)
+    capped = obj.get("budget_capped", False)
+    if not isinstance(capped, bool):
+        raise InputError(f"{where}: field 'budget_capped' must be true or false, got {_short(capped)}", _WRITTEN_BY)
     logits = obj["confidence_logits"]
     if logits is not None:
         if (not isinstance(logits, list) or len(logits) != gamma
                 or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
                            and math.isfinite(x) for x in logits)):
-            raise InputError(f"{where}: confidence_logits must be null or {gamma} finite numbers")
+            raise InputError(f"{where}: confidence_logits must be null or {gamma} finite numbers", _WRITTEN_BY)
         logits = [float(x) for x in logits]
-    known = {*_INT_FIELDS, *_FLOAT_FIELDS, "confidence_logits"}
+    known = {*_INT_FIELDS, *_FLOAT_FIELDS, "confidence_logits", "budget_capped"}
     return TraceRound(
         **{k: obj[k] for k in _INT_FIELDS},
         confidence_logits=logits,
         draft_ms=float(obj["draft_ms"]),
         verify_ms=float(obj["verify_ms"]),
+        budget_capped=capped,
         extra={k: v for k, v in obj.items() if k not in known},
     )
+
+
+def _short(v: Any) -> str:
+    """A value for a one-line message: repr, cut to 40 characters (10**30 has 31 digits)."""
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 @dataclass
@@ -105,29 +123,54 @@ class Trace:
 def read_trace(path: str | os.PathLike) -> Trace:
     """Read and validate a trace file; errors name the file and the 1-based line number."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise InputError(f"trace file {path} does not exist", "pass a file written by `--trace`")
+    if not path.is_file():
+        raise InputError(f"trace file {path} is not a regular file", "pass a file written by `--trace`")
     rounds: list[TraceRound] = []
     header: dict[str, Any] | None = None
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
+    seen: dict[tuple[int, int], int] = {}  # (request, round) -> line
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
             where = f"{path}:{lineno}"
             try:
-                obj = json.loads(line)
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise InputError(f"{where}: not UTF-8 (byte {raw[exc.start]:#04x} at column {exc.start + 1})",
+                                 _WRITTEN_BY) from None
+            if not line.strip():
+                continue
+            try:
+                obj = loads(line)
+            except StrictJSONError as exc:
+                raise InputError(f"{where}: {exc}", _WRITTEN_BY) from None
             except json.JSONDecodeError as exc:
-                raise InputError(f"{where}: not valid JSON ({exc.msg})") from None
+                raise InputError(f"{where}: not valid JSON ({exc.msg})", _WRITTEN_BY) from None
             if header is None:
                 if not isinstance(obj, dict) or obj.get("format") != TRACE_FORMAT:
-                    raise InputError(f"{where}: first line is not a {TRACE_FORMAT} header",
-                                     "traces are written by `dsparkctl generate --trace`")
+                    raise InputError(f"{where}: first line is not a {TRACE_FORMAT} header", _WRITTEN_BY)
                 header = obj
                 continue
-            rounds.append(_parse_round(obj, where))
+            r = _parse_round(obj, where)
+            first = seen.setdefault((r.request, r.round), lineno)
+            if first != lineno:
+                raise InputError(f"{where}: request {r.request} round {r.round} is already on line {first}",
+                                 "each round is recorded once; remove the duplicated lines")
+            rounds.append(r)
     if header is None:
         raise InputError(f"trace file {path} is empty", "record one with `dsparkctl generate --trace`")
     return Trace(header=header, rounds=rounds, path=str(path))
+
+
+def read_traces(paths: Sequence[str | os.PathLike]) -> list[Trace]:
+    """Read several traces; the same file twice would duplicate every round, so it is refused."""
+    seen: dict[Path, str] = {}
+    for p in paths:
+        key = Path(p).resolve()
+        if key in seen:
+            raise InputError(f"trace {p} is given twice (also as {seen[key]})", "pass each trace once")
+        seen[key] = str(p)
+    return [read_trace(p) for p in paths]
 
 
 class TraceWriter:
@@ -136,11 +179,11 @@ class TraceWriter:
     def __init__(self, path: str | os.PathLike, header: dict[str, Any]):
         self._cm = atomic_open(path, "w")
         self._fh = self._cm.__enter__()
-        self._fh.write(json.dumps({"format": TRACE_FORMAT, **header}) + "\n")
+        self._fh.write(json.dumps(finite({"format": TRACE_FORMAT, **header})) + "\n")
 
     def write(self, rounds: Iterable[TraceRound]) -> None:
-        for r in rounds:
-            self._fh.write(json.dumps(r.to_json()) + "\n")
+        for r in rounds:  # strict JSON: a NaN logit becomes null (and the reader names the line)
+            self._fh.write(json.dumps(finite(r.to_json())) + "\n")
 
     def close(self) -> None:
         self._cm.__exit__(None, None, None)

@@ -15,9 +15,11 @@ cores, 1.39 GB, same run): read + hash + pwrite from the one buffer 0.51-0.67 s 
 read for the hash + copy_file_range 0.97-1.24 s. See docs/checkpoint.md.
 
 Writeback of each output range is started as soon as it is written (on a flusher thread), so the
-single fsync per output file that `atomic_dir(OUT)` does at the end has little left to wait for;
-the folder is fsynced before, and its parent after, the rename. An interrupted or failed run
-leaves no OUT.
+fsync of each output shard after the last byte has little left to wait for (atomic_dir's own
+fsync pass then finds the files clean); the folder is fsynced before, and its parent after, the
+rename. An interrupted or failed run leaves no OUT. SIGTERM and SIGHUP unwind like SIGINT (the
+CLI turns them into KeyboardInterrupt); what SIGKILL leaves behind, the next run removes when it
+is provably ours and provably stale (`partials`).
 """
 
 from __future__ import annotations
@@ -33,13 +35,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from dsparkctl.checkpoint import partials
 from dsparkctl.checkpoint.inspect import consistency, stage_count
 from dsparkctl.checkpoint.layouts import fp8_block
-from dsparkctl.checkpoint.safetensors_io import ShardHeader, TensorInfo, encode_header, read_header
+from dsparkctl.checkpoint.safetensors_io import ShardHeader, TensorInfo, encode_header, open_regular, read_header
 from dsparkctl.checkpoint.source import INDEX, Checkpoint, check_scales, logical_shape, quant_kind, scale_name
 from dsparkctl.errors import CheckpointError, UsageError
-from dsparkctl.fsutil import atomic_dir, write_json
+from dsparkctl.fsutil import atomic_dir, honour_umask, write_json
 from dsparkctl.provenance import provenance
+from dsparkctl.signals import point_of_no_return
 
 CHUNK = 8 * 1024 * 1024  # read granularity of verify
 STREAM_CHUNK = 1024 * 1024  # a shard worker's read size (its one buffer; bounds memory for plain copies)
@@ -76,7 +80,10 @@ def parse_size(text: str) -> int:
     if not m:
         raise UsageError(f"--max-shard-size {text!r} is not a size", hint="use e.g. 5GB, 500MB or 2GiB")
     base = 1024 if m.group(3) else 1000
-    return int(float(m.group(1)) * base ** "_KMGT".index(m.group(2).upper() or "_"))
+    size = int(float(m.group(1)) * base ** "_KMGT".index(m.group(2).upper() or "_"))
+    if size < 1:
+        raise UsageError(f"--max-shard-size {text!r} is less than one byte", hint="use e.g. 5GB, 500MB or 2GiB")
+    return size
 
 
 def plan(ckpt: Checkpoint, with_head: bool, dequantize: bool, max_shard: int) -> list[Planned]:
@@ -108,11 +115,13 @@ def plan(ckpt: Checkpoint, with_head: bool, dequantize: bool, max_shard: int) ->
 
 def extract(ckpt: Checkpoint, out: Path, *, dequantize: bool = False, with_head: bool = False,
             max_shard_size: int = 5_000_000_000, verify: bool = False,
-            on_bytes: Callable[[int], None] | None = None) -> ExtractResult:
+            on_bytes: Callable[[int], None] | None = None,
+            log: Callable[[str], None] | None = None) -> ExtractResult:
     """Write the draft of `ckpt` (a local checkpoint) to `out` atomically.
 
     `on_bytes(n)` is told of every source byte read (summing to the source shards' sizes); it is
-    called from the shard worker threads.
+    called from the shard worker threads. `log` gets one line per partial folder of `out` that an
+    earlier, killed run left behind (removed when provably stale, see `partials`).
     """
     if ckpt.folder is None:
         raise UsageError(f"{ckpt.source}: extract needs the shards on disk", hint="run `dsparkctl download` first")
@@ -124,52 +133,68 @@ def extract(ckpt: Checkpoint, out: Path, *, dequantize: bool = False, with_head:
     items = plan(ckpt, with_head, dequantize, max_shard_size)
     n_out = items[-1].shard + 1
     files = [f"model-{i + 1:05d}-of-{n_out:05d}.safetensors" for i in range(n_out)]
+    for note in partials.remove_stale(out):
+        (log or (lambda m: None))(note)
+    try:
+        with atomic_dir(out) as tmp:
+            with partials.claim(tmp, out):
+                source_sha = _write_draft(ckpt, tmp, files, items, dequantize, with_head, verify, on_bytes)
+            point_of_no_return()  # complete and fsynced: a signal now would only misreport the result
+            for path in [tmp, *tmp.iterdir()]:  # temp files are private; the result is an ordinary folder
+                honour_umask(path, directory=path.is_dir())
+            _fsync_dir(tmp)  # the folder's entries; atomic_dir fsyncs each file once more, then renames
+    except OSError as exc:
+        if exc.filename2 is not None and Path(exc.filename2) == out and out.exists():
+            raise UsageError(f"{out} was created by another process while this extract ran; this run's copy "
+                             "was discarded", hint="check that the other run's output is the one you want") from None
+        raise
+    _fsync_dir(out.parent)  # the rename itself
+    return ExtractResult(out, len(items), sum(p.nbytes for p in items), files, source_sha, verify)
+
+
+def _write_draft(ckpt: Checkpoint, tmp: Path, files: list[str], items: list[Planned], dequantize: bool,
+                 with_head: bool, verify: bool, on_bytes: Callable[[int], None] | None) -> dict[str, str]:
+    """Every output shard, the index and the config into `tmp`, fsynced; returns source sha256s."""
     block = fp8_block(ckpt.config, ckpt.layout)
     progress = on_bytes or (lambda n: None)
-
     by_file: dict[str, dict[str, Planned]] = {}
     for p in items:
         by_file.setdefault(p.src.file, {})[p.src.name] = p
-
-    with atomic_dir(out) as tmp:
-        output = _Output(tmp, files, items)
-        cancel = threading.Event()
-        fds: list[int] = []
-        try:
-            with ThreadPoolExecutor(_workers(len(by_file)), thread_name_prefix="shard") as pool:
-                try:
-                    jobs: dict[str, Future] = {}
-                    for file, wanted in by_file.items():
-                        fds.append(_open_source(ckpt, file))
-                        jobs[file] = pool.submit(_stream_shard, fds[-1], ckpt.headers[file], wanted, output,
-                                                 verify, progress, cancel)
-                    # meanwhile this thread converts the tensors to dequantize, one at a time
-                    for fd, wanted in zip(fds, by_file.values()):
-                        for p in sorted(wanted.values(), key=lambda q: q.src.start):
-                            if p.dequant:
-                                data = _dequant(fd, p, block)
-                                output.write(p, data)
-                                if verify:
-                                    p.sha256 = hashlib.sha256(data).hexdigest()
-                    source_sha = {file: job.result() for file, job in jobs.items()}
-                except BaseException:
-                    cancel.set()  # workers stop at their next chunk; the pool then joins them
-                    raise
-        finally:
-            output.close()
-            for fd in fds:
-                os.close(fd)
-        weight_map = {p.src.name: files[p.shard] for p in items}
-        total = sum(p.nbytes for p in items)
-        write_json(tmp / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
-        write_json(tmp / "config.json", _config(ckpt, items, dequantize, with_head, source_sha))
-        if verify:
-            _verify(tmp, files, items)
-        for path in [tmp, *tmp.iterdir()]:  # temp files are private; the result is an ordinary folder
-            path.chmod(0o755 if path.is_dir() else 0o644)
-        _fsync_dir(tmp)  # the folder's entries; atomic_dir fsyncs each file once, then renames
-    _fsync_dir(out.parent)  # the rename itself
-    return ExtractResult(out, len(items), total, files, source_sha, verify)
+    output = _Output(tmp, files, items)
+    cancel = threading.Event()
+    fds: list[int] = []
+    try:
+        with ThreadPoolExecutor(_workers(len(by_file)), thread_name_prefix="shard") as pool:
+            try:
+                jobs: dict[str, Future] = {}
+                for file, wanted in by_file.items():
+                    fds.append(_open_source(ckpt, file))
+                    jobs[file] = pool.submit(_stream_shard, fds[-1], ckpt.headers[file], wanted, output,
+                                             verify, progress, cancel)
+                # meanwhile this thread converts the tensors to dequantize, one at a time
+                for fd, wanted in zip(fds, by_file.values()):
+                    for p in sorted(wanted.values(), key=lambda q: q.src.start):
+                        if p.dequant:
+                            data = _dequant(fd, p, block)
+                            output.write(p, data)
+                            if verify:
+                                p.sha256 = hashlib.sha256(data).hexdigest()
+                source_sha = {file: job.result() for file, job in jobs.items()}
+            except BaseException:
+                cancel.set()  # workers stop at their next chunk; the pool then joins them
+                raise
+        for fd in output.fds:  # while the folder is still claimed (see partials): a kill during the
+            os.fsync(fd)  # long flush leaves a claimed folder that the next run removes
+    finally:
+        output.close()
+        for fd in fds:
+            os.close(fd)
+    weight_map = {p.src.name: files[p.shard] for p in items}
+    write_json(tmp / INDEX, {"metadata": {"total_size": sum(p.nbytes for p in items)}, "weight_map": weight_map})
+    write_json(tmp / "config.json", _config(ckpt, items, dequantize, with_head, source_sha))
+    if verify:
+        _verify(tmp, files, items)
+    return source_sha
 
 
 def _workers(shards: int) -> int:
@@ -183,8 +208,8 @@ class _Output:
     """Every output shard, created up front with its header; each tensor has a planned offset.
 
     Tensors are written with os.pwrite at their offsets, so shard workers write in parallel and
-    in any order. Files are fsynced once, by atomic_dir, after the last byte. Writeback is
-    started early (`kick`) so that fsync has little left to wait for.
+    in any order. Files are fsynced after the last byte (`_write_draft`). Writeback is started
+    early (`kick`) so that fsync has little left to wait for.
     """
 
     def __init__(self, folder: Path, files: list[str], items: list[Planned]):
@@ -256,7 +281,10 @@ class _Segment:
 
 
 def _open_source(ckpt: Checkpoint, file: str) -> int:
-    fd = os.open(ckpt.folder / file, os.O_RDONLY)  # type: ignore[operator]
+    try:
+        fd = open_regular(ckpt.folder / file, file)  # type: ignore[operator]
+    except FileNotFoundError:
+        raise CheckpointError(f"{file}: shard vanished since its header was read", hint="rerun") from None
     if os.fstat(fd).st_size != ckpt.headers[file].file_size:
         os.close(fd)
         raise CheckpointError(f"{file}: shard changed size since its header was read", hint="rerun")

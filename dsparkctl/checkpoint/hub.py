@@ -18,12 +18,12 @@ from typing import Callable, Iterator
 import huggingface_hub
 from huggingface_hub import constants, hf_hub_url
 from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
-from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status, validate_repo_id
 
 from dsparkctl.checkpoint.safetensors_io import header_length, parse_header
 from dsparkctl.checkpoint.source import (INDEX, SINGLE, Checkpoint, check_consistent, load_config, open_local,
                                          parse_index)
-from dsparkctl.errors import CheckpointError, InputError
+from dsparkctl.errors import CheckpointError, InputError, UsageError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "tokenizer.model")
@@ -36,7 +36,18 @@ def endpoint() -> str:
 
 
 def looks_like_repo(source: str) -> bool:
-    return not Path(source).exists() and _REPO_ID.match(source) is not None
+    return bool(source) and not Path(source).exists() and _REPO_ID.match(source) is not None
+
+
+def check_repo_id(repo: str) -> None:
+    """Refuse what the hub could never hold ("", "../../etc/passwd", "a/b/c", "x--y") before any lookup,
+    so an invalid id is reported as invalid, not as missing from the cache or the hub."""
+    try:
+        validate_repo_id(repo)
+    except Exception:  # noqa: BLE001 - HFValidationError, or a non-str
+        raise UsageError(f"{repo!r} is not a valid hub repo id",
+                         hint="use org/name (letters, digits, '-', '_', '.'; no '..' or '--'), or an existing "
+                              "local folder") from None
 
 
 @contextlib.contextmanager
@@ -110,6 +121,7 @@ def _file_size(headers: dict) -> int:
 
 def open_remote(repo: str, revision: str | None = None, token: str | bool | None = None) -> Checkpoint:
     """A Checkpoint of a hub repo from config + index + shard headers only."""
+    check_repo_id(repo)
     if constants.HF_HUB_OFFLINE:
         with _hub_errors(repo):
             try:

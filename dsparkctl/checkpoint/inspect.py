@@ -84,22 +84,29 @@ def consistency(ckpt: Checkpoint) -> list[Finding]:
 
 
 def scale_findings(ckpt: Checkpoint) -> list[Finding]:
-    """Scales present (else the reader already refused) and shaped for the declared block."""
+    """Scales present (else the reader already refused), e8m0, and shaped for the declared block;
+    quantized weights 2-D (the only shape the dequantizers and the scale layout define)."""
     block = fp8_block(ckpt.config, ckpt.layout)
     names = ckpt.draft_names()
     check_scales(ckpt, names)
     bad, n = [], 0
     for name in names:
-        kind = quant_kind(ckpt.tensor(name))
+        weight = ckpt.tensor(name)
+        kind = quant_kind(weight)
         if not kind:
             continue
         n += 1
-        want = expected_scale_shape(kind, ckpt.tensor(name).shape, block)
-        got = ckpt.tensor(scale_name(name)).shape
-        if want is not None and tuple(got) != want:
-            bad.append(f"{scale_name(name)} {list(got)} != {list(want)}")
+        scale = ckpt.tensor(scale_name(name))
+        want = expected_scale_shape(kind, weight.shape, block)
+        if want is None:
+            bad.append(f"{name} is {len(weight.shape)}-D {weight.dtype} {list(weight.shape)}, "
+                       "quantized weights must be 2-D")
+        elif scale.dtype != "F8_E8M0":
+            bad.append(f"{scale.name} is {scale.dtype}, scales of {weight.dtype} weights must be F8_E8M0")
+        elif tuple(scale.shape) != want:
+            bad.append(f"{scale.name} {list(scale.shape)} != {list(want)} for block {block[0]}x{block[1]}")
     if bad:
-        return [Finding("error", "scales", f"{len(bad)} scales not shaped for block {block[0]}x{block[1]}: {bad[0]}")]
+        return [Finding("error", "scales", f"{len(bad)} quantized weight(s) with unusable scales: {bad[0]}")]
     return [Finding("ok", "scales", f"{n} quantized weights, every scale present and shaped for "
                                     f"block {block[0]}x{block[1]} (fp8) / 32 (fp4)")]
 

@@ -109,9 +109,18 @@ def dspark_fields(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def fp8_block(config: dict[str, Any], layout: Layout) -> tuple[int, int]:
-    """FP8 weight block from `quantization_config.weight_block_size`, else the layout default."""
+    """FP8 weight block from `quantization_config.weight_block_size`, else the layout default.
+
+    A block size that is present but not two positive ints is an error, never replaced silently."""
     q = config.get("quantization_config") or text_config(config).get("quantization_config") or {}
-    block = q.get("weight_block_size") if isinstance(q, dict) else None
-    if isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block):
-        return block[0], block[1]
-    return layout.default_block, layout.default_block
+    if not isinstance(q, dict):
+        raise CheckpointError(f"config.json: quantization_config is {type(q).__name__}, not an object",
+                              hint="fix config.json")
+    block = q.get("weight_block_size")
+    if block is None:
+        return layout.default_block, layout.default_block
+    if not (isinstance(block, list) and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise CheckpointError(f"config.json: quantization_config.weight_block_size {block!r} is not two positive "
+                              "integers", hint="fix config.json, e.g. \"weight_block_size\": [128, 128]")
+    return block[0], block[1]

@@ -2,19 +2,24 @@
 
 Every check in FORMATS.md §5 lives here, so local and remote readers share one validator:
 header length past the end of the file, non-JSON, unknown dtype, shape × dtype size != byte span,
-offsets out of range, overlapping, or not covering the data region exactly.
+offsets out of range, overlapping, or not covering the data region exactly, a tensor named twice
+(duplicate JSON keys), NaN/Infinity constants. Local files are opened only when they are regular
+files: a FIFO, device or socket named like a shard would block or stream forever.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dsparkctl.errors import CheckpointError
+from dsparkctl.strict_json import StrictJSONError, loads
 
 # Bytes per stored element. FP4 e2m1 is stored as I8 (two codes per byte), so it is 1 here.
 DTYPE_SIZE: dict[str, int] = {
@@ -82,7 +87,9 @@ def parse_header(raw: bytes, file: str, file_size: int) -> ShardHeader:
     n = len(raw)
     data_len = file_size - 8 - n
     try:
-        doc = json.loads(raw.decode("utf-8"))
+        doc = loads(raw.decode("utf-8"))
+    except StrictJSONError as exc:
+        raise CheckpointError(f"{file}: header is ambiguous: {exc}", hint=_HINT) from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{file}: header is not valid JSON ({exc.__class__.__name__})", hint=_HINT) from None
     if not isinstance(doc, dict):
@@ -137,16 +144,46 @@ def _tensor_entry(name: str, entry: Any, file: str, data_len: int, base: int) ->
     return TensorInfo(name=name, dtype=dtype, shape=tuple(shape), start=base + begin, end=base + end, file=file)
 
 
+def open_regular(path: Path, file: str) -> int:
+    """A read-only fd of `path` (symlinks followed) if it is a regular file, else CheckpointError.
+
+    Opened non-blocking, so a FIFO is refused instead of waiting for a writer; blocking mode is
+    restored before returning. FileNotFoundError propagates (callers say what is missing).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise
+    except OSError as exc:  # a socket (ENXIO), no permission, a loop of symlinks
+        raise CheckpointError(f"{file}: cannot open ({exc.strerror})", hint="check the file and its permissions") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = {stat.S_IFIFO: "a FIFO", stat.S_IFDIR: "a folder", stat.S_IFCHR: "a character device",
+                stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}.get(stat.S_IFMT(mode), "not a file")
+        raise CheckpointError(f"{file}: is {kind}, not a regular file", hint="replace it with the real file")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def read_regular(path: Path, file: str) -> bytes:
+    """All bytes of a small local file (config, index) that must be a regular file."""
+    fd = open_regular(path, file)
+    with os.fdopen(fd, "rb") as fh:
+        return fh.read()
+
+
 def read_header(path: Path, file: str | None = None) -> ShardHeader:
     """Read and validate the header of a local shard (reads only the header bytes)."""
     file = file or path.name
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as fh:
-            n = header_length(fh.read(8), file, size)
-            raw = fh.read(n)
+        fd = open_regular(path, file)
     except FileNotFoundError:
         raise CheckpointError(f"{file}: shard file is missing", hint="download the missing shard") from None
+    with os.fdopen(fd, "rb") as fh:
+        size = os.fstat(fd).st_size
+        n = header_length(fh.read(8), file, size)
+        raw = fh.read(n)
     return parse_header(raw, file, size)
 
 

@@ -6,15 +6,15 @@ Built from a local folder here, or from a hub repo by `hub.open_remote`; both gi
 
 from __future__ import annotations
 
-import json
 import posixpath
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dsparkctl.checkpoint.layouts import Layout, detect
-from dsparkctl.checkpoint.safetensors_io import ShardHeader, TensorInfo, read_header
+from dsparkctl.checkpoint.safetensors_io import ShardHeader, TensorInfo, read_header, read_regular
 from dsparkctl.errors import CheckpointError, InputError
+from dsparkctl.strict_json import StrictJSONError, loads
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -79,12 +79,15 @@ def check_shard_name(file: Any, where: str) -> str:
 def parse_index(raw: bytes, where: str) -> dict[str, str]:
     """Weight map from `model.safetensors.index.json` bytes, every entry checked."""
     try:
-        doc = json.loads(raw)
-        weight_map = doc["weight_map"]
-        assert isinstance(weight_map, dict)
-    except Exception:  # noqa: BLE001 - any shape problem is the same user error
+        doc = loads(raw)
+    except StrictJSONError as exc:  # e.g. one tensor mapped to two shards
+        raise CheckpointError(f"{where}: ambiguous index: {exc}", hint="re-download the index") from None
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError
+        doc = None
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict):
         raise CheckpointError(f"{where}: not a safetensors index (needs a 'weight_map' object)",
-                              hint="re-download the index") from None
+                              hint="re-download the index")
     return {str(name): check_shard_name(file, f"{where}: tensor {name}") for name, file in weight_map.items()}
 
 
@@ -114,8 +117,10 @@ def load_config(raw: bytes | None, where: str) -> dict[str, Any]:
     if raw is None:
         return {}
     try:
-        cfg = json.loads(raw)
-    except json.JSONDecodeError:
+        cfg = loads(raw)
+    except StrictJSONError as exc:
+        raise CheckpointError(f"{where}: config.json: {exc}", hint="fix config.json (strict JSON, each key once)") from None
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError
         raise CheckpointError(f"{where}: config.json is not valid JSON", hint="re-download config.json") from None
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{where}: config.json is not a JSON object", hint="re-download config.json")
@@ -126,13 +131,14 @@ def open_local(folder: Path) -> Checkpoint:
     """Read config, index and every shard header of a local checkpoint folder (no tensor data)."""
     if not folder.is_dir():
         raise InputError(f"{folder}: not a folder", hint="pass a checkpoint folder or a hub repo id")
+    # Every file is opened only if it is a regular file (a FIFO would hang the reader).
     cfg_path = folder / "config.json"
-    config = load_config(cfg_path.read_bytes() if cfg_path.is_file() else None, str(folder))
+    config = load_config(read_regular(cfg_path, "config.json") if cfg_path.exists() else None, str(folder))
     index = folder / INDEX
-    if index.is_file():
-        weight_map = parse_index(index.read_bytes(), str(index))
+    if index.exists():
+        weight_map = parse_index(read_regular(index, INDEX), str(index))
         files = sorted(set(weight_map.values()))
-    elif (folder / SINGLE).is_file():
+    elif (folder / SINGLE).exists():
         weight_map, files = {}, [SINGLE]
     else:
         raise CheckpointError(f"{folder}: no {INDEX} and no {SINGLE}", hint="point at a safetensors checkpoint")
@@ -161,6 +167,6 @@ def expected_scale_shape(kind: str, shape: tuple[int, ...], block: tuple[int, in
 
 def logical_shape(kind: str | None, shape: tuple[int, ...]) -> tuple[int, ...]:
     """Shape after dequantization: FP4 packs two inputs per stored byte."""
-    if kind == "fp4":
+    if kind == "fp4" and shape:
         return (*shape[:-1], shape[-1] * 2)
     return shape

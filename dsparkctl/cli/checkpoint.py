@@ -14,13 +14,18 @@ from dsparkctl.checkpoint.extract import extract, parse_size
 from dsparkctl.checkpoint.inspect import inspect_report
 from dsparkctl.checkpoint.source import Checkpoint, open_local
 from dsparkctl.cli.common import JsonOpt, RevisionOpt, err, guarded, out, print_json, show_progress, styled
+from dsparkctl.cli.checks import Output, check_outputs
 from dsparkctl.errors import UsageError
+from dsparkctl.signals import terminate_as_interrupt
+from dsparkctl.strict_json import finite
 
 SourceArg = Annotated[str, typer.Argument(help="A local checkpoint folder or a hub repo id (org/name).")]
 WithHeadOpt = Annotated[bool, typer.Option("--with-head", help="Also take the target's embed/head the draft borrows.")]
 
 
 def _open(source: str, revision: str | None) -> Checkpoint:
+    if not source:
+        raise UsageError("the source is empty", hint="pass a checkpoint folder or a hub repo id (org/name)")
     if Path(source).exists():
         if revision:
             raise UsageError("--revision applies to hub repos only", hint="drop --revision for a local folder")
@@ -42,7 +47,7 @@ def inspect_cmd(source: SourceArg, revision: RevisionOpt = None, json: JsonOpt =
     if ckpt.bytes_transferred:
         report["transferred_bytes"] = ckpt.bytes_transferred
     if json:
-        print_json(report)
+        print_json(finite(report))  # config values are the user's; strict JSON out
         return
     _print_report(report)
 
@@ -91,6 +96,9 @@ def download_cmd(
     def on_file(file: str, size: int) -> None:
         err.print(f"fetching {file}" + (f" ({_gb(size)})" if size else ""), highlight=False)
 
+    hub.check_repo_id(repo)
+    if local_dir is not None:
+        check_outputs([Output(local_dir, "--local-dir", "folder")])
     res = hub.download(repo, revision, local_dir, with_head, on_file=on_file)
     doc = {"folder": res.folder, "revision": res.revision,
            "fetched": [{"file": f, "bytes": b} for f, b in res.fetched],
@@ -122,29 +130,38 @@ def extract_cmd(
     limit = parse_size(max_shard_size)
     if out_dir.exists():
         raise UsageError(f"{out_dir} already exists", hint="choose a new output folder or delete the old one")
-    if hub.looks_like_repo(source):
-        fetched = hub.download(source, revision, None, with_head)
-        ckpt = open_local(fetched.folder)
-    else:
-        ckpt = _open(source, revision)
-    if show_progress():
-        with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                      TransferSpeedColumn(), console=err, transient=True) as bar:
-            files = {ckpt.weight_map[n] for n in ckpt.draft_names(with_head)}
-            total = sum(ckpt.headers[f].file_size for f in files if f in ckpt.headers)
-            task = bar.add_task("extract", total=total)
-            res = extract(ckpt, out_dir, dequantize=bool(dequantize), with_head=with_head,
-                          max_shard_size=limit, verify=verify, on_bytes=lambda n: bar.advance(task, n))
-    else:
-        res = extract(ckpt, out_dir, dequantize=bool(dequantize), with_head=with_head,
-                      max_shard_size=limit, verify=verify)
-    doc = {"out": res.out, "layout": ckpt.layout.key, "tensors": res.tensors, "bytes": res.bytes_written,
+    check_outputs([Output(out_dir, "OUT", "folder")])
+    with terminate_as_interrupt():  # TERM/HUP unwind like Ctrl-C: no partial OUT is left behind
+        res, layout = _extract(source, out_dir, revision, bool(dequantize), limit, with_head, verify)
+    doc = {"out": res.out, "layout": layout, "tensors": res.tensors, "bytes": res.bytes_written,
            "shards": res.shards, "source_shards_sha256": res.source_shards, "verified": res.verified}
     if json:
         print_json(doc)
         return
     out.print(f"wrote {res.tensors} tensors ({_gb(res.bytes_written)}) in {len(res.shards)} shard(s) to {res.out}"
               + (", verified" if res.verified else ""), highlight=False)
+
+
+def _extract(source: str, out_dir: Path, revision: str | None, dequantize: bool, limit: int, with_head: bool,
+             verify: bool) -> tuple[Any, str]:
+    if hub.looks_like_repo(source):
+        fetched = hub.download(source, revision, None, with_head)
+        ckpt = open_local(fetched.folder)
+    else:
+        ckpt = _open(source, revision)
+    note = lambda m: err.print(styled(("note:", "yellow"), f" {m}"), highlight=False)  # noqa: E731
+    if show_progress():
+        with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                      TransferSpeedColumn(), console=err, transient=True) as bar:
+            files = {ckpt.weight_map[n] for n in ckpt.draft_names(with_head)}
+            total = sum(ckpt.headers[f].file_size for f in files if f in ckpt.headers)
+            task = bar.add_task("extract", total=total)
+            res = extract(ckpt, out_dir, dequantize=dequantize, with_head=with_head, max_shard_size=limit,
+                          verify=verify, on_bytes=lambda n: bar.advance(task, n), log=note)
+    else:
+        res = extract(ckpt, out_dir, dequantize=dequantize, with_head=with_head, max_shard_size=limit,
+                      verify=verify, log=note)
+    return res, ckpt.layout.key
 
 
 @guarded

@@ -8,8 +8,10 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
+from dsparkctl.cli.checks import Output, check_outputs, check_seed
 from dsparkctl.cli.common import DeviceOpt, DType, DTypeOpt, Device, JsonOpt, SeedOpt, err, guarded, out, print_json, show_progress, styled
 from dsparkctl.errors import UsageError
+from dsparkctl.strict_json import finite
 
 
 def register(app: typer.Typer) -> None:
@@ -21,9 +23,9 @@ def _int_list(text: str, name: str) -> list[int]:
     try:
         vals = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise UsageError(f"{name} must be comma-separated integers, got {text!r}") from None
+        raise UsageError(f"{name} must be comma-separated integers, got {text!r}", f"e.g. {name} 1,2,4") from None
     if not vals or any(v < 1 for v in vals):
-        raise UsageError(f"{name} must be positive integers, got {text!r}")
+        raise UsageError(f"{name} must be positive integers, got {text!r}", f"e.g. {name} 1,2,4")
     return vals
 
 
@@ -73,7 +75,12 @@ def profile_sps_cmd(
 
     reqs, toks = _int_list(requests, "--requests"), _int_list(tokens, "--tokens-per-request")
     if context_len < 1 or repeats < 1 or warmup < 0:
-        raise UsageError("--context-len and --repeats must be >= 1, --warmup >= 0")
+        raise UsageError("--context-len and --repeats must be >= 1, --warmup >= 0",
+                         "e.g. --context-len 256 --repeats 5 --warmup 2")
+    check_seed(seed)
+    sg = sglang_out or out_path.with_name(out_path.stem + ".sglang.json")
+    png = plot or out_path.with_suffix(".png")
+    check_outputs([Output(out_path, "--out"), Output(sg, "--sglang-out"), Output(png, "--plot", "figure")])
     dev = resolve_device(device.value)
     dt = resolve_dtype(dtype.value, dev)
     tgt = load_target(target, dev, dt, revision=revision, log=lambda m: err.print(styled((m, "dim"))))
@@ -100,16 +107,14 @@ def profile_sps_cmd(
                                "batch_tokens": p.batch_tokens, "median_ms": round(p.median_ms, 4),
                                "ms": [round(x, 4) for x in p.ms]} for p in points])
     table = SPSTable(bt, sps, meta=meta)
-    sg = sglang_out or out_path.with_name(out_path.stem + ".sglang.json")
-    png = plot or out_path.with_suffix(".png")
-    table.save(out_path, fmt="dsparkctl")
-    table.save(sg, fmt="sglang")
     plot_sps(bt, sps, png, f"{tgt.name} on {dev} ({str(dt).replace('torch.', '')}), context {context_len}")
+    table.save(sg, fmt="sglang")
+    table.save(out_path, fmt="dsparkctl")  # ours last: its presence means all three were written
     result = {"table": str(out_path), "sglang_table": str(sg), "plot": str(png),
               "batch_tokens": bt, "steps_per_sec": [round(s, 3) for s in sps],
               "ms_per_step": [round(1000 / s, 3) for s in sps]}
     if json_out:
-        print_json(result)
+        print_json(finite(result))
         return
     t = Table(title=f"SPS of {tgt.name} ({dev}, context {context_len}, median of {repeats})", title_justify="left")
     for c in ("batch tokens", "steps/s", "ms/step"):
@@ -117,4 +122,4 @@ def profile_sps_cmd(
     for b, s in zip(bt, sps):
         t.add_row(str(b), f"{s:.2f}", f"{1000 / s:.2f}")
     out.print(t)
-    out.print(f"wrote {out_path}, {sg}, {png}")
+    out.print(f"wrote {out_path}, {sg}, {png}", highlight=False)

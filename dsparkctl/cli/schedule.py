@@ -8,19 +8,21 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from dsparkctl.cli.checks import Output, check_outputs, check_seed
 from dsparkctl.cli.common import JsonOpt, SeedOpt, err, error_line, guarded, out, print_json
 from dsparkctl.errors import UsageError
 from dsparkctl.fsutil import write_json
+from dsparkctl.strict_json import finite
 
 POLICY_HELP = "Policies: static:K, threshold:t, survival:t, dspark, dspark-async, budget:B, retrospective."
 
 
-def _pct(x: float) -> str:
-    return "—" if x != x else f"{100 * x:.2f}%"
+def _pct(x: float | None) -> str:
+    return "—" if x is None or x != x else f"{100 * x:.2f}%"
 
 
-def _num(x: float, fmt: str = ".3f") -> str:
-    return "—" if x != x else format(x, fmt)
+def _num(x: float | None, fmt: str = ".3f") -> str:
+    return "—" if x is None or x != x else format(x, fmt)
 
 
 def calibrate(
@@ -37,14 +39,18 @@ def calibrate(
     from dsparkctl.calibrate import run_calibration, sglang_sts, strip_diagrams
     from dsparkctl.plots import reliability_diagrams
 
-    result = run_calibration(traces, holdout=holdout, bins=bins, seed=seed)
+    check_seed(seed)
     sglang_out = sglang_out or out_path.with_name(out_path.stem + ".sglang-sts.json")
     plot_dir = plot_dir or out_path.with_name(out_path.stem + "_reliability")
+    check_outputs([Output(out_path, "--out"), Output(sglang_out, "--sglang-out"),
+                   Output(plot_dir, "--plot-dir", "folder")], inputs=traces)
+    result = run_calibration(traces, holdout=holdout, bins=bins, seed=seed)
     pngs = reliability_diagrams(result, plot_dir)
     result["outputs"] = {"sglang_sts": str(sglang_out), "reliability_pngs": pngs}
+    result = finite(result)  # empty bins and one-class AUROCs are NaN: null in strict JSON
     write_json(sglang_out, sglang_sts(result))
     write_json(out_path, result)
-    err.print(f"wrote {out_path}, {sglang_out}, {len(pngs)} reliability PNGs in {plot_dir}")
+    err.print(f"wrote {out_path}, {sglang_out}, {len(pngs)} reliability PNGs in {plot_dir}", highlight=False)
     if as_json:
         print_json(strip_diagrams(result))
         return
@@ -77,18 +83,20 @@ def sweep_scheduler(
     """Replay recorded rounds under each policy and concurrency; report tokens/step, Θ and per-user speed."""
     from dsparkctl.sweep import parse_concurrency, run_sweep
 
-    specs = [s.strip() for s in policies.split(",") if s.strip()]
-    if not specs:
-        raise UsageError("--policies is empty", POLICY_HELP)
-    result = run_sweep(trace, sps_table, specs, parse_concurrency(concurrency), calibration, rounds, seed)
+    specs = _policy_specs(policies)
+    check_seed(seed)
+    inputs = [*trace, sps_table] + ([calibration] if calibration else [])
+    check_outputs([Output(p, opt, kind) for p, opt, kind in ((plot, "--plot", "figure"), (out_path, "--out", "file"))
+                   if p is not None], inputs=inputs)
+    result = finite(run_sweep(trace, sps_table, specs, parse_concurrency(concurrency), calibration, rounds, seed))
     if plot:
         from dsparkctl.plots import frontier_plot
 
         frontier_plot(result["rows"], plot)
-        err.print(f"wrote {plot}")
+        err.print(f"wrote {plot}", highlight=False)
     if out_path:
         write_json(out_path, result)
-        err.print(f"wrote {out_path}")
+        err.print(f"wrote {out_path}", highlight=False)
     if as_json:
         print_json(result)
         return
@@ -118,9 +126,15 @@ def audit(
     from dsparkctl.math.audit import appendix_a, audit_policy, random_setting
     from dsparkctl.math.policies import parse_policy
 
-    specs = [s.strip() for s in policies.split(",") if s.strip()]
+    from dsparkctl.math.audit import check_alpha
+
+    specs = _policy_specs(policies)
+    check_seed(seed)
+    check_alpha(alpha)
     if rounds < 1000:
         raise UsageError(f"--rounds {rounds} is too few for a chi-square test", "use at least 1000 (default 200000)")
+    if random_settings < 0:
+        raise UsageError(f"--random-settings {random_settings} is negative", "use 0 for Appendix A only, e.g. 3")
     settings = [appendix_a()]
     sgen = torch.Generator().manual_seed(10_000 + seed)
     settings += [random_setting(sgen) for _ in range(random_settings)]
@@ -133,8 +147,8 @@ def audit(
             results.append(audit_policy(s, parse_policy(spec, sps=s.sps), rounds, gen, alpha))
     unexpected = [r for r in results if r.claimed_lossless and not r.passed]
     if as_json:
-        print_json({"alpha": alpha, "results": [r.to_json() for r in results],
-                    "unexpected_failures": len(unexpected)})
+        print_json(finite({"alpha": alpha, "results": [r.to_json() for r in results],
+                           "unexpected_failures": len(unexpected)}))
     else:
         t = Table(title=f"Losslessness audit (chi-square vs target, α={alpha:g}); "
                         "P(tok0) = P(first token = A) in Appendix A")
@@ -151,6 +165,13 @@ def audit(
     if unexpected:
         err.print(error_line("error:", f"{len(unexpected)} policy run(s) claimed lossless failed the audit"))
         raise typer.Exit(1)
+
+
+def _policy_specs(text: str) -> list[str]:
+    specs = [s.strip() for s in text.split(",") if s.strip()]
+    if not specs:
+        raise UsageError(f"--policies {text!r} names no policy", POLICY_HELP)
+    return specs
 
 
 def register(app: typer.Typer) -> None:

@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 import torch
 
 from dsparkctl.engine.clock import sync
+from dsparkctl.errors import UsageError
 from dsparkctl.models.target import TargetAdapter
 
 
@@ -35,10 +36,31 @@ class SPSPoint:
         return statistics.median(self.ms)
 
 
+def position_limit(model: torch.nn.Module) -> int | None:
+    """The most positions the model was built for (`max_position_embeddings` or its aliases), if it says."""
+    cfg = getattr(model, "config", None)
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        v = getattr(cfg, key, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def check_context(model: torch.nn.Module, context_len: int, tokens_per_request: Sequence[int]) -> None:
+    """Refuse a grid that runs past the model's positions: context + the longest step must fit."""
+    limit = position_limit(model)
+    need = context_len + max(tokens_per_request)
+    if limit is not None and need > limit:
+        raise UsageError(f"--context-len {context_len} + {max(tokens_per_request)} tokens per request = {need} "
+                         f"positions, beyond the model's {limit} (max_position_embeddings)",
+                         f"use --context-len ≤ {limit - max(tokens_per_request)}")
+
+
 @torch.no_grad()
 def profile_sps(adapter: TargetAdapter, requests: Sequence[int], tokens_per_request: Sequence[int],
                 context_len: int, repeats: int = 5, warmup: int = 2, seed: int = 0,
                 on_point: Callable[[SPSPoint], None] | None = None) -> list[SPSPoint]:
+    check_context(adapter.model, context_len, tokens_per_request)
     gen = torch.Generator().manual_seed(seed)
     dev = adapter.device
     V = adapter.vocab_size

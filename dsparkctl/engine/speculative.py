@@ -127,6 +127,7 @@ class SpeculativeEngine:
             conf = prop.confidence_logits
             ell = self.policy.choose(conf, block_size=gamma, num_requests=n).to(dev)
             budget = (max_new_tokens - produced - 1).clamp(min=0)  # a round emits ℓ+1 at most
+            capped = (ell > budget).tolist()  # trace: ℓ cut by the budget, not the policy's choice
             ell = torch.minimum(ell, budget)
             clock.lap("schedule")
             # ---- verify: feed [anchor, x1..xℓ]
@@ -162,7 +163,7 @@ class SpeculativeEngine:
                     request=req, round=round_no[req], block_size=gamma,
                     confidence_logits=conf_l[i] if conf_l is not None else None,
                     verify_length=el[i], accepted=ac[i], batch_tokens=batch_tokens,
-                    draft_ms=round(draft_ms, 3), verify_ms=round(verify_ms, 3)))
+                    draft_ms=round(draft_ms, 3), verify_ms=round(verify_ms, 3), budget_capped=capped[i]))
                 round_no[req] += 1
                 if not bool(live[i]):
                     outputs[req].finish_reason = "stop" if bool(stopped[i]) else "length"

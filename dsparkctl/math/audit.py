@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsparkctl.errors import UsageError
 from dsparkctl.math.policies import Policy, survival_from_logits
 from dsparkctl.math.sps import SPSTable
 
@@ -180,9 +181,17 @@ class AuditResult:
         return d
 
 
+def check_alpha(alpha: float) -> None:
+    """The significance level must be in (0, 1): at α = 0 every p-value "passes", biased or not."""
+    if not 0.0 < alpha < 1.0:  # also refuses NaN
+        raise UsageError(f"--alpha {alpha} must be in (0, 1); at 0 even a biased policy passes",
+                         "use a small positive level, e.g. --alpha 0.001")
+
+
 def audit_policy(s: MarkovSetting, policy: Policy, rounds: int, gen: torch.Generator,
                  alpha: float = 1e-3, chunk: int = 100_000) -> AuditResult:
     """Run ≥ `rounds` request-rounds of `policy` on setting `s` and test the output distribution."""
+    check_alpha(alpha)
     V = s.V
     groups = max(1, math.ceil(rounds / s.R))
     state = policy.new_state()

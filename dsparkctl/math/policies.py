@@ -309,7 +309,7 @@ def parse_policy(spec: str, sps: SPSTable | None = None,
             v = kind(arg)
         except ValueError:
             raise UsageError(f"policy {spec!r}: {arg!r} is not a valid {kind.__name__}", hint) from None
-        if v < lo or (hi is not None and v > hi):
+        if v != v or v < lo or (hi is not None and v > hi):  # v != v: NaN, which passes both bounds
             raise UsageError(f"policy {spec!r}: argument must be in [{lo}, {hi if hi is not None else '∞'}]", hint)
         return v
 

@@ -12,7 +12,8 @@ Below the first probe both modes return the first probe's value (as SGLang does)
 Extrapolation policy (B beyond the last probe)
     clamp    hold the last probe's SPS (SGLang's behaviour; optimistic for large B).
     linear   extrapolate step time 1/SPS linearly through the last two probes (compute-bound
-             regime); falls back to clamp with a single probe.
+             regime); falls back to clamp with a single probe, and where the step time falls
+             between the last two probes (it would reach zero: SPS without bound).
     error    raise: the table does not cover this batch.
 
 Files
@@ -22,7 +23,9 @@ Files
     SGLang  {"sample_batch_tokens": [...], "sample_steps_per_sec": [...], "max_batch_tokens": N}
             (`--speculative-dspark-sps-table-path`; sglang dspark_components/dspark_sps.py
             requires max_batch_tokens ≥ the last probe.)
-`SPSTable.load` detects the format from the keys.
+`SPSTable.load` detects the format from the keys and reads strict JSON (no NaN/Infinity, each key
+once). Probes are bounded: batch tokens ≤ MAX_BATCH_TOKENS, steps/s ≤ MAX_STEPS_PER_SEC, so every
+Θ computed from a table is finite.
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ from dsparkctl.provenance import provenance
 SPS_FORMAT = "dsparkctl-sps/1"
 LOOKUP_MODES = ("floor", "linear")
 EXTRAPOLATION = ("clamp", "linear", "error")
+MAX_BATCH_TOKENS = 2 ** 31 - 1  # tokens in one forward step; far beyond any engine
+MAX_STEPS_PER_SEC = 1e9  # a forward step shorter than a nanosecond is a unit error
+_PROFILE_HINT = "profile one with `dsparkctl profile-sps`"
 
 
 class SPSTable:
@@ -59,13 +65,13 @@ class SPSTable:
                  source: str = "SPS table"):
         bt, sps = list(batch_tokens), list(steps_per_sec)
         if not bt:
-            raise InputError(f"{source}: has no probes", "profile one with `dsparkctl profile-sps`")
+            raise InputError(f"{source}: has no probes", _PROFILE_HINT)
         if len(bt) != len(sps):
             raise InputError(f"{source}: {len(bt)} batch_tokens but {len(sps)} steps_per_sec values",
                              "every probe needs one batch size and one steps/s value")
         for i, b in enumerate(bt):
-            if isinstance(b, bool) or not isinstance(b, (int, float)) or b != int(b) or b < 1:
-                raise InputError(f"{source}: batch_tokens[{i}] = {b!r} is not a positive integer",
+            if not _whole(b) or not 1 <= b <= MAX_BATCH_TOKENS:
+                raise InputError(f"{source}: batch_tokens[{i}] = {b!r} is not a positive integer (at most {MAX_BATCH_TOKENS})",
                                  "batch tokens count tokens in one forward, so they are integers ≥ 1")
         bt = [int(b) for b in bt]
         for i in range(1, len(bt)):
@@ -75,14 +81,18 @@ class SPSTable:
                     f"({bt[i - 1]} then {bt[i]})",
                     "sort the probes by batch tokens and merge duplicates (median of repeats)")
         for i, s in enumerate(sps):
-            if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or s <= 0:
-                raise InputError(f"{source}: steps_per_sec[{i}] = {s!r} is not a positive finite number",
-                                 "re-profile the table; a step rate must be > 0")
+            if (isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s)
+                    or not 0 < s <= MAX_STEPS_PER_SEC):
+                raise InputError(f"{source}: steps_per_sec[{i}] = {s!r} is not a positive finite number (at most {MAX_STEPS_PER_SEC:g})",
+                                 "re-profile the table; a step rate is positive and a step takes over a nanosecond")
         if mode not in LOOKUP_MODES:
             raise UsageError(f"unknown SPS lookup mode {mode!r}", f"use one of {', '.join(LOOKUP_MODES)}")
         if extrapolate not in EXTRAPOLATION:
             raise UsageError(f"unknown SPS extrapolation policy {extrapolate!r}",
                              f"use one of {', '.join(EXTRAPOLATION)}")
+        if max_batch_tokens is not None and (not _whole(max_batch_tokens) or max_batch_tokens > MAX_BATCH_TOKENS):
+            raise InputError(f"{source}: max_batch_tokens {max_batch_tokens!r} is not an integer ≤ {MAX_BATCH_TOKENS}",
+                             "max_batch_tokens is the largest batch (in tokens) the engine serves")
         mbt = bt[-1] if max_batch_tokens is None else int(max_batch_tokens)
         if mbt < bt[-1]:
             raise InputError(f"{source}: max_batch_tokens {mbt} is below the last probe {bt[-1]}",
@@ -93,6 +103,7 @@ class SPSTable:
         self.mode = mode
         self.extrapolate = extrapolate
         self.max_batch_tokens = mbt
+        self.source = source
         self._x = torch.tensor(bt, dtype=torch.float64)  # [P]
         self._y = torch.tensor(self.steps_per_sec, dtype=torch.float64)  # [P]
         self._dense: torch.Tensor | None = None  # [N+1] SPS at integer B = 0..N (cache)
@@ -107,9 +118,10 @@ class SPSTable:
         b = torch.as_tensor(batch_tokens, dtype=torch.float64)
         x, y = self._x, self._y
         if self.extrapolate == "error" and b.numel() and float(b.max()) > x[-1]:
-            raise InputError(f"batch of {float(b.max()):g} tokens is beyond the SPS table's last probe "
+            raise InputError(f"{self.source}: batch of {float(b.max()):g} tokens is beyond the table's last probe "
                              f"({self.batch_tokens[-1]})",
-                             "profile larger batches or choose --sps-extrapolate clamp|linear")
+                             "profile larger batches (profile-sps --requests/--tokens-per-request), or set "
+                             "\"extrapolate\": \"clamp\" or \"linear\" in the table file")
         idx = torch.searchsorted(x, b, right=True) - 1  # floor probe index, -1 below the first
         lo = idx.clamp(0, len(x) - 1)
         if mode == "floor":
@@ -120,9 +132,10 @@ class SPSTable:
             frac = ((b - x[lo]) / span).clamp(0.0, 1.0)
             out = y[lo] + frac * (y[hi] - y[lo])
         if self.extrapolate == "linear" and len(x) >= 2:
-            # step time t(B) = 1/SPS extended linearly through the last two probes.
+            # step time t(B) = 1/SPS extended linearly through the last two probes; a falling step
+            # time would reach zero (SPS without bound), so it is held instead (slope ≥ 0).
             t1, t2 = 1.0 / y[-2], 1.0 / y[-1]
-            slope = (t2 - t1) / (x[-1] - x[-2])
+            slope = max(float((t2 - t1) / (x[-1] - x[-2])), 0.0)
             t = t2 + slope * (b - x[-1])
             beyond = b > x[-1]
             out = torch.where(beyond, 1.0 / t.clamp(min=1e-12), out)
@@ -142,7 +155,7 @@ class SPSTable:
         """A copy with another lookup mode / extrapolation policy."""
         return SPSTable(self.batch_tokens, self.steps_per_sec, self.meta, mode=mode or self.mode,
                         extrapolate=extrapolate or self.extrapolate,
-                        max_batch_tokens=self.max_batch_tokens)
+                        max_batch_tokens=self.max_batch_tokens, source=self.source)
 
     def is_unimodal_friendly(self) -> bool:
         """True when B·SPS(B) (tokens/s of plain decoding) never decreases between probes."""
@@ -183,6 +196,10 @@ class SPSTable:
                 if not isinstance(obj.get(k), list):
                     raise InputError(f"{source}: field {k!r} missing or not a list",
                                      "write tables with `dsparkctl profile-sps`")
+            for k, choices in (("lookup", LOOKUP_MODES), ("extrapolate", EXTRAPOLATION)):
+                if k in obj and obj[k] not in choices:
+                    raise InputError(f"{source}: field {k!r} is {obj[k]!r}, not one of {', '.join(choices)}",
+                                     f"set \"{k}\": \"{choices[0]}\"")
             return cls(obj["batch_tokens"], obj["steps_per_sec"],
                        meta={k: v for k, v in obj.items() if k not in known},
                        mode=mode or obj.get("lookup", "floor"),
@@ -194,8 +211,6 @@ class SPSTable:
                     raise InputError(f"{source}: SGLang field {k!r} missing or not a list",
                                      "an SGLang table has sample_batch_tokens and sample_steps_per_sec")
             mbt = obj.get("max_batch_tokens")
-            if mbt is not None and (isinstance(mbt, bool) or not isinstance(mbt, int)):
-                raise InputError(f"{source}: max_batch_tokens must be an integer, got {mbt!r}")
             return cls(obj["sample_batch_tokens"], obj["sample_steps_per_sec"],
                        meta={"imported_from": "sglang"}, mode=mode or "floor",
                        extrapolate=extrapolate or "clamp", max_batch_tokens=mbt, source=source)
@@ -209,7 +224,13 @@ class SPSTable:
     def load(cls, path: str | os.PathLike, mode: str | None = None,
              extrapolate: str | None = None) -> "SPSTable":
         """Read our JSON or SGLang's (auto-detected). Errors name the file."""
-        from dsparkctl.fsutil import read_json
+        from dsparkctl.strict_json import read
 
-        obj = read_json(path, "SPS table", "profile one with `dsparkctl profile-sps`")
+        obj = read(path, "SPS table", _PROFILE_HINT)
         return cls.from_json(obj, source=str(path), mode=mode, extrapolate=extrapolate)
+
+
+def _whole(v: Any) -> bool:
+    """An integer, or a float holding one (JSON writers may print 8.0); never a bool or a string."""
+    return (not isinstance(v, bool) and isinstance(v, (int, float))
+            and (isinstance(v, int) or (math.isfinite(v) and v == int(v))))

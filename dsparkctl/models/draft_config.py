@@ -16,6 +16,29 @@ from typing import Any
 from dsparkctl.errors import CheckpointError
 
 
+# `architectures` we can load: DeepSpec's Qwen3 draft class (DSpark and DFlash share it).
+KNOWN_ARCHITECTURES = frozenset({"Qwen3DSparkModel"})
+DSPARK_KEYS = ("block_size", "mask_token_id", "target_layer_ids", "num_target_layers", "markov_rank",
+               "markov_head_type", "enable_confidence_head", "confidence_head_with_markov", "num_anchors")
+
+
+def resolve_nested(d: dict[str, Any]) -> dict[str, Any]:
+    """Flatten the draft fields that SGLang and vLLM read from nested dicts, in their precedence:
+    a prefixed top-level `dspark_<key>`, then `dspark_config[key]`, then `dflash_config[key]`,
+    then the top-level `key` (SGLang `parse_dflash_draft_config` / `parse_dspark_draft_config`;
+    vLLM reads `dflash_config` before the top level too)."""
+    nested = [d.get("dspark_config"), d.get("dflash_config")]
+    out = dict(d)
+    for key in DSPARK_KEYS:
+        for source in [{f"dspark_{key}": d.get(f"dspark_{key}")} if f"dspark_{key}" in d else None, *nested]:
+            if isinstance(source, dict):
+                val = source.get(f"dspark_{key}", source.get(key))
+                if val is not None:
+                    out[key] = val
+                    break
+    return out
+
+
 @dataclass(frozen=True)
 class DraftConfig:
     vocab_size: int  # shared with the target
@@ -52,8 +75,21 @@ class DraftConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "config.json") -> "DraftConfig":
+        if not isinstance(d, dict):
+            raise CheckpointError(f"{source}: expected a JSON object")
+        arch = d.get("architectures")
+        if arch is not None:
+            names = arch if isinstance(arch, list) else [arch]
+            unknown = [str(a) for a in names if a not in KNOWN_ARCHITECTURES]
+            if any("Gemma4" in a for a in unknown):
+                raise CheckpointError(f"{source}: architectures {unknown}: Gemma-4 DSpark drafts are not supported yet",
+                                      f"dsparkctl loads {', '.join(sorted(KNOWN_ARCHITECTURES))} drafts")
+            if unknown:
+                raise CheckpointError(f"{source}: unknown draft architectures {unknown}",
+                                      f"dsparkctl loads {', '.join(sorted(KNOWN_ARCHITECTURES))} drafts")
         if "text_config" in d and "hidden_size" not in d:
             d = {**d["text_config"], **{k: v for k, v in d.items() if k != "text_config"}}
+        d = resolve_nested(d)
         required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                     "block_size", "mask_token_id", "target_layer_ids")
         missing = [k for k in required if k not in d]
@@ -127,7 +163,13 @@ class DraftConfig:
                 d.pop(f.name, None)  # a full-vocabulary draft's config stays exactly DeepSpec's
                 continue
             d[f.name] = list(v) if isinstance(v, tuple) else v
+        # What DeepSpec's build_draft_config writes, so transformers' config classes (and the
+        # SGLang/vLLM/DeepSpec loaders that go through them) accept the file: one layer type per
+        # DRAFT layer, untied embeddings, the draft class.
         d["architectures"] = ["Qwen3DSparkModel"]
+        d["tie_word_embeddings"] = False
+        if "layer_types" in d or d.get("model_type") in ("qwen3", "qwen2"):
+            d["layer_types"] = ["full_attention"] * self.num_hidden_layers
         return d
 
     def replace(self, **kw: Any) -> "DraftConfig":

@@ -27,7 +27,9 @@ token at P+j (j = 0..S-P-1), stored as ids (int32) and log-probabilities (fp16, 
 from __future__ import annotations
 
 import json
+import os
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -247,6 +249,8 @@ def build_dataset(recipe: Recipe, model: Any, tokenizer: Any, stop_ids: list[int
         part = items[b * bs: min((b + 1) * bs, d.num_prompts)]
         tfile = folder / f"tokens_{b:05d}.safetensors"
         ffile = folder / feature_name(b, layer_ids, d.topk)
+        if not (tfile.is_file() and ffile.is_file()):
+            _wait_for_other_builder(folder / f"part_{b:05d}.lock", lambda: tfile.is_file() and ffile.is_file())
         if tfile.is_file() and ffile.is_file():
             toks, feats = load_file(str(tfile)), load_file(str(ffile))
         elif tfile.is_file():
@@ -256,6 +260,7 @@ def build_dataset(recipe: Recipe, model: Any, tokenizer: Any, stop_ids: list[int
             feats = teacher_forced_part(model, s, toks["prompt_len"].tolist(), layer_ids, pad, d.topk)
             _save(ffile, feats)
         else:
+            lock = _claim(folder / f"part_{b:05d}.lock")
             if d.source == "responses":
                 packed = teacher_forced_part(model, [it["prompt"] + it["response"] for it in part],
                                              [len(it["prompt"]) for it in part], layer_ids, pad, d.topk)
@@ -267,10 +272,45 @@ def build_dataset(recipe: Recipe, model: Any, tokenizer: Any, stop_ids: list[int
             feats = {k: packed[k] for k in ("features", "topk_ids", "topk_logp")}
             _save(ffile, feats)
             _save(tfile, toks)
+            lock.unlink(missing_ok=True)
         seqs.extend(unpack(toks, feats))
         if on_batch:
             on_batch(b + 1, nb)
     return seqs
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _lock_owner(lock: Path) -> int | None:
+    try:
+        return int(lock.read_text().strip() or 0) or None
+    except (OSError, ValueError):
+        return None
+
+
+def _wait_for_other_builder(lock: Path, done: Callable[[], bool], poll: float = 2.0) -> None:
+    """If another live process is building this part (its pid in the lock file), wait for it
+    instead of computing the same part twice; a lock whose process is gone is stale."""
+    while lock.exists() and not done():
+        owner = _lock_owner(lock)
+        if owner is None or owner == os.getpid() or not _pid_alive(owner):
+            lock.unlink(missing_ok=True)
+            return
+        time.sleep(poll)
+
+
+def _claim(lock: Path) -> Path:
+    """Mark a part as being built by this process (removed when its files are written)."""
+    lock.write_text(str(os.getpid()))
+    return lock
 
 
 def _save(path: Path, tensors: dict[str, torch.Tensor]) -> None:

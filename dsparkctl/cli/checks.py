@@ -1,0 +1,84 @@
+"""Checks a command runs before any work: every output it will write, and its seed.
+
+A command that computes for minutes and then cannot write its result has wasted the minutes; one
+that writes two of three outputs and fails on the third leaves a mix. So each command names all
+its outputs first and `check_outputs` refuses, before anything runs:
+  - a file output that exists as a folder (or a FIFO, a device), a folder output that is a file;
+  - a path whose nearest existing parent is a file, or a folder we may not write to;
+  - a figure whose suffix matplotlib cannot write (`--plot j.xyz`);
+  - two outputs that are the same file, or an output that is one of the command's inputs.
+Seeds must fit a torch.Generator, and leave room for the per-cell seeds derived from them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from dsparkctl.errors import UsageError
+
+
+@dataclass(frozen=True)
+class Output:
+    path: Path
+    option: str  # the flag that names it, e.g. "--out"
+    kind: str = "file"  # "file" | "figure" | "folder"
+
+
+def figure_formats() -> list[str]:
+    """Suffixes (without the dot) that `fsutil.save_figure` can write."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    return sorted(FigureCanvasAgg.get_supported_filetypes())
+
+
+def check_outputs(outputs: Sequence[Output], inputs: Sequence[Path] = ()) -> None:
+    """Refuse (UsageError naming the option) any output that could not be written or would clobber."""
+    seen: dict[Path, Output] = {}
+    for o in outputs:
+        _check_one(o)
+        key = o.path.resolve()
+        if key in seen:
+            raise UsageError(f"{o.option} {o.path} is the same path as {seen[key].option} {seen[key].path}",
+                             hint="give each output its own path")
+        seen[key] = o
+        for i in inputs:
+            if key == i.resolve() or (o.path.exists() and i.exists() and os.path.samefile(o.path, i)):
+                raise UsageError(f"{o.option} {o.path} is one of the inputs and would be overwritten",
+                                 hint="write the output somewhere else")
+
+
+def _check_one(o: Output) -> None:
+    p = o.path
+    if str(p) in ("", "."):
+        raise UsageError(f"{o.option} is empty", hint=f"give {o.option} a path")
+    if p.exists():
+        if o.kind == "folder" and not p.is_dir():
+            raise UsageError(f"{o.option} {p} exists and is not a folder", hint="give a folder path")
+        if o.kind != "folder" and not p.is_file():
+            what = "a folder" if p.is_dir() else "not a regular file"
+            raise UsageError(f"{o.option} {p} is {what}", hint="give a file path, e.g. <folder>/result.json")
+    if o.kind == "figure":
+        fmt = p.suffix.lower().lstrip(".") or "png"  # save_figure's rule
+        formats = figure_formats()
+        if fmt not in formats:
+            raise UsageError(f"{o.option} {p}: cannot write figures of type {p.suffix!r}",
+                             hint=f"use one of {', '.join('.' + f for f in formats)}")
+    parent = p.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UsageError(f"{o.option} {p} cannot be created: {parent} is not a folder", hint="fix the path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{o.option} {p} cannot be created: no permission to write in {parent}",
+                         hint="choose a folder you can write to")
+
+
+SEED_LIMIT = 2 ** 32  # derived seeds (seed · 1_000_003 + cell) stay inside torch's 64-bit range
+
+
+def check_seed(seed: int) -> None:
+    if not 0 <= seed < SEED_LIMIT:
+        raise UsageError(f"--seed {seed} is out of range", hint=f"use an integer in [0, {SEED_LIMIT})")

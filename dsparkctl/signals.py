@@ -1,0 +1,54 @@
+"""SIGTERM and SIGHUP unwind like SIGINT, so `finally` blocks and atomic writers clean up.
+
+Python turns SIGINT into KeyboardInterrupt, which runs every cleanup on its way out. SIGTERM
+(`kill`, systemd, container runtimes) and SIGHUP (a closed terminal) end the process on the spot
+by default and leave temporary files behind. Inside `terminate_as_interrupt()` (the CLI wraps a
+command in it) all three raise KeyboardInterrupt in the main thread, once: a repeat while the
+cleanup runs is ignored, so a second Ctrl-C or a supervisor's repeated TERM cannot cut it short.
+
+Library code calls `point_of_no_return()` when its result is complete and only the rename into
+place is left: from then on signals are ignored until the block ends, because unwinding could no
+longer undo the result, only report "nothing was written" beside a finished output.
+
+SIGKILL cannot be handled; see `checkpoint.partials` for what the next run does about it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from typing import Any, Iterator
+
+SIGNALS = tuple(s for s in (getattr(signal, "SIGINT", None), getattr(signal, "SIGTERM", None),
+                            getattr(signal, "SIGHUP", None)) if s is not None)
+_state: dict[str, bool] = {"active": False, "ignore": False}
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """Within the block, SIGINT/SIGTERM/SIGHUP raise KeyboardInterrupt once; later ones are ignored."""
+    if threading.current_thread() is not threading.main_thread() or _state["active"]:
+        yield  # only the main thread may set handlers; an outer block already has them
+        return
+
+    def handler(signum: int, _frame: Any) -> None:
+        if _state["ignore"]:
+            return
+        _state["ignore"] = True
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    previous = {s: signal.signal(s, handler) for s in SIGNALS}
+    _state.update(active=True, ignore=False)
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        _state.update(active=False, ignore=False)
+
+
+def point_of_no_return() -> None:
+    """The result is complete; signals from now until the block ends are ignored (module doc)."""
+    if _state["active"]:
+        _state["ignore"] = True

@@ -1,0 +1,286 @@
+"""Hostile inputs to `calibrate`, `sweep-scheduler`, `audit` (issue 12): each case exits non-zero
+with one line naming the file (and line) or the option, no traceback, and no file of the user's
+left, created or changed. Below the table: what must come out right instead of failing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from dsparkctl.cli import common
+from dsparkctl.cli.main import app
+from dsparkctl.math.sps import SPSTable
+from dsparkctl.math.synthetic import SyntheticModel, write_synthetic_trace
+from dsparkctl.strict_json import loads
+
+runner = CliRunner()
+SPS = {"format": "dsparkctl-sps/1", "batch_tokens": [1, 4, 16, 64, 256, 1024, 8192],
+       "steps_per_sec": [50.0, 40.0, 35.0, 25.0, 12.0, 4.0, 0.6]}
+
+
+@pytest.fixture(autouse=True)
+def _one_line(monkeypatch):
+    monkeypatch.setattr(common.err, "soft_wrap", True)
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text().splitlines()
+
+
+def _row(lines: list[str], i: int = 1, **changes) -> str:
+    return json.dumps({**json.loads(lines[i]), **changes})
+
+
+@pytest.fixture(scope="module")
+def d(tmp_path_factory) -> Path:
+    """Every input file of the table: a valid trace and table, and one broken variant each."""
+    d = tmp_path_factory.mktemp("inputs")
+    write_synthetic_trace(d / "full.jsonl", SyntheticModel(), 40, 10, seed=1)
+    write_synthetic_trace(d / "noconf.jsonl", SyntheticModel(), 10, 5, seed=3, with_confidence=False)
+    L = _lines(d / "full.jsonl")
+    text = {
+        "nonutf8.jsonl": "\n".join(L[:2]) + "\n" + L[2][:-1] + "\udcff}\n" + "\n".join(L[3:]),
+        "bigreq.jsonl": "\n".join([L[0], _row(L, request=10 ** 30), *L[2:]]),
+        "dupline.jsonl": "\n".join(L + [L[7]]),
+        "dupkey.jsonl": "\n".join([L[0], L[1][:-1] + ', "accepted": 0}', *L[2:]]),
+        "nanlogit.jsonl": "\n".join([L[0], _row(L, confidence_logits=[0.1] * 4 + [float("nan")]), *L[2:]]),
+        "overflow.jsonl": "\n".join([L[0], _row(L).replace('"draft_ms": 1.0', '"draft_ms": 1e400'), *L[2:]]),
+        "capflag.jsonl": "\n".join([L[0], _row(L, budget_capped="yes"), *L[2:]]),
+        "hugeblock.jsonl": "\n".join([L[0], _row(L, block_size=10 ** 9, verify_length=10 ** 9, confidence_logits=None),
+                                      *L[2:]]),
+        "notrace.jsonl": '{"format": "something-else"}\n',
+        "empty.jsonl": "",
+        # the last round of each request shortened by --max-new-tokens, not marked (an older engine)
+        "unmarked.jsonl": "\n".join([L[0]] + [_row(L, i, verify_length=2, accepted=min(2, json.loads(L[i])["accepted"]))
+                                              if i % 10 == 0 else L[i] for i in range(1, len(L))]),
+        "allcapped.jsonl": "\n".join([L[0]] + [_row(L, i, verify_length=1, accepted=0, budget_capped=True)
+                                               for i in range(1, 6)]),
+        "sps_nan.json": json.dumps(SPS).replace("50.0", "NaN"),
+        "sps_inf.json": json.dumps(SPS).replace("50.0", "Infinity"),
+        "sps_str.json": json.dumps({**SPS, "steps_per_sec": ["50", *SPS["steps_per_sec"][1:]]}),
+        "sps_1e308.json": json.dumps({**SPS, "steps_per_sec": [1e308, *SPS["steps_per_sec"][1:]]}),
+        "sps_bt1e308.json": json.dumps({**SPS, "batch_tokens": [*SPS["batch_tokens"][:-1], 1e308]}),
+        "sps_mbt.json": json.dumps({**SPS, "max_batch_tokens": "100000"}),
+        "sps_lookup.json": json.dumps({**SPS, "lookup": 5}),
+        "sps_extrap.json": json.dumps({**SPS, "extrapolate": "cubic"}),
+        "sps_dupkey.json": json.dumps(SPS)[:-1] + ', "steps_per_sec": [1, 2, 3, 4, 5, 6, 7]}',
+        "sps_small_error.json": json.dumps({**SPS, "batch_tokens": [1, 2, 3], "steps_per_sec": [3.0, 2.0, 1.0],
+                                            "extrapolate": "error"}),
+        "sps_sglang_bool.json": json.dumps({"sample_batch_tokens": [1, 2], "sample_steps_per_sec": [2.0, 1.0],
+                                            "max_batch_tokens": True}),
+        "calib_nan.json": '{"temperatures": [1, 1, 1, 1, NaN]}',
+        "calib_dup.json": '{"temperatures": [1, 1, 1, 1, 1], "temperatures": [2, 2, 2, 2, 2]}',
+    }
+    for name, body in text.items():
+        (d / name).write_bytes(body.encode("utf-8", "surrogateescape"))
+    (d / "sps.json").write_text(json.dumps(SPS))
+    (d / "sps_notutf8.json").write_bytes(b'{"format": "dsparkctl-sps/1", "x": "\xff"}')
+    (d / "a_folder").mkdir()
+    (d / "a_file").write_text("the user's file")
+    return d
+
+
+CAL = ["calibrate", "{d}/full.jsonl"]
+SWEEP = ["sweep-scheduler", "--trace", "{d}/full.jsonl", "--sps-table", "{d}/sps.json", "--rounds", "2000",
+         "--concurrency", "1,8"]
+AUDIT = ["audit", "--rounds", "1000", "--random-settings", "0", "--policies", "dspark"]
+
+
+def _sweep(*extra: str, trace: str = "full.jsonl", sps: str = "sps.json") -> list[str]:
+    argv = [a.replace("full.jsonl", trace).replace("sps.json", sps) for a in SWEEP]
+    return [*argv, *extra]
+
+
+# (case, argv with {d} = inputs and {o} = an output folder of the user's, text of the one line)
+CASES = [
+    # calibrate: every output checked before the traces are read
+    ("calibrate --out a folder", [*CAL, "--out", "{d}/a_folder"], "--out {d}/a_folder is a folder"),
+    ("calibrate --sglang-out a folder", [*CAL, "--out", "{o}/c.json", "--sglang-out", "{d}/a_folder"],
+     "--sglang-out {d}/a_folder is a folder"),
+    ("calibrate --plot-dir a file", [*CAL, "--out", "{o}/c.json", "--plot-dir", "{d}/a_file"],
+     "--plot-dir {d}/a_file exists and is not a folder"),
+    ("calibrate --out below a file", [*CAL, "--out", "{d}/a_file/c.json"], "{d}/a_file is not a folder"),
+    ("calibrate --out = the trace", [*CAL, "--out", "{d}/full.jsonl"], "is one of the inputs"),
+    ("calibrate --out = --sglang-out", [*CAL, "--out", "{o}/c.json", "--sglang-out", "{o}/c.json"],
+     "is the same path as --out"),
+    # calibrate: sizes bounded by the data, values checked
+    ("calibrate --bins 100000000", [*CAL, "--out", "{o}/c.json", "--bins", "100000000"],
+     "--bins 100000000 is more than the 400 rounds"),
+    ("calibrate --bins 1", [*CAL, "--out", "{o}/c.json", "--bins", "1"], "--bins must be ≥ 2"),
+    ("calibrate --holdout nan", [*CAL, "--out", "{o}/c.json", "--holdout", "nan"], "--holdout"),
+    ("calibrate --seed 2**70", [*CAL, "--out", "{o}/c.json", "--seed", str(2 ** 70)], "--seed"),
+    ("calibrate the same trace twice", ["calibrate", "{d}/full.jsonl", "{d}/full.jsonl", "--out", "{o}/c.json"],
+     "is given twice"),
+    # trace reader
+    ("trace: non-UTF-8 byte", ["calibrate", "{d}/nonutf8.jsonl", "--out", "{o}/c.json"],
+     "nonutf8.jsonl:3: not UTF-8 (byte 0xff"),
+    ("trace: request 10**30", ["calibrate", "{d}/bigreq.jsonl", "--out", "{o}/c.json"],
+     "bigreq.jsonl:2: field 'request' must be an integer in [0, 2^63)"),
+    ("trace: duplicated row", ["calibrate", "{d}/dupline.jsonl", "--out", "{o}/c.json"],
+     "dupline.jsonl:402: request 0 round 6 is already on line 8"),
+    ("trace: key twice in a row", ["calibrate", "{d}/dupkey.jsonl", "--out", "{o}/c.json"],
+     "dupkey.jsonl:2: duplicate key 'accepted'"),
+    ("trace: NaN logit", ["calibrate", "{d}/nanlogit.jsonl", "--out", "{o}/c.json"],
+     "nanlogit.jsonl:2: NaN is not a JSON number"),
+    ("trace: 1e400", ["calibrate", "{d}/overflow.jsonl", "--out", "{o}/c.json"], "overflow.jsonl:2: 1e400 overflows"),
+    ("trace: budget_capped not a bool", _sweep(trace="capflag.jsonl"),
+     "capflag.jsonl:2: field 'budget_capped' must be true or false"),
+    ("trace: block_size 10**9", _sweep(trace="hugeblock.jsonl"), "hugeblock.jsonl:2: block_size must be in [1, 256]"),
+    ("trace: not a trace", ["calibrate", "{d}/notrace.jsonl", "--out", "{o}/c.json"], "notrace.jsonl:1: first line"),
+    ("trace: empty", ["calibrate", "{d}/empty.jsonl", "--out", "{o}/c.json"], "empty.jsonl is empty"),
+    ("trace: a folder", ["calibrate", "{d}/a_folder", "--out", "{o}/c.json"], "a_folder is not a regular file"),
+    ("trace: missing", ["calibrate", "{d}/nothere.jsonl", "--out", "{o}/c.json"], "nothere.jsonl does not exist"),
+    ("trace: no confidence", ["calibrate", "{d}/noconf.jsonl", "--out", "{o}/c.json"], "has no confidence logits"),
+    # sweep-scheduler: options
+    ("sweep --policies ''", _sweep("--policies", ""), "--policies '' names no policy"),
+    ("sweep --policies ' , '", _sweep("--policies", " , "), "names no policy"),
+    ("sweep threshold:nan", _sweep("--policies", "threshold:nan"), "policy 'threshold:nan'"),
+    ("sweep survival:inf", _sweep("--policies", "survival:inf"), "policy 'survival:inf'"),
+    ("sweep static:-1", _sweep("--policies", "static:-1"), "policy 'static:-1'"),
+    ("sweep --concurrency beyond --rounds", _sweep("--concurrency", "1,1000000000"),
+     "--concurrency 1000000000 is more than --rounds 2000"),
+    ("sweep --rounds 0", _sweep("--rounds", "0"), "--rounds must be ≥ 1"),
+    ("sweep --seed -1", _sweep("--seed", "-1"), "--seed -1"),
+    ("sweep --plot j.xyz", _sweep("--plot", "{o}/j.xyz", "--out", "{o}/s.json"), "cannot write figures of type '.xyz'"),
+    ("sweep --out a folder", _sweep("--out", "{d}/a_folder"), "--out {d}/a_folder is a folder"),
+    ("sweep --out = --plot", _sweep("--out", "{o}/f.png", "--plot", "{o}/f.png"), "is the same path"),
+    ("sweep --out = the SPS table", _sweep("--out", "{d}/sps.json"), "is one of the inputs"),
+    # sweep-scheduler: SPS tables
+    ("sps NaN", _sweep(sps="sps_nan.json"), "sps_nan.json: NaN is not a JSON number"),
+    ("sps Infinity", _sweep(sps="sps_inf.json"), "sps_inf.json: Infinity is not a JSON number"),
+    ("sps a string", _sweep(sps="sps_str.json"), "sps_str.json: steps_per_sec[0] = '50'"),
+    ("sps 1e308 steps/s", _sweep(sps="sps_1e308.json"), "sps_1e308.json: steps_per_sec[0] = 1e+308"),
+    ("sps 1e308 batch tokens", _sweep(sps="sps_bt1e308.json"), "sps_bt1e308.json: batch_tokens[6] = 1e+308"),
+    ("sps max_batch_tokens a string", _sweep(sps="sps_mbt.json"), "sps_mbt.json: max_batch_tokens '100000'"),
+    ("sps SGLang max_batch_tokens true", _sweep(sps="sps_sglang_bool.json"),
+     "sps_sglang_bool.json: max_batch_tokens True"),
+    ("sps lookup 5", _sweep(sps="sps_lookup.json"), "sps_lookup.json: field 'lookup' is 5"),
+    ("sps extrapolate cubic", _sweep(sps="sps_extrap.json"), "sps_extrap.json: field 'extrapolate' is 'cubic'"),
+    ("sps key twice", _sweep(sps="sps_dupkey.json"), "sps_dupkey.json: duplicate key 'steps_per_sec'"),
+    ("sps not UTF-8", _sweep(sps="sps_notutf8.json"), "sps_notutf8.json: not UTF-8"),
+    ("sps a folder", _sweep(sps="a_folder"), "a_folder is not a regular file"),
+    ("sps beyond the last probe", _sweep("--policies", "static:5", sps="sps_small_error.json"),
+     "sps_small_error.json: batch of 6 tokens is beyond the table's last probe (3)"),
+    # sweep-scheduler: traces and calibration
+    ("sweep the same trace twice", [*_sweep(), "--trace", "{d}/full.jsonl"], "is given twice"),
+    ("sweep unmarked shortened rounds", _sweep(trace="unmarked.jsonl"), "not marked budget_capped"),
+    ("sweep only budget-capped rounds", _sweep(trace="allcapped.jsonl"), "(5 budget-capped rounds skipped)"),
+    ("calibration NaN", _sweep("--calibration", "{d}/calib_nan.json"), "calib_nan.json: NaN is not a JSON number"),
+    ("calibration key twice", _sweep("--calibration", "{d}/calib_dup.json"), "duplicate key 'temperatures'"),
+    # audit
+    ("audit --alpha 0", [*AUDIT, "--alpha", "0"], "--alpha 0.0 must be in (0, 1)"),
+    ("audit --alpha -1", [*AUDIT, "--alpha", "-1"], "--alpha -1.0 must be in (0, 1)"),
+    ("audit --alpha nan", [*AUDIT, "--alpha", "nan"], "--alpha nan must be in (0, 1)"),
+    ("audit --alpha 1", [*AUDIT, "--alpha", "1"], "--alpha 1.0 must be in (0, 1)"),
+    ("audit --random-settings -3", [*AUDIT, "--random-settings", "-3"], "--random-settings -3 is negative"),
+    ("audit --policies ''", ["audit", "--policies", "", "--rounds", "1000"], "--policies '' names no policy"),
+    ("audit threshold:nan", ["audit", "--policies", "threshold:nan", "--rounds", "1000"], "policy 'threshold:nan'"),
+    ("audit --rounds 10", ["audit", "--rounds", "10"], "--rounds 10 is too few"),
+    ("audit --seed 2**70", [*AUDIT, "--seed", str(2 ** 70)], "--seed"),
+]
+HINT_NAMES_NO_MISSING_FLAG = ("--sps-extrapolate",)
+
+
+def _snapshot(*roots: Path) -> dict[str, tuple]:
+    out = {}
+    for root in roots:
+        for dirpath, dirs, files in os.walk(root):
+            for name in dirs + files:
+                p = os.path.join(dirpath, name)
+                st = os.lstat(p)
+                out[p] = (st.st_mode, st.st_size, st.st_mtime_ns)
+    return out
+
+
+@pytest.mark.parametrize("case,argv,needle", CASES, ids=[c[0] for c in CASES])
+def test_bad_input(case, argv, needle, d: Path, tmp_path: Path, monkeypatch):
+    o = tmp_path / "mine"
+    o.mkdir()
+    (o / "notes.txt").write_text("the user's")
+    monkeypatch.chdir(o)  # default outputs (calib.json, ...) would land here
+    before = _snapshot(d, o)
+    res = runner.invoke(app, [a.format(d=d, o=o) for a in argv])
+    message = res.stderr.strip()
+    assert res.exit_code not in (0, None), f"{case}: exit 0\n{res.stdout[:300]}"
+    assert len(message.splitlines()) == 1, f"{case}: not one line: {message!r}"
+    assert message.startswith("error:") and "Traceback" not in res.output, message
+    assert needle.format(d=d, o=o) in message, f"{case}: {needle!r} not in {message!r}"
+    assert not any(flag in message for flag in HINT_NAMES_NO_MISSING_FLAG), message
+    assert _snapshot(d, o) == before, f"{case}: files left or changed"
+
+
+# --------------------------------------------------------------------------- right results, not errors
+def test_linear_extrapolation_never_runs_away():
+    """A step time that falls between the last two probes would reach zero: it is held instead."""
+    falling = SPSTable([1, 64], [10.0, 20.0], extrapolate="linear")
+    assert falling.sps([64.0, 1e3, 1e6, 2.0 ** 31]).tolist() == [20.0, 20.0, 20.0, 20.0]
+    rising = SPSTable([1, 64], [20.0, 10.0], extrapolate="linear")
+    far = rising.sps([128.0, 1e6]).tolist()
+    assert 0 < far[1] < far[0] < 10.0
+
+
+def test_json_out_is_strict_and_files_are_strict(d: Path, tmp_path: Path):
+    """Empty reliability bins and one-class AUROCs are NaN inside; --json and files show null."""
+    res = runner.invoke(app, ["calibrate", str(d / "full.jsonl"), "--out", str(tmp_path / "c.json"), "--bins", "200",
+                              "--json"])
+    assert res.exit_code == 0, res.output
+    loads(res.stdout)  # raises on NaN/Infinity
+    for f in ("c.json", "c.sglang-sts.json"):
+        loads((tmp_path / f).read_bytes())
+    assert None in loads((tmp_path / "c.json").read_bytes())["metrics_heldout"]["before"][0]["diagram"]["mean_pred"]
+    res = runner.invoke(app, [a.format(d=d) for a in _sweep("--json")])
+    assert res.exit_code == 0, res.output
+    doc = loads(res.stdout)
+    assert doc["budget_capped_rounds_skipped"] == 0 and len(doc["rows"]) == 2 * 7
+    res = runner.invoke(app, [*AUDIT, "--json"])
+    assert res.exit_code == 0, res.output
+    loads(res.stdout)
+
+
+def test_calibrate_memory_is_bounded_by_the_data(d: Path, tmp_path: Path):
+    """Peak RSS of calibrate with absurd --bins (refused) and with the most bins the data allows."""
+    code = ("import resource, sys, typer; from dsparkctl.cli import schedule; app = typer.Typer(); "
+            "schedule.register(app)\n"
+            "try: app()\nexcept SystemExit as e: code = e.code\n"
+            "print('PEAK_MB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024, file=sys.stderr); "
+            "sys.exit(code)")
+    peaks = {}
+    for bins in ("100000000", "400"):
+        p = subprocess.run([sys.executable, "-c", code, "calibrate", str(d / "full.jsonl"), "--bins", bins,
+                            "--out", str(tmp_path / f"c{bins}.json")], capture_output=True, text=True,
+                           cwd=Path(__file__).resolve().parents[1], timeout=300)
+        peaks[bins] = int(p.stderr.rsplit("PEAK_MB", 1)[1].split()[0])
+        assert (p.returncode != 0) == (bins == "100000000"), p.stderr
+    print(f"\ncalibrate peak RSS: --bins 1e8 (refused) {peaks['100000000']} MB, --bins 400 {peaks['400']} MB")
+    assert max(peaks.values()) < 1500  # was 24 GB and killed before
+
+
+def test_generate_trace_capped_by_the_budget_is_swept(tmp_path: Path):
+    """`generate --max-new-tokens 12 --trace` marks the rounds the budget shortened; the sweep skips them."""
+    from tests.tiny_models import save_tiny_target, write_deepspec_draft
+
+    target = save_tiny_target(tmp_path / "target", "qwen3", vocab=64, layers=4)
+    draft = write_deepspec_draft(tmp_path / "draft", vocab=64, hidden=32, taps=(0, 1), rank=8, block_size=4)
+    trace = tmp_path / "t.jsonl"
+    res = runner.invoke(app, ["generate", "--target", str(target), "--draft", str(draft), "--no-chat",
+                              "--max-new-tokens", "12", "--json", "--trace", str(trace),
+                              *[f"w{i} w{i + 1}" for i in range(3, 11)]])
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(line) for line in trace.read_text().splitlines()[1:]]
+    capped = [r for r in rows if r["budget_capped"]]
+    assert capped and all(r["verify_length"] < r["block_size"] for r in capped)
+    assert all(r["verify_length"] == r["block_size"] for r in rows if not r["budget_capped"])
+    (tmp_path / "sps.json").write_text(json.dumps(SPS))
+    res = runner.invoke(app, ["sweep-scheduler", "--trace", str(trace), "--sps-table", str(tmp_path / "sps.json"),
+                              "--policies", "static:1,static:4,dspark", "--concurrency", "1,4", "--rounds", "200",
+                              "--json"])
+    assert res.exit_code == 0, res.output
+    doc = loads(res.stdout)
+    assert doc["budget_capped_rounds_skipped"] == len(capped)
+    assert doc["pooled_rounds"] == len(rows) - len(capped)
