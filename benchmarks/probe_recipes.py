@@ -42,17 +42,21 @@ def run_probe(name: str, overrides: list[str], args, lt, stops, held: list) -> d
     run_dir = args.out.parent / f".probe-{args.out.stem}-{name}"
     trainer = Trainer(rec, draft, train, run_dir, feature_scale=scale)
     points, elapsed, blocks = [], 0.0, 0
-    st = heldout_stats(draft, held, 0.0, scale)
-    points.append({"minutes": 0.0, "steps": 0, "blocks": 0, "tau": st.tau, "conditional": st.conditional()})
+    curve = held[: args.curve_sequences]  # intermediate points on a subset; the final one on all
+    st = heldout_stats(draft, curve, 0.0, scale)
+    points.append({"minutes": 0.0, "steps": 0, "blocks": 0, "tau": st.tau, "conditional": st.conditional(),
+                   "sequences": len(curve)})
     while elapsed < args.minutes * 60 - 1e-6:
         chunk = min(args.every * 60, args.minutes * 60 - elapsed)
         res = trainer.train(max_seconds=chunk)
         elapsed += res.seconds
         blocks += sum(lg.blocks for lg in res.logs)
-        st = heldout_stats(draft, held, 0.0, scale)
+        final = elapsed >= args.minutes * 60 - 1e-6
+        st = heldout_stats(draft, held if final else curve, 0.0, scale)
         last = res.logs[-1]
         points.append({"minutes": elapsed / 60, "steps": trainer.step, "blocks": blocks, "tau": st.tau,
-                       "conditional": st.conditional(), "loss": last.loss, "train_top1": last.top1,
+                       "conditional": st.conditional(), "sequences": len(held if final else curve),
+                       "loss": last.loss, "train_top1": last.top1,
                        "s_per_step": res.seconds / max(1, len(res.logs))})
         print(f"{name}: {elapsed / 60:.1f} min, step {trainer.step}, {blocks} blocks, held-out τ {st.tau:.3f}, "
               f"c1 {st.conditional()[0]:.3f}", flush=True)
@@ -75,9 +79,11 @@ def plot(results: list[dict], path: Path) -> None:
     for r in results:
         xs = [p["minutes"] for p in r["points"]]
         ys = [p["tau"] for p in r["points"]]
-        a.plot(xs, ys, marker="o", label=r["name"])
-        b.plot([p["blocks"] / 1000 for p in r["points"]], ys, marker="o", label=r["name"])
-    a.set_xlabel("training minutes (2-core CPU)")
+        a.plot(xs[:-1], ys[:-1], marker="o", label=r["name"])
+        b.plot([p["blocks"] / 1000 for p in r["points"]][:-1], ys[:-1], marker="o", label=r["name"])
+        a.plot(xs[-1:], ys[-1:], marker="*", markersize=12, color=a.lines[-1].get_color())
+        b.plot([r["points"][-1]["blocks"] / 1000], ys[-1:], marker="*", markersize=12, color=b.lines[-1].get_color())
+    a.set_xlabel("training minutes (2-core CPU); ★ = final, on every held-out sequence")
     b.set_xlabel("blocks seen (thousands)")
     for ax in (a, b):
         ax.set_ylabel("held-out teacher-forced τ (γ=5, greedy)")
@@ -94,7 +100,8 @@ def main() -> None:
     ap.add_argument("--probe", action="append", required=True, help="NAME:key=value,key=value")
     ap.add_argument("--base", action="append", default=[], help="override applied to every probe (key=value)")
     ap.add_argument("--minutes", type=float, default=8.0)
-    ap.add_argument("--every", type=float, default=2.0)
+    ap.add_argument("--every", type=float, default=1.0)
+    ap.add_argument("--curve-sequences", type=int, default=16, help="held-out sequences for intermediate points")
     ap.add_argument("--cache-dir", type=Path, default=default_cache_dir())
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "probes")
     args = ap.parse_args()

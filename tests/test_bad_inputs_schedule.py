@@ -107,6 +107,7 @@ CASES = [
      "--plot-dir {d}/a_file exists and is not a folder"),
     ("calibrate --out below a file", [*CAL, "--out", "{d}/a_file/c.json"], "{d}/a_file is not a folder"),
     ("calibrate --out = the trace", [*CAL, "--out", "{d}/full.jsonl"], "is one of the inputs"),
+    ("calibrate --out ''", [*CAL, "--out", ""], "--out is empty"),
     ("calibrate --out = --sglang-out", [*CAL, "--out", "{o}/c.json", "--sglang-out", "{o}/c.json"],
      "is the same path as --out"),
     # calibrate: sizes bounded by the data, values checked
@@ -155,7 +156,7 @@ CASES = [
     ("sps NaN", _sweep(sps="sps_nan.json"), "sps_nan.json: NaN is not a JSON number"),
     ("sps Infinity", _sweep(sps="sps_inf.json"), "sps_inf.json: Infinity is not a JSON number"),
     ("sps a string", _sweep(sps="sps_str.json"), "sps_str.json: steps_per_sec[0] = '50'"),
-    ("sps 1e308 steps/s", _sweep(sps="sps_1e308.json"), "sps_1e308.json: steps_per_sec[0] = 1e+308"),
+    ("sps 1e308 steps/s", _sweep(sps="sps_1e308.json"), "sps_1e308.json: steps_per_sec[0] = 1e+308 is not a positive finite number in [1e-06, 1e+09]"),
     ("sps 1e308 batch tokens", _sweep(sps="sps_bt1e308.json"), "sps_bt1e308.json: batch_tokens[6] = 1e+308"),
     ("sps max_batch_tokens a string", _sweep(sps="sps_mbt.json"), "sps_mbt.json: max_batch_tokens '100000'"),
     ("sps SGLang max_batch_tokens true", _sweep(sps="sps_sglang_bool.json"),

@@ -91,3 +91,37 @@ def test_full_vocabulary_draft_keeps_deepspec_tensor_names(tmp_path):
                                                 "markov_head.markov_w1.weight"} <= names
     assert all(not n.startswith(("embed_tokens", "lm_head")) for n in names)
     assert torch.is_tensor(draft.fc.weight)
+
+
+# ------------------------------------------------------------------ drafts for loaders that do not borrow
+def test_draft_with_embeddings_loads_with_from_pretrained_and_matches_ours(tmp_path):
+    """DeepSpec's eval.py builds the draft with from_pretrained and reads embed_tokens/lm_head
+    from the file; `--with-embeddings` writes them. transformers reads the same tensors."""
+    from transformers import Qwen3ForCausalLM
+
+    model = tiny_target("qwen3")
+    tgt = TargetAdapter(model, [0, 1])
+    draft = random_draft(tgt, num_layers=1, layer_ids=[0, 1], markov_rank=8, seed=4)
+    folder = save_draft(draft, tmp_path / "d", dtype=torch.float32, include_embeddings=True)
+    hf = Qwen3ForCausalLM.from_pretrained(folder)
+    torch.testing.assert_close(hf.lm_head.weight, model.lm_head.weight)
+    torch.testing.assert_close(hf.model.embed_tokens.weight, model.model.embed_tokens.weight)
+    torch.testing.assert_close(hf.model.layers[0].self_attn.q_proj.weight, draft.layers[0].self_attn.q_proj.weight)
+    alone = load_draft(folder)  # no target: its own embedding and head
+    feats = torch.randn(1, 6, 2 * model.config.hidden_size)
+    anchors, pos = torch.tensor([[5, 7]]), torch.tensor([[2, 4]])
+    h_ours = draft.forward_blocks(feats, anchors, pos)
+    h_alone = alone.forward_blocks(feats, anchors, pos)
+    prev = torch.randint(0, 64, (1, 2, draft.block_size))
+    torch.testing.assert_close(alone.block_logits(h_alone, prev)[0], draft.block_logits(h_ours, prev)[0])
+    torch.testing.assert_close(hf.lm_head(h_alone), draft.lm_head(h_ours))
+
+
+def test_reduced_vocabulary_drafts_cannot_be_exported_with_embeddings():
+    from dsparkctl.errors import InputError
+    from dsparkctl.train.run import check_embeddings_export
+
+    with pytest.raises(InputError, match="reduced-vocabulary"):
+        check_embeddings_export(8192, True)
+    check_embeddings_export(0, True)
+    check_embeddings_export(8192, False)

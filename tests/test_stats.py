@@ -36,6 +36,11 @@ def test_hand_computed_metrics():
     assert s.accepted_at == [3, 1, 1]
     assert s.conditional() == pytest.approx([3 / 4, 1 / 3, 1.0])
     assert s.survival() == pytest.approx([0.75, 0.25, 0.25])
+    # vLLM's draft acceptance rate: 5 accepted of 11 verified drafts; DeepSpec's verify_rate:
+    # 10 emitted tokens for 11 drafts + 5 bonus slots scored
+    assert s.draft_acceptance_rate == pytest.approx(5 / 11)
+    assert s.verify_rate == pytest.approx(10 / 16)
+    assert AcceptanceStats(block_size=3).draft_acceptance_rate is None
 
 
 def test_tensor_input_and_empty():

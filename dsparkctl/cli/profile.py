@@ -78,6 +78,7 @@ def profile_sps_cmd(
         raise UsageError("--context-len and --repeats must be >= 1, --warmup >= 0",
                          "e.g. --context-len 256 --repeats 5 --warmup 2")
     check_seed(seed)
+    check_outputs([Output(out_path, "--out")])  # first: the other names derive from it
     sg = sglang_out or out_path.with_name(out_path.stem + ".sglang.json")
     png = plot or out_path.with_suffix(".png")
     check_outputs([Output(out_path, "--out"), Output(sg, "--sglang-out"), Output(png, "--plot", "figure")])

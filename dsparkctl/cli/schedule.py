@@ -40,6 +40,7 @@ def calibrate(
     from dsparkctl.plots import reliability_diagrams
 
     check_seed(seed)
+    check_outputs([Output(out_path, "--out")])  # first: the other names derive from it
     sglang_out = sglang_out or out_path.with_name(out_path.stem + ".sglang-sts.json")
     plot_dir = plot_dir or out_path.with_name(out_path.stem + "_reliability")
     check_outputs([Output(out_path, "--out"), Output(sglang_out, "--sglang-out"),

@@ -29,6 +29,9 @@ def register(app: typer.Typer) -> None:
                                                           "later).")] = None,
         export_step: Annotated[int | None, typer.Option("--export-step", help="Do not train: write the kept "
                                                         "checkpoint of this step as a draft to --out.")] = None,
+        with_embeddings: Annotated[bool, typer.Option("--with-embeddings", help="Also write the target's embedding "
+                                                      "and LM head into --out (for DeepSpec's eval.py, which does not "
+                                                      "borrow them).")] = False,
         json_: JsonOpt = False,
     ) -> None:
         """Train a DSpark/DFlash draft by self-distillation from the target (resumable)."""
@@ -37,6 +40,9 @@ def register(app: typer.Typer) -> None:
         from dsparkctl.train.run import run_training
 
         rec = load_recipe(recipe, set_ or [])
+        if with_embeddings and out_dir is None:
+            from dsparkctl.errors import UsageError
+            raise UsageError("--with-embeddings needs --out FOLDER", "e.g. --out my-draft --with-embeddings")
         import torch
         if rec.optim.threads:
             torch.set_num_threads(rec.optim.threads)
@@ -50,7 +56,7 @@ def register(app: typer.Typer) -> None:
             if out_dir is None:
                 raise UsageError("--export-step needs --out FOLDER")
             path = export_checkpoint(rec, export_step, model=lt.model, tokenizer=lt.tokenizer, out=out_dir,
-                                     stop_ids=stops, cache_dir=cache_dir)
+                                     stop_ids=stops, cache_dir=cache_dir, with_embeddings=with_embeddings)
             out.print(f"exported step {export_step} of {rec.name} to {path}")
             return
         t0 = time.perf_counter()
@@ -101,7 +107,8 @@ def register(app: typer.Typer) -> None:
             res = run_training(rec, model=lt.model, tokenizer=lt.tokenizer, stop_ids=stops, resume=resume,
                                cache_dir=cache_dir, out=out_dir, log=lambda s: err.print(s, markup=False),
                                on_data=on_data, on_step=on_step, stop_after=max_steps, on_eval=on_eval,
-                               max_seconds=max_minutes * 60 if max_minutes is not None else None)
+                               max_seconds=max_minutes * 60 if max_minutes is not None else None,
+                               with_embeddings=with_embeddings)
         finally:
             if state["progress"] is not None:
                 state["progress"].stop()

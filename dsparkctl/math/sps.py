@@ -24,8 +24,8 @@ Files
             (`--speculative-dspark-sps-table-path`; sglang dspark_components/dspark_sps.py
             requires max_batch_tokens ≥ the last probe.)
 `SPSTable.load` detects the format from the keys and reads strict JSON (no NaN/Infinity, each key
-once). Probes are bounded: batch tokens ≤ MAX_BATCH_TOKENS, steps/s ≤ MAX_STEPS_PER_SEC, so every
-Θ computed from a table is finite.
+once). Probes are bounded: batch tokens ≤ MAX_BATCH_TOKENS, steps/s in [MIN_STEPS_PER_SEC,
+MAX_STEPS_PER_SEC], so every lookup and every Θ computed from a table is finite and positive.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ SPS_FORMAT = "dsparkctl-sps/1"
 LOOKUP_MODES = ("floor", "linear")
 EXTRAPOLATION = ("clamp", "linear", "error")
 MAX_BATCH_TOKENS = 2 ** 31 - 1  # tokens in one forward step; far beyond any engine
-MAX_STEPS_PER_SEC = 1e9  # a forward step shorter than a nanosecond is a unit error
+MIN_STEPS_PER_SEC, MAX_STEPS_PER_SEC = 1e-6, 1e9  # a step of 11 days or under a nanosecond is a unit error
 _PROFILE_HINT = "profile one with `dsparkctl profile-sps`"
 
 
@@ -82,9 +82,10 @@ class SPSTable:
                     "sort the probes by batch tokens and merge duplicates (median of repeats)")
         for i, s in enumerate(sps):
             if (isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s)
-                    or not 0 < s <= MAX_STEPS_PER_SEC):
-                raise InputError(f"{source}: steps_per_sec[{i}] = {s!r} is not a positive finite number (at most {MAX_STEPS_PER_SEC:g})",
-                                 "re-profile the table; a step rate is positive and a step takes over a nanosecond")
+                    or not MIN_STEPS_PER_SEC <= s <= MAX_STEPS_PER_SEC):
+                raise InputError(f"{source}: steps_per_sec[{i}] = {s!r} is not a positive finite number in "
+                                 f"[{MIN_STEPS_PER_SEC:g}, {MAX_STEPS_PER_SEC:g}]",
+                                 "re-profile the table; steps per second, not per millisecond or per hour")
         if mode not in LOOKUP_MODES:
             raise UsageError(f"unknown SPS lookup mode {mode!r}", f"use one of {', '.join(LOOKUP_MODES)}")
         if extrapolate not in EXTRAPOLATION:

@@ -12,6 +12,10 @@ count a (0 ≤ a ≤ ℓ ≤ γ). From the counts:
     accepted_at[j]  rounds where position j was accepted: j ≤ a
     conditional c_j = accepted_at[j] / reached[j]   P(j accepted | 1..j-1 accepted, j verified)
     survival    a_j = Π_{i≤j} c_i                   P(first j drafts accepted)
+    draft acceptance rate = Σ a / Σ ℓ               vLLM's "draft acceptance rate" (accepted draft
+                                                    tokens / draft tokens verified; vLLM prints %)
+    verify rate = Σ (1 + a) / (Σ ℓ + rounds)        DeepSpec's `verify_rate`: emitted tokens per
+                                                    token the target scored (the ℓ drafts + 1 each)
 Under full verification (ℓ = γ every round) a_j is exactly #rounds(a ≥ j) / rounds; with
 shorter, possibly adaptive verify lengths the product of conditionals is the estimator that
 uses only positions that were actually tested.
@@ -116,6 +120,16 @@ class AcceptanceStats:
     def tau(self) -> float | None:
         return self.tokens / self.rounds if self.rounds else None
 
+    @property
+    def draft_acceptance_rate(self) -> float | None:
+        """vLLM's draft acceptance rate as a fraction: accepted drafts / drafts verified."""
+        return (self.tokens - self.rounds) / self.verified if self.verified else None
+
+    @property
+    def verify_rate(self) -> float | None:
+        """DeepSpec's verify_rate: emitted tokens / (drafts verified + one bonus slot per round)."""
+        return self.tokens / (self.verified + self.rounds) if self.rounds else None
+
     def conditional(self) -> list[float | None]:
         """c_j = accepted_at[j] / reached[j]; None where position j was never tested."""
         return [a / n if n else None for a, n in zip(self.accepted_at, self.reached)]
@@ -178,6 +192,8 @@ class AcceptanceStats:
             "reached": list(self.reached),
             "accepted_at": list(self.accepted_at),
             "tau": self.tau,
+            "draft_acceptance_rate": self.draft_acceptance_rate,
+            "verify_rate": self.verify_rate,
             "conditional": self.conditional(),
             "survival": self.survival(),
         }

@@ -133,13 +133,26 @@ def load_init_draft(recipe: Recipe, draft: DSparkDraft, adapter: TargetAdapter,
             draft.share_target_embeddings(adapter.embed_tokens(), adapter.lm_head())
 
 
-def export_draft(draft: DSparkDraft, out: Path, scale: torch.Tensor | None, extra: dict[str, Any]) -> Path:
-    """Save in DeepSpec format with the tap scale folded into fc (the file needs no extra op)."""
+def check_embeddings_export(draft_vocab_size: int, with_embeddings: bool) -> None:
+    if with_embeddings and draft_vocab_size:
+        raise InputError("--with-embeddings writes a DeepSpec draft for loaders that do not borrow the target's "
+                         "embedding and LM head; a reduced-vocabulary draft is not one of those",
+                         "train with draft.vocab_size = 0 for DeepSpec's eval.py, or drop --with-embeddings")
+
+
+def export_draft(draft: DSparkDraft, out: Path, scale: torch.Tensor | None, extra: dict[str, Any],
+                 with_embeddings: bool = False) -> Path:
+    """Save in DeepSpec format with the tap scale folded into fc (the file needs no extra op).
+
+    `with_embeddings` also writes the (borrowed) embedding and LM head, for loaders such as
+    DeepSpec's eval.py that build the draft with from_pretrained and do not borrow them."""
+    check_embeddings_export(draft.cfg.draft_vocab_size, with_embeddings)
     w = draft.fc.weight.data
     if scale is not None:
         draft.fc.weight.data = w * scale[None, :]
     try:
-        return save_draft(draft, out, dtype=torch.bfloat16, extra_config=extra, overwrite=True)
+        return save_draft(draft, out, dtype=torch.bfloat16, extra_config=extra, overwrite=True,
+                          include_embeddings=with_embeddings)
     finally:
         draft.fc.weight.data = w
 
@@ -244,13 +257,14 @@ def run_training(recipe: Recipe, *, model: Any, tokenizer: Any, stop_ids: list[i
                  log: Callable[[str], None] = print, on_data: Callable[[int, int], None] | None = None,
                  on_step: Callable[[StepLog], None] | None = None, stop_after: int | None = None,
                  on_eval: Callable[[int, dict[str, Any]], None] | None = None,
-                 max_seconds: float | None = None) -> TrainOutcome:
+                 max_seconds: float | None = None, with_embeddings: bool = False) -> TrainOutcome:
     if recipe.optim.threads:
         torch.set_num_threads(recipe.optim.threads)
     cache_dir = cache_dir or default_cache_dir()
     run_dir = run_dir_for(recipe, cache_dir, runs_dir)
     if out is not None:
         check_draft_destination(out, overwrite=True)  # fail now, not after the training
+        check_embeddings_export(recipe.draft.vocab_size, with_embeddings)
     if (run_dir / "latest.json").is_file() and not resume:
         raise InputError(f"{run_dir} already holds checkpoints of this recipe",
                          "pass --resume to continue it, or delete the folder to start over")
@@ -281,20 +295,22 @@ def run_training(recipe: Recipe, *, model: Any, tokenizer: Any, stop_ids: list[i
                                      train_sequences=len(train_seqs), vocab_coverage=coverage)}
     export_draft(draft, run_dir / "final", scale, extra)
     if out is not None:
-        export_draft(draft, out, scale, extra)
+        export_draft(draft, out, scale, extra, with_embeddings)
     return TrainOutcome(run_dir=run_dir, draft_dir=out or run_dir / "final", steps=res.steps, resumed_from=start,
                         seconds=res.seconds, last=res.logs[-1] if res.logs else None, heldout=heldout,
                         train_sequences=len(train_seqs), heldout_sequences=len(held), vocab_coverage=coverage)
 
 
 def export_checkpoint(recipe: Recipe, step: int, *, model: Any, tokenizer: Any, out: Path, stop_ids: list[int],
-                      cache_dir: Path | None = None, runs_dir: Path | None = None) -> Path:
+                      cache_dir: Path | None = None, runs_dir: Path | None = None,
+                      with_embeddings: bool = False) -> Path:
     """Write the kept checkpoint of `step` (see optim.keep_checkpoints) as a DeepSpec draft folder."""
     from safetensors.torch import load_file
 
     cache_dir = cache_dir or default_cache_dir()
     run_dir = run_dir_for(recipe, cache_dir, runs_dir)
     check_draft_destination(out, overwrite=True)
+    check_embeddings_export(recipe.draft.vocab_size, with_embeddings)
     path = run_dir / "checkpoints" / f"step_{step:06d}" / "draft.safetensors"
     if not path.is_file():
         kept = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) if run_dir.is_dir() else []
@@ -308,4 +324,4 @@ def export_checkpoint(recipe: Recipe, step: int, *, model: Any, tokenizer: Any, 
                 p.copy_(tensors[n])
     extra = {"dsparkctl": provenance(recipe=recipe.to_dict(), recipe_hash=recipe.digest(), steps=step,
                                      target=recipe.target.model, exported_from=str(path))}
-    return export_draft(draft, out, scale, extra)
+    return export_draft(draft, out, scale, extra, with_embeddings)

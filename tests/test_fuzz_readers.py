@@ -1,0 +1,168 @@
+"""Seeded, time-bounded fuzzing of the trace, SPS-table and calibration readers over mutated valid
+files: every outcome is a one-line domain error or a result that satisfies the format's
+invariants (and that the consumers downstream accept or refuse with one line) — never anything else."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from dsparkctl.calibrate import calibration_data, load_temperatures
+from dsparkctl.errors import DsparkError
+from dsparkctl.math.sps import MAX_BATCH_TOKENS, MAX_STEPS_PER_SEC, SPSTable
+from dsparkctl.math.synthetic import SyntheticModel, write_synthetic_trace
+from dsparkctl.sweep import load_replay_rounds
+from dsparkctl.trace import MAX_BLOCK_SIZE, read_trace
+
+BUDGET_S = 1.5  # per reader
+PALETTE: list[Any] = [None, True, False, -1, 0, 1, 3, 5, 2 ** 63, 10 ** 30, -0.0, 0.5, 1e308, -1e308, 1e-320,
+                      "5", "", "NaN", [], {}, [1.0], [0.1] * 5, [[1]], {"a": 1}]
+RAW_VALUES = ["NaN", "Infinity", "-Infinity", "1e400", "01", "1.", "\"\\ud800\"", "tru"]
+
+
+def _mutate_json(doc: Any, rng: random.Random) -> Any:
+    """Replace one value somewhere in `doc` (a key, a list item, or the whole) with a palette value."""
+    if isinstance(doc, dict) and doc and rng.random() < 0.85:
+        k = rng.choice(list(doc))
+        action = rng.random()
+        if action < 0.15:
+            return {kk: v for kk, v in doc.items() if kk != k}  # drop a key
+        return {**doc, k: _mutate_json(doc[k], rng)}
+    if isinstance(doc, list) and doc and rng.random() < 0.8:
+        i = rng.randrange(len(doc))
+        action = rng.random()
+        if action < 0.15:
+            return doc[:i] + doc[i + 1:]
+        if action < 0.3:
+            return doc[:i] + [doc[i]] + doc[i:]
+        return doc[:i] + [_mutate_json(doc[i], rng)] + doc[i + 1:]
+    return rng.choice(PALETTE)
+
+
+def _mutate_bytes(raw: bytes, rng: random.Random) -> bytes:
+    b = bytearray(raw)
+    kind = rng.randrange(6)
+    pos = rng.randrange(len(b)) if b else 0
+    if kind == 0 and b:
+        b[pos] = rng.randrange(256)
+    elif kind == 1:
+        b[pos:pos] = bytes([rng.choice([0x00, 0x0A, 0x22, 0x2C, 0x7B, 0x7D, 0xFF, 0xC3])])
+    elif kind == 2:
+        del b[pos:pos + rng.randrange(1, 40)]
+    elif kind == 3:
+        b = b[:pos]
+    elif kind == 4:  # a raw token JSON allows in Python only, or not at all
+        b[pos:pos] = rng.choice(RAW_VALUES).encode()
+    else:  # a line twice, or two lines swapped
+        lines = bytes(b).split(b"\n")
+        i = rng.randrange(len(lines))
+        lines.insert(i, lines[rng.randrange(len(lines))])
+        b = bytearray(b"\n".join(lines))
+    return bytes(b)
+
+
+def _fuzz(seed: int, valid: bytes, path: Path, mutate_doc: Callable[[bytes, random.Random], bytes],
+          check: Callable[[Path], None]) -> int:
+    rng = random.Random(seed)
+    n, deadline = 0, time.monotonic() + BUDGET_S
+    while time.monotonic() < deadline:
+        raw = valid
+        for _ in range(rng.randint(1, 3)):
+            raw = mutate_doc(raw, rng) if rng.random() < 0.6 else _mutate_bytes(raw, rng)
+        path.write_bytes(raw)
+        try:
+            check(path)
+        except DsparkError as exc:
+            assert "\n" not in exc.one_line() and exc.one_line().strip(), exc.one_line()
+        except Exception as exc:  # noqa: BLE001 - the point of the test
+            pytest.fail(f"seed {seed}, case {n}: {type(exc).__name__}: {exc}\n{raw[:2000]!r}")
+        n += 1
+    return n
+
+
+# --------------------------------------------------------------------------- traces
+def _mutate_trace(raw: bytes, rng: random.Random) -> bytes:
+    lines = raw.split(b"\n")
+    i = rng.randrange(max(1, len(lines) - 1))  # the last line is empty
+    try:
+        doc = json.loads(lines[i])
+    except ValueError:
+        return _mutate_bytes(raw, rng)
+    lines[i] = json.dumps(_mutate_json(doc, rng)).encode()
+    return b"\n".join(lines)
+
+
+def _check_trace(path: Path) -> None:
+    t = read_trace(path)
+    seen = set()
+    for r in t.rounds:
+        assert 1 <= r.block_size <= MAX_BLOCK_SIZE and 0 <= r.accepted <= r.verify_length <= r.block_size
+        assert all(0 <= v < 2 ** 63 for v in (r.request, r.round, r.batch_tokens))
+        assert math.isfinite(r.draft_ms) and math.isfinite(r.verify_ms) and isinstance(r.budget_capped, bool)
+        assert r.confidence_logits is None or (len(r.confidence_logits) == r.block_size
+                                               and all(math.isfinite(x) for x in r.confidence_logits))
+        assert (r.request, r.round) not in seen
+        seen.add((r.request, r.round))
+    for consumer in (lambda: load_replay_rounds([path]), lambda: calibration_data([t])):
+        try:
+            consumer()
+        except DsparkError as exc:
+            assert "\n" not in exc.one_line()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_trace_reader(seed: int, tmp_path: Path):
+    write_synthetic_trace(tmp_path / "valid.jsonl", SyntheticModel(), 3, 4, seed=seed)
+    n = _fuzz(seed, (tmp_path / "valid.jsonl").read_bytes(), tmp_path / "t.jsonl", _mutate_trace, _check_trace)
+    assert n >= 50, f"only {n} cases in {BUDGET_S} s"
+
+
+# --------------------------------------------------------------------------- SPS tables and calibrations
+def _mutate_doc(raw: bytes, rng: random.Random) -> bytes:
+    try:
+        return json.dumps(_mutate_json(json.loads(raw), rng)).encode()
+    except ValueError:
+        return _mutate_bytes(raw, rng)
+
+
+def _check_sps(path: Path) -> None:
+    t = SPSTable.load(path)
+    assert all(1 <= b <= MAX_BATCH_TOKENS for b in t.batch_tokens)
+    assert all(b < c for b, c in zip(t.batch_tokens, t.batch_tokens[1:]))
+    assert all(0 < s <= MAX_STEPS_PER_SEC for s in t.steps_per_sec)
+    json.dumps(t.to_json(), allow_nan=False)
+    probe = torch.tensor([0.0, 1.0, t.batch_tokens[-1], 3.0 * t.batch_tokens[-1], 2.0 ** 31])
+    for table in (t.with_options(extrapolate="clamp"), t.with_options(mode="linear", extrapolate="linear")):
+        v = table.sps(probe)
+        assert bool(torch.isfinite(v).all()) and bool((v > 0).all()) and float(v.max()) <= MAX_STEPS_PER_SEC, v
+
+
+SPS_VALID = [
+    {"format": "dsparkctl-sps/1", "batch_tokens": [1, 4, 16, 64], "steps_per_sec": [100.0, 80.0, 40.0, 12.0],
+     "max_batch_tokens": 128, "lookup": "floor", "extrapolate": "linear", "provenance": {"tool": "dsparkctl"}},
+    {"sample_batch_tokens": [1, 2, 8], "sample_steps_per_sec": [30.0, 29.0, 20.0], "max_batch_tokens": 8},
+]
+
+
+@pytest.mark.parametrize("seed,valid", [(0, SPS_VALID[0]), (1, SPS_VALID[1])], ids=["ours", "sglang"])
+def test_sps_reader(seed: int, valid: dict, tmp_path: Path):
+    n = _fuzz(seed, json.dumps(valid).encode(), tmp_path / "sps.json", _mutate_doc, _check_sps)
+    assert n >= 50, f"only {n} cases in {BUDGET_S} s"
+
+
+def _check_calibration(path: Path) -> None:
+    temps = load_temperatures(path, gamma=5)
+    assert len(temps) == 5 and all(math.isfinite(x) and x > 0 for x in temps)
+
+
+def test_calibration_reader(tmp_path: Path):
+    valid = json.dumps({"temperatures": [2.5, 2.4, 2.6, 2.5, 2.5], "dataset": "t.jsonl", "num_samples": 80}).encode()
+    n = _fuzz(2, valid, tmp_path / "calib.json", _mutate_doc, _check_calibration)
+    assert n >= 50, f"only {n} cases in {BUDGET_S} s"
