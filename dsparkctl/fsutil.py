@@ -52,23 +52,19 @@ def atomic_open(path: str | os.PathLike, mode: str = "w") -> Iterator[IO[Any]]:
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:
-    """Atomically write `obj` as indented JSON."""
+    """Atomically write `obj` as indented, strict JSON (non-finite floats become null)."""
+    from dsparkctl.strict_json import finite
+
     with atomic_open(path, "w") as fh:
-        json.dump(obj, fh, indent=2, sort_keys=False)
+        json.dump(finite(obj), fh, indent=2, sort_keys=False, allow_nan=False)
         fh.write("\n")
 
 
 def read_json(path: str | os.PathLike, what: str, hint: str) -> Any:
-    """Parse a user-supplied JSON file; a missing or malformed file is a one-line InputError."""
-    from dsparkctl.errors import InputError
+    """Parse a user-supplied JSON file strictly; anything wrong is a one-line InputError."""
+    from dsparkctl.strict_json import read
 
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"{what} {path} does not exist", hint)
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InputError(f"{path}: not valid JSON ({exc})", hint) from None
+    return read(path, what, hint)
 
 
 def save_figure(fig: Any, path: str | os.PathLike, dpi: int = 120) -> None:

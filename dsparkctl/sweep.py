@@ -36,6 +36,7 @@ from dsparkctl.trace import read_traces
 SWEEP_FORMAT = "dsparkctl-sweep/1"
 DEFAULT_POLICIES = ("static:1", "static:3", "threshold:0.5", "survival:0.4", "budget:256", "dspark", "dspark-async")
 DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+MAX_CANDIDATES = 20_000_000  # request-rounds × γ held at once per cell (~70 bytes each: ~1.4 GB)
 
 
 def load_replay_rounds(trace_paths: Sequence[str | os.PathLike]) -> dict[str, Any]:
@@ -137,6 +138,10 @@ def run_sweep(trace_paths, sps_path, policy_specs=DEFAULT_POLICIES, concurrency=
         parse_policy(s, sps=SPSTable([1], [1.0]))
     sps = SPSTable.load(sps_path)
     pool = load_replay_rounds(trace_paths)
+    if rounds * pool["gamma"] > MAX_CANDIDATES:  # a cell is replayed in one batch of [steps, C, γ]
+        raise UsageError(f"--rounds {rounds} × block size {pool['gamma']} is more than the {MAX_CANDIDATES:,} "
+                         "candidates one cell may hold in memory",
+                         f"use --rounds ≤ {MAX_CANDIDATES // pool['gamma']:,}; the default 20000 is plenty")
     temps = load_temperatures(calibration, pool["gamma"]) if calibration else None
     rows = replay(pool, policy_specs, concurrency, sps, temps, rounds, seed)
     return {"format": SWEEP_FORMAT, "block_size": pool["gamma"], "pooled_rounds": int(pool["accepted"].numel()),

@@ -211,8 +211,10 @@ def test_batch_anchors_stay_in_the_response(tiny):
                 a = int(b.anchor_pos[i, n])
                 assert s.prompt_len <= a <= len(s.tokens) - 1 - 3
                 assert b.target_idx[i, n].tolist() == s.tokens[a + 1: a + 4].tolist()
-                # slot k's target distribution is the one at position a+k-1 (top-k row a+k-1-P)
-                assert b.topk_idx[i, n, :, 0].tolist() == s.topk_ids[a - s.prompt_len: a - s.prompt_len + 3, 0].tolist()
+                # slot k predicts the token at a+k: its target distribution is top-k row a+k-P
+                rows = slice(a + 1 - s.prompt_len, a + 4 - s.prompt_len)
+                assert b.topk_idx[i, n].tolist() == s.topk_ids[rows].tolist()
+                torch.testing.assert_close(b.topk_p[i, n], s.topk_logp[rows].float().exp())
 
 
 # ------------------------------------------------------------------ CLI one-liners
@@ -283,3 +285,25 @@ holdout = 2
     res = CliRunner().invoke(app, ["train", str(recipe), "--cache-dir", str(cache), "--export-step", "2", "--out", str(out)])
     assert res.exit_code == 0, res.output
     assert (out / "model.safetensors").is_file()
+
+
+def test_cached_heldout_tau_equals_a_real_teacher_forced_evaluation(tmp_path):
+    """The training-time held-out τ (from cached features and top-1) is the same number the
+    teacher-forced evaluator computes with a real target forward: same anchors, same slots."""
+    from dsparkctl.evaluation.teacher_forced import evaluate_sequences
+    from dsparkctl.math.sampling import SamplingParams
+    from dsparkctl.train.run import heldout_stats
+
+    model = tiny_target("llama", vocab=64, layers=4)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14], [20, 21]]
+    part = regenerate_part(model, prompts, (0, 2), max_new_tokens=20, temperature=0.0, stop_ids=[1], pad_id=2,
+                           topk=8, generator=torch.Generator())
+    seqs = unpack(part, part)
+    tr = _trainer(model, seqs, tmp_path / "r", steps=15)
+    tr.train()
+    cached = heldout_stats(tr.draft, seqs, 0.0)
+    real = evaluate_sequences(tr.draft, model, [s.tokens.tolist() for s in seqs], [s.prompt_len for s in seqs],
+                              SamplingParams(0.0))
+    assert cached.anchors == real.anchors > 0
+    assert cached.tau == pytest.approx(real.tau, abs=1e-6)
+    assert cached.conditional() == pytest.approx(real.conditional(), abs=1e-6)

@@ -155,7 +155,8 @@ def open_regular(path: Path, file: str) -> int:
     except FileNotFoundError:
         raise
     except OSError as exc:  # a socket (ENXIO), no permission, a loop of symlinks
-        raise CheckpointError(f"{file}: cannot open ({exc.strerror})", hint="check the file and its permissions") from None
+        raise CheckpointError(f"{file}: cannot open ({exc.strerror})",
+                              hint="check the file and its permissions") from None
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)

@@ -119,7 +119,8 @@ def load_config(raw: bytes | None, where: str) -> dict[str, Any]:
     try:
         cfg = loads(raw)
     except StrictJSONError as exc:
-        raise CheckpointError(f"{where}: config.json: {exc}", hint="fix config.json (strict JSON, each key once)") from None
+        raise CheckpointError(f"{where}: config.json: {exc}",
+                              hint="fix config.json (strict JSON, each key once)") from None
     except ValueError:  # JSONDecodeError, UnicodeDecodeError
         raise CheckpointError(f"{where}: config.json is not valid JSON", hint="re-download config.json") from None
     if not isinstance(cfg, dict):

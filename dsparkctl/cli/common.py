@@ -5,12 +5,13 @@ Results go to stdout (a rich table, or JSON with `--json`); progress and logs go
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, Callable, TypeVar
+from typing import Annotated, Any, Callable, Iterator, TypeVar
 
 import typer
 from rich.console import Console
@@ -61,12 +62,21 @@ SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed (all randomnes
 DeviceOpt = Annotated[Device, typer.Option("--device", help="Where to run the models.")]
 DTypeOpt = Annotated[DType, typer.Option("--dtype", help="Model dtype (auto: bf16 on CUDA, fp32 on CPU).")]
 RevisionOpt = Annotated[str | None, typer.Option("--revision", help="Hub revision (branch, tag or commit).")]
+TrustRemoteCodeOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow model repos to run their own "
+                                                  "code (off by default).")]
+TargetOpt = Annotated[str | None, typer.Option("--target", help="Target model: folder or hub id (default: the "
+                                               "embedded SmolLM2-135M-Instruct).")]
+DraftOpt = Annotated[str | None, typer.Option("--draft", help="DeepSpec draft folder or hub id; 'random' for an "
+                                              "untrained one (default: the shipped draft for the embedded target).")]
 OutPathOpt = Annotated[Path | None, typer.Option("--out", help="Write the result here (atomically).")]
 
 
 def print_json(obj: Any) -> None:
-    """Write JSON to stdout, unstyled, one document."""
-    sys.stdout.write(json.dumps(obj, indent=2, default=_json_default) + "\n")
+    """Write strict JSON to stdout, unstyled, one document (NaN/Infinity become null)."""
+    from dsparkctl.strict_json import finite
+
+    text = json.dumps(finite(json.loads(json.dumps(obj, default=_json_default))), indent=2, allow_nan=False)
+    sys.stdout.write(text + "\n")
     sys.stdout.flush()
 
 
@@ -85,13 +95,38 @@ def show_progress() -> bool:
     return err.is_terminal
 
 
+@contextlib.contextmanager
+def progress_bar(label: str, total: int, unit: str = "", enabled: bool = True,
+                 describe: bool = False) -> Iterator[Callable[..., None]]:
+    """The one progress bar: on a terminal (stderr) a transient rich bar, elsewhere nothing.
+
+    Yields `update(completed, description="")`; `describe` adds a column for the description."""
+    if not (enabled and show_progress()):
+        yield lambda completed, description="": None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    cols = [TextColumn(label), BarColumn(), MofNCompleteColumn(), TextColumn(unit), TimeRemainingColumn()]
+    if describe:
+        cols.append(TextColumn("{task.description}", markup=False))
+    with Progress(*cols, console=err, transient=True) as progress:
+        task = progress.add_task("", total=total)
+        yield lambda completed, description="": progress.update(task, completed=completed, description=description)
+
+
 def guarded(fn: F) -> F:
     """Run a command; map library errors to a one-line message and a non-zero exit."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from dsparkctl.signals import terminate_as_interrupt
+
         try:
-            return fn(*args, **kwargs)
+            if isinstance(kwargs.get("seed"), int):
+                from dsparkctl.cli.checks import check_seed
+                check_seed(kwargs["seed"])
+            with terminate_as_interrupt():  # SIGTERM/SIGHUP unwind like Ctrl-C: temp files are cleaned up
+                return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort, SystemExit):
             raise
         except DsparkError as exc:

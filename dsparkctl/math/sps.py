@@ -71,7 +71,8 @@ class SPSTable:
                              "every probe needs one batch size and one steps/s value")
         for i, b in enumerate(bt):
             if not _whole(b) or not 1 <= b <= MAX_BATCH_TOKENS:
-                raise InputError(f"{source}: batch_tokens[{i}] = {b!r} is not a positive integer (at most {MAX_BATCH_TOKENS})",
+                raise InputError(f"{source}: batch_tokens[{i}] = {b!r} is not a positive integer "
+                                 f"(at most {MAX_BATCH_TOKENS})",
                                  "batch tokens count tokens in one forward, so they are integers ≥ 1")
         bt = [int(b) for b in bt]
         for i in range(1, len(bt)):
@@ -91,7 +92,8 @@ class SPSTable:
         if extrapolate not in EXTRAPOLATION:
             raise UsageError(f"unknown SPS extrapolation policy {extrapolate!r}",
                              f"use one of {', '.join(EXTRAPOLATION)}")
-        if max_batch_tokens is not None and (not _whole(max_batch_tokens) or max_batch_tokens > MAX_BATCH_TOKENS):
+        if max_batch_tokens is not None and (not _whole(max_batch_tokens)
+                                             or max_batch_tokens > MAX_BATCH_TOKENS):
             raise InputError(f"{source}: max_batch_tokens {max_batch_tokens!r} is not an integer ≤ {MAX_BATCH_TOKENS}",
                              "max_batch_tokens is the largest batch (in tokens) the engine serves")
         mbt = bt[-1] if max_batch_tokens is None else int(max_batch_tokens)

@@ -16,6 +16,7 @@ import torch
 
 from dsparkctl.errors import CheckpointError, InputError, ModelMismatchError
 from dsparkctl.fsutil import atomic_dir, temp_dir
+from dsparkctl.strict_json import finite
 from dsparkctl.models.draft import DSparkDraft
 from dsparkctl.models.draft_config import DraftConfig
 
@@ -246,12 +247,12 @@ def save_draft(draft: DSparkDraft, out: str | os.PathLike, *, dtype: torch.dtype
     if not out.exists():
         with atomic_dir(out) as tmp:
             save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-            (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+            (tmp / "config.json").write_text(json.dumps(finite(cfg), indent=2, allow_nan=False) + "\n")
         return out
     new, old = temp_dir(out.parent, out.name), temp_dir(out.parent, out.name, ".old")
     try:
         save_file(sd, str(new / "model.safetensors"), metadata={"format": "pt"})
-        (new / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        (new / "config.json").write_text(json.dumps(finite(cfg), indent=2, allow_nan=False) + "\n")
         for f in new.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
@@ -272,6 +273,7 @@ def random_draft_config(target: Any, *, num_layers: int = 1, block_size: int = 5
     tc = target.text_config
     taps = layer_ids or sorted({1, L // 2, L - 3})
     base = tc.to_dict()
+    base["architectures"] = ["Qwen3DSparkModel"]  # a draft, not a copy of the target's class
     base.update(
         num_hidden_layers=num_layers, block_size=block_size, mask_token_id=mask_token_id,
         target_layer_ids=taps, num_target_layers=L, markov_rank=markov_rank,

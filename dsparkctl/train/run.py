@@ -16,6 +16,7 @@ from dsparkctl.models.draft import DSparkDraft
 from dsparkctl.models.draft_io import check_draft_destination, load_draft, random_draft_config, save_draft
 from dsparkctl.models.target import TargetAdapter
 from dsparkctl.provenance import provenance
+from dsparkctl.strict_json import finite
 from dsparkctl.train.data import Sequence, build_dataset
 from dsparkctl.train.recipe import Recipe
 from dsparkctl.train.trainer import StepLog, Trainer, anchor_range, trainable
@@ -202,7 +203,7 @@ def heldout_stats(draft: DSparkDraft, seqs: list[Sequence], temperature: float,
             toks = s.tokens[idx]
             hidden = draft.forward_blocks(feats[:, : int(a.max())], toks[None, :, 0], a[None])[0]
             logits, _ = draft.block_logits(hidden, toks[:, :g])  # [n, γ, K]
-            rows = idx[:, :g] - s.prompt_len
+            rows = idx[:, 1:] - s.prompt_len  # top-k row of the token each slot predicts (a+1..a+γ)
             if params.greedy:
                 betas.append((to_draft[s.topk_ids[rows, 0].long()] == logits.argmax(-1)).float())
             else:
@@ -283,7 +284,7 @@ def run_training(recipe: Recipe, *, model: Any, tokenizer: Any, stop_ids: list[i
             row = {"step": step, "temperature": recipe.eval.temperature, **st.to_json(),
                    "eval_seconds": round(time.perf_counter() - t, 2)}
             with open(run_dir / "evals.jsonl", "a") as fh:
-                fh.write(json.dumps(row) + "\n")
+                fh.write(json.dumps(finite(row), allow_nan=False) + "\n")
             if on_eval:
                 on_eval(step, row)
 

@@ -25,6 +25,7 @@ import torch
 
 from dsparkctl.errors import InputError
 from dsparkctl.fsutil import atomic_dir, write_json
+from dsparkctl.strict_json import finite
 from dsparkctl.models.draft import DSparkDraft
 from dsparkctl.train.data import Sequence
 from dsparkctl.train.loss import LossParts, dspark_loss, lr_at
@@ -77,7 +78,8 @@ def make_batch(seqs: list[Sequence], n_anchors: int, gamma: int, gen: torch.Gene
         feats[b, :n] = s.features[:n].float()
         idx = (a_pos[b][:, None] + steps).clamp(max=len(s.tokens) - 1)  # [N, γ+1]
         toks[b] = s.tokens[idx]
-        rows = (idx[:, :gamma] - s.prompt_len).clamp(0, len(s.topk_ids) - 1)  # top-k row of slot k: position a+k-1
+        # slot k predicts the token at a+k; top-k row j holds the target's distribution for the token at P+j
+        rows = (idx[:, 1:] - s.prompt_len).clamp(0, len(s.topk_ids) - 1)
         tk_ids[b] = s.topk_ids[rows].long()
         tk_lp[b] = s.topk_logp[rows].float()
     if feature_scale is not None:
@@ -257,7 +259,7 @@ class Trainer:
                                                 "optimizer": t4 - t3}, int(batch.valid[:, :, 0].sum()))
             result.logs.append(log)
             with open(self.run_dir / "log.jsonl", "a") as fh:
-                fh.write(json.dumps(log.to_json()) + "\n")
+                fh.write(json.dumps(finite(log.to_json()), allow_nan=False) + "\n")
             out_of_time = max_seconds is not None and time.perf_counter() - t0 >= max_seconds
             if out_of_time:
                 end = self.step

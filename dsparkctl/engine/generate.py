@@ -1,0 +1,101 @@
+"""`generate` as one library call: speculative decoding of a prompt list, optionally against plain
+decoding of the same prompts, as one report.
+
+The command only validates its options, opens a session (engine/session.py), calls
+`generate_report` and prints. The report is plain data (strict JSON once written).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from dsparkctl.engine.run import (OnTokens, PromptsResult, plain_decoder, run_prompts, speculative_decoder)
+from dsparkctl.engine.session import Session
+from dsparkctl.engine.speculative import SpeculativeEngine
+from dsparkctl.math.sampling import SamplingParams
+
+
+def load_policy(spec: str | None, block_size: int, sps_table: Path | None, calibration: Path | None):
+    """A verify-length policy from its spec, with the SPS table and STS temperatures it may need."""
+    from dsparkctl.math.policies import parse_policy
+    from dsparkctl.math.sps import SPSTable
+
+    temps = None
+    if calibration is not None:
+        from dsparkctl.calibrate import load_temperatures
+        temps = load_temperatures(calibration, gamma=block_size)
+    sps = SPSTable.load(sps_table) if sps_table is not None else None
+    return parse_policy(spec or f"static:{block_size}", sps=sps, temperatures=temps)
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    sampling: SamplingParams
+    max_new_tokens: int
+    batch_size: int
+    seed: int = 0
+    policy: str | None = None  # default static:γ
+    sps_table: Path | None = None
+    calibration: Path | None = None
+    baseline: bool = False
+    trace: Path | None = None
+    trace_header: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class GenerateResult:
+    report: dict[str, Any]
+    speculative: PromptsResult
+    plain: PromptsResult | None
+
+
+def generate_report(sess: Session, prompt_ids: Sequence[Sequence[int]], opts: GenerateOptions,
+                    on_tokens: OnTokens | None = None,
+                    on_batch: Callable[[int, int], None] | None = None) -> GenerateResult:
+    from dsparkctl.trace import TraceWriter
+
+    gamma = sess.draft.block_size
+    pol = load_policy(opts.policy, gamma, opts.sps_table, opts.calibration)
+    engine = SpeculativeEngine(sess.adapter, sess.draft, pol, opts.sampling, stop_token_ids=sess.stop_ids)
+    sess.plain_adapter().prefill([list(prompt_ids[0])[:8]])  # warm-up: neither run pays one-time costs
+    writer = TraceWriter(opts.trace, {**opts.trace_header, "block_size": gamma, "policy": pol.spec}) \
+        if opts.trace else None
+    with writer if writer else contextlib.nullcontext():
+        spec = run_prompts(speculative_decoder(engine, opts.max_new_tokens), prompt_ids, opts.batch_size, opts.seed,
+                           sess.device, block_size=gamma, on_round=writer.write if writer else None,
+                           on_tokens=on_tokens, on_batch=on_batch)
+    stats = spec.stats
+    report: dict[str, Any] = {
+        "target": sess.target.name, "draft": sess.draft_name, "draft_kind": sess.draft.cfg.kind,
+        "block_size": gamma, "policy": pol.spec, "device": str(sess.device),
+        "dtype": str(sess.dtype).replace("torch.", ""),
+        "sampling": {"temperature": opts.sampling.temperature, "top_p": opts.sampling.top_p,
+                     "top_k": opts.sampling.top_k, "seed": opts.seed},
+        "prompts": len(prompt_ids), "batch_size": opts.batch_size, "max_new_tokens": opts.max_new_tokens,
+        "generated_tokens": spec.generated, "wall_s": spec.wall_s, "tokens_per_s": spec.generated / spec.wall_s,
+        "acceptance": stats.to_json(), "conditional_interval": stats.conditional_interval(),
+        "survival_interval": stats.survival_interval(), "timing_ms": spec.times_ms, "engine_steps": spec.rounds,
+        "notes": sess.notes,
+    }
+    if opts.trace:
+        report["trace"] = str(opts.trace)
+    if spec.rounds:
+        per = {k: v / spec.rounds for k, v in spec.times_ms.items() if k in ("draft", "verify", "schedule", "accept")}
+        per["overhead"] = per.get("schedule", 0.0) + per.get("accept", 0.0)
+        report["per_step_ms"] = per
+        round_ms = per.get("draft", 0.0) + per.get("verify", 0.0) + per["overhead"]
+        report["draft_share_of_round"] = per.get("draft", 0.0) / round_ms if round_ms > 0 else None
+    plain = None
+    if opts.baseline:
+        plain = run_prompts(plain_decoder(sess.plain_adapter(), opts.max_new_tokens, opts.sampling, sess.stop_ids),
+                            prompt_ids, opts.batch_size, opts.seed, sess.device)
+        report["baseline"] = {"generated_tokens": plain.generated, "wall_s": plain.wall_s,
+                              "tokens_per_s": plain.generated / plain.wall_s}
+        report["speedup"] = report["tokens_per_s"] / report["baseline"]["tokens_per_s"]
+        if opts.sampling.greedy:
+            report["baseline"]["identical_outputs"] = sum(
+                a.tokens == b.tokens for a, b in zip(spec.outputs, plain.outputs))
+    return GenerateResult(report=report, speculative=spec, plain=plain)

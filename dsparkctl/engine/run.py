@@ -1,0 +1,102 @@
+"""Running many prompts in batches: the one loop behind `generate`, its baseline and `eval-acceptance`.
+
+Prompts are cut into consecutive batches of `batch_size` (batch i = prompts[i·bs : (i+1)·bs]).
+Each batch draws from its own random generator, seeded from (seed, batch index), so what a
+batch produces does not depend on which process runs it or in what order: a run split across
+ranks (`dsparkctl.distributed`) merges into exactly the single-process result. Trace rows and
+streamed tokens are renumbered from batch rows to prompt indices.
+
+A *decoder* is anything with the engine's `generate` signature, bound to its settings:
+`speculative_decoder(engine, n)` or `plain_decoder(adapter, n, sampling, stop_ids)`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+from dsparkctl.engine.speculative import RequestOutput, RunReport, SpeculativeEngine, plain_generate
+from dsparkctl.math.sampling import SamplingParams
+from dsparkctl.math.stats import AcceptanceStats
+from dsparkctl.models.target import TargetAdapter
+from dsparkctl.trace import TraceRound
+
+OnRound = Callable[[list[TraceRound]], None]
+OnTokens = Callable[[int, list[int]], None]
+
+
+class Decoder(Protocol):
+    def __call__(self, prompts: list[list[int]], generator: torch.Generator, on_round: OnRound | None,
+                 on_tokens: OnTokens | None) -> RunReport: ...
+
+
+def speculative_decoder(engine: SpeculativeEngine, max_new_tokens: int) -> Decoder:
+    def decode(prompts, generator, on_round, on_tokens):
+        return engine.generate(prompts, max_new_tokens, generator=generator, on_round=on_round, on_tokens=on_tokens)
+    return decode
+
+
+def plain_decoder(adapter: TargetAdapter, max_new_tokens: int, sampling: SamplingParams,
+                  stop_token_ids: Sequence[int]) -> Decoder:
+    def decode(prompts, generator, on_round, on_tokens):
+        return plain_generate(adapter, prompts, max_new_tokens, sampling, stop_token_ids, generator)
+    return decode
+
+
+def batch_ranges(n: int, batch_size: int) -> list[range]:
+    """Consecutive prompt index ranges of at most batch_size (the unit of work and of seeding)."""
+    return [range(i, min(i + batch_size, n)) for i in range(0, n, batch_size)]
+
+
+def batch_generator(device: torch.device | str, seed: int, index: int) -> torch.Generator:
+    """The generator of batch `index`: a function of (seed, index) only."""
+    return torch.Generator(device=device).manual_seed(seed * 1_000_003 + index)
+
+
+@dataclass
+class PromptsResult:
+    outputs: list[RequestOutput | None]  # prompt order; None for prompts this process did not run
+    stats: AcceptanceStats | None  # merged over batches (None for plain decoding)
+    times_ms: dict[str, float] = field(default_factory=dict)  # summed engine phase times
+    rounds: int = 0  # engine steps
+    wall_s: float = 0.0
+
+    @property
+    def generated(self) -> int:
+        return sum(len(o.tokens) for o in self.outputs if o is not None)
+
+
+def run_prompts(decode: Decoder, prompts: Sequence[Sequence[int]], batch_size: int, seed: int,
+                device: torch.device | str, *, block_size: int | None = None, batches: Sequence[int] | None = None,
+                on_round: OnRound | None = None, on_tokens: OnTokens | None = None,
+                on_batch: Callable[[int, int], None] | None = None) -> PromptsResult:
+    """Decode `prompts` batch by batch (only the batch indices in `batches`, when given).
+
+    block_size: the draft's γ when `decode` is speculative (acceptance statistics are merged),
+    None for plain decoding."""
+    ranges = batch_ranges(len(prompts), batch_size)
+    todo = list(range(len(ranges))) if batches is None else list(batches)
+    res = PromptsResult(outputs=[None] * len(prompts),
+                        stats=AcceptanceStats(block_size=block_size) if block_size else None)
+    t0 = time.perf_counter()
+    for done, b in enumerate(todo, 1):
+        idx = ranges[b]
+        base = idx.start
+        shifted_round = (lambda rows, base=base: on_round([replace(r, request=r.request + base) for r in rows])
+                         ) if on_round else None
+        shifted_tokens = (lambda r, toks, base=base: on_tokens(r + base, toks)) if on_tokens else None
+        rep = decode([list(prompts[i]) for i in idx], batch_generator(device, seed, b), shifted_round, shifted_tokens)
+        for i, o in zip(idx, rep.outputs):
+            res.outputs[i] = o
+        if res.stats is not None:
+            res.stats = res.stats.merge(rep.stats)
+        res.rounds += rep.rounds
+        for k, v in rep.times_ms.items():
+            res.times_ms[k] = res.times_ms.get(k, 0.0) + v
+        if on_batch:
+            on_batch(done, len(todo))
+    res.wall_s = time.perf_counter() - t0
+    return res
