@@ -52,6 +52,67 @@ def calibration_data(traces: Sequence[Trace]) -> tuple[CalibrationData, torch.Te
             torch.tensor(keys))
 
 
+def read_sglang_shard(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor]:
+    """One shard SGLang writes under SGLANG_DSPARK_STS_COLLECT_PATH (`<stem>.<n>.pt`, sglang
+    `dspark_sts.py` StsDataRecorder): {"logits": [N, γ] raw confidence logits, "prefix_mask":
+    [N, γ] with position k = 1 iff drafts 1..k+1 matched the target's argmax, optionally
+    "observed_mask" [N, γ]}. Read with torch.load(weights_only=True) only: anything that is not
+    plain tensors is refused, never unpickled. Returns (logits [N, γ] float64, accepted [N])."""
+    import pickle
+
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"STS shard {path} does not exist or is not a regular file")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as exc:
+        first = (str(exc).strip().splitlines() or ["unreadable"])[0][:120]
+        raise InputError(f"{path}: not a tensors-only torch file, refused without unpickling ({first})",
+                         "pass SGLang's STS shards (logits, prefix_mask) or dsparkctl traces") from None
+    if not isinstance(obj, dict) or not {"logits", "prefix_mask"} <= set(obj):
+        raise InputError(f"{path}: expected a dict with 'logits' and 'prefix_mask' tensors",
+                         "pass the .pt shards SGLang writes under SGLANG_DSPARK_STS_COLLECT_PATH")
+    logits, mask = obj["logits"], obj["prefix_mask"]
+    for name, t in (("logits", logits), ("prefix_mask", mask)):
+        if not torch.is_tensor(t) or t.dim() != 2 or not t.is_floating_point():
+            raise InputError(f"{path}: {name} must be a 2-D float tensor [N, γ]")
+    if logits.shape != mask.shape or logits.shape[1] < 1:
+        raise InputError(f"{path}: logits {list(logits.shape)} and prefix_mask {list(mask.shape)} differ")
+    if not bool(torch.isfinite(logits).all()):
+        raise InputError(f"{path}: logits hold NaN or infinite values")
+    m = mask.to(torch.float64)
+    if not bool(((m == 0) | (m == 1)).all()) or bool((m[:, 1:] > m[:, :-1]).any()):
+        raise InputError(f"{path}: prefix_mask must be 0/1 and non-increasing along positions (a prefix)")
+    keep = torch.ones(m.shape[0], dtype=torch.bool)
+    if "observed_mask" in obj and torch.is_tensor(obj["observed_mask"]):
+        keep = obj["observed_mask"].to(torch.float64).reshape(m.shape).min(dim=1).values > 0  # fully observed rows
+    return logits.to(torch.float64)[keep], m[keep].sum(dim=1).long()
+
+
+def _load_inputs(paths: Sequence[str | os.PathLike]) -> tuple[CalibrationData, torch.Tensor, list[Trace]]:
+    """Traces (JSON lines) and SGLang shards (.pt) pooled: (data, request keys, traces)."""
+    shards = [p for p in paths if Path(p).suffix == ".pt"]
+    traces = read_traces([p for p in paths if Path(p).suffix != ".pt"]) if len(shards) < len(paths) else []
+    parts, keys = [], []
+    if traces:
+        data, k = calibration_data(traces)
+        parts.append((data.logits, data.verify_length, data.accepted))
+        keys.append(k)
+    for p in shards:
+        lg, acc = read_sglang_shard(p)
+        parts.append((lg, torch.full_like(acc, lg.shape[1]), acc))
+        start = int(keys[-1].max()) + 1 if keys and keys[-1].numel() else 0
+        keys.append(torch.arange(start, start + lg.shape[0]))  # shards hold no request ids: one key per row
+    gammas = {lg.shape[1] for lg, _, _ in parts}
+    if len(gammas) > 1:
+        raise InputError(f"the inputs mix block sizes {sorted(gammas)}", "calibrate one block size at a time")
+    if not parts or sum(lg.shape[0] for lg, _, _ in parts) == 0:
+        raise InputError("the inputs contain no rounds", "record some with `dsparkctl generate --trace`")
+    data = CalibrationData(torch.cat([a for a, _, _ in parts]), torch.cat([b for _, b, _ in parts]),
+                           torch.cat([c for _, _, c in parts]))
+    return data, torch.cat(keys), traces
+
+
 def run_calibration(trace_paths: Sequence[str | os.PathLike], holdout: float = 0.2, bins: int = 20,
                     seed: int = 0) -> dict[str, Any]:
     """Read, split by request, fit STS on the training part, measure before/after on the held-out part.
@@ -62,8 +123,7 @@ def run_calibration(trace_paths: Sequence[str | os.PathLike], holdout: float = 0
         raise UsageError(f"--holdout must be in (0, 1), got {holdout}", "e.g. --holdout 0.2")
     if bins < 2:
         raise UsageError(f"--bins must be ≥ 2, got {bins}", "e.g. --bins 20")
-    traces = read_traces(trace_paths)
-    data, keys = calibration_data(traces)
+    data, keys, traces = _load_inputs(trace_paths)
     if bins > data.logits.shape[0]:
         raise UsageError(f"--bins {bins} is more than the {data.logits.shape[0]} rounds in the traces",
                          f"use at most {data.logits.shape[0]} bins (e.g. --bins 20)")

@@ -71,10 +71,34 @@ DraftOpt = Annotated[str | None, typer.Option("--draft", help="DeepSpec draft fo
 OutPathOpt = Annotated[Path | None, typer.Option("--out", help="Write the result here (atomically).")]
 
 
+TemperatureOpt = Annotated[float | None, typer.Option("--temperature", help="Sampling temperature; 0 = greedy "
+                                                     "(default 0, or the --preset's).")]
+MaxNewTokensOpt = Annotated[int | None, typer.Option("--max-new-tokens", help="Tokens to generate per prompt "
+                                                     "(default 128, or the --preset's).")]
+PresetOpt = Annotated[str | None, typer.Option("--preset", help="Another tool's evaluation settings, so numbers "
+                                               "compare with its tables: deepspec (T=1.0, 2048 tokens, chat template, "
+                                               "DeepSpec's HumanEval instruction). Explicit options win.")]
+
+
+def with_preset(preset_name: str | None, temperature: float | None,
+                max_new_tokens: int | None) -> tuple[Any, float, int]:
+    """(preset, temperature, max_new_tokens): explicit values, else the preset's, else 0 and 128."""
+    from dsparkctl.data.prompts import get_preset
+
+    preset = get_preset(preset_name)
+    t = temperature if temperature is not None else (preset.temperature if preset else 0.0)
+    n = max_new_tokens if max_new_tokens is not None else (preset.max_new_tokens if preset else 128)
+    return preset, t, n
+
+
 def print_json(obj: Any) -> None:
     """Write strict JSON to stdout, unstyled, one document (NaN/Infinity become null)."""
     from dsparkctl.strict_json import finite
 
+    from dsparkctl.distributed import world
+
+    if not world().main:  # under torchrun only rank 0 reports
+        return
     text = json.dumps(finite(json.loads(json.dumps(obj, default=_json_default))), indent=2, allow_nan=False)
     sys.stdout.write(text + "\n")
     sys.stdout.flush()
@@ -119,8 +143,14 @@ def guarded(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from dsparkctl.distributed import world
         from dsparkctl.signals import terminate_as_interrupt
 
+        w = world()
+        if not w.main:  # under torchrun only rank 0 prints results; every rank reports its own error
+            import os
+            out.file = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+        label = f"rank {w.rank} error:" if w.distributed else "error:"
         try:
             if isinstance(kwargs.get("seed"), int):
                 from dsparkctl.cli.checks import check_seed
@@ -132,7 +162,7 @@ def guarded(fn: F) -> F:
         except DsparkError as exc:
             if STATE["debug"]:
                 raise
-            err.print(error_line("error:", exc.one_line()), highlight=False)
+            err.print(error_line(label, exc.one_line()), highlight=False)
             raise typer.Exit(exc.exit_code) from None
         except KeyboardInterrupt:
             err.print(styled(("interrupted", "red"), "; nothing was written"))
@@ -140,7 +170,7 @@ def guarded(fn: F) -> F:
         except (OSError, MemoryError) as exc:
             if STATE["debug"]:
                 raise
-            err.print(error_line("error:", f"{type(exc).__name__}: {exc}"), highlight=False)
+            err.print(error_line(label, f"{type(exc).__name__}: {exc}"), highlight=False)
             raise typer.Exit(1) from None
         except Exception as exc:  # noqa: BLE001 - last-resort one-liner
             if STATE["debug"]:

@@ -9,8 +9,9 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.table import Table
 
-from dsparkctl.cli.common import (DeviceOpt, DType, DTypeOpt, Device, JsonOpt, RevisionOpt, SeedOpt, TrustRemoteCodeOpt,
-                                  err, guarded, out, print_json)
+from dsparkctl.cli.common import (DeviceOpt, DType, DTypeOpt, Device, JsonOpt, MaxNewTokensOpt, PresetOpt, RevisionOpt,
+                                  SeedOpt, TemperatureOpt, TrustRemoteCodeOpt, err, guarded, out, print_json,
+                                  with_preset)
 
 
 class Mode(str, Enum):
@@ -62,8 +63,9 @@ def eval_acceptance(
                                                          "or a hub id; repeat for several panels.")] = None,
     field: Annotated[Optional[str], typer.Option("--field", help="Prompt field for local files / hub datasets.")] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="First N prompts of each set.")] = None,
-    temperature: Annotated[float, typer.Option("--temperature", help="Sampling temperature; 0 = greedy.")] = 0.0,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Continuation length per prompt.")] = 128,
+    temperature: TemperatureOpt = None,
+    max_new_tokens: MaxNewTokensOpt = None,
+    preset: PresetOpt = None,
     mode: Annotated[Mode, typer.Option("--mode", help="teacher-forced, live, or both (TF reuses the live outputs).")] = Mode.both,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Requests decoded together.")] = 8,
     labels: Annotated[Optional[list[str]], typer.Option("--label", help="Display name per --draft (same order).")] = None,
@@ -88,6 +90,11 @@ def eval_acceptance(
     from dsparkctl.math.sampling import SamplingParams
     from dsparkctl.provenance import provenance
 
+    from dsparkctl.data.prompts import apply_preset_wrap
+
+    preset, temperature, max_new_tokens = with_preset(preset, temperature, max_new_tokens)
+    if max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     params = SamplingParams(temperature=temperature)
     datasets = dataset or ["mt-bench"]
     if labels and len(labels) != len(draft or []):
@@ -96,7 +103,7 @@ def eval_acceptance(
                                Output(plot, "--plot", kind="figure") if plot else None,
                                Output(trace, "--trace") if trace else None) if o is not None])
     # prompts first: bad prompt files fail before any model loads
-    prompt_texts = {ds: load_prompts(ds, field, limit) for ds in datasets}
+    prompt_texts = {ds: apply_preset_wrap(preset, ds, load_prompts(ds, field, limit)) for ds in datasets}
     sess = open_target(target, device.value, dtype.value, revision, trust_remote_code, log=lambda s: err.print(s))
     lt = sess.target
     drafts = []
@@ -124,6 +131,7 @@ def eval_acceptance(
         return f
 
     results: dict[str, Any] = {"format": FORMAT, "mode": mode.value, "temperature": temperature,
+                               "preset": preset.name if preset else None,
                                "max_new_tokens": max_new_tokens, "seed": seed, "target": lt.name, "datasets": {},
                                "provenance": provenance(command="eval-acceptance", seed=seed)}
     for ds in datasets:
@@ -134,11 +142,14 @@ def eval_acceptance(
             lt.model, drafts, ids, mode=mode.value, params=params, max_new_tokens=max_new_tokens, stop_ids=stops,
             seed=seed, batch_size=batch_size, trace_path=trace_path_for(ds), trace_header=header,
             log=lambda s: err.print(f"  {s}", highlight=False))
+    from dsparkctl.distributed import world
+
     if plot is not None:
-        from dsparkctl.evaluation.plot import plot_acceptance
-        plot_acceptance(results, plot, title=f"{lt.name}, T={temperature}")
+        if world().main:
+            from dsparkctl.evaluation.plot import plot_acceptance
+            plot_acceptance(results, plot, title=f"{lt.name}, T={temperature}")
         results["plot"] = str(plot)
-    if out_path is not None:
+    if out_path is not None and world().main:
         write_json(out_path, results)
     if json_out:
         print_json(results)

@@ -9,8 +9,8 @@ import typer
 from rich.table import Table
 
 from dsparkctl.cli.common import (DeviceOpt, DraftOpt, DType, DTypeOpt, Device, JsonOpt, RevisionOpt, SeedOpt,
-                                  TargetOpt, TrustRemoteCodeOpt, err, guarded, out, print_json, progress_bar,
-                                  show_progress, styled)
+                                  MaxNewTokensOpt, PresetOpt, TargetOpt, TemperatureOpt, TrustRemoteCodeOpt, err,
+                                  guarded, out, print_json, progress_bar, show_progress, styled, with_preset)
 from dsparkctl.errors import UsageError
 
 
@@ -47,10 +47,11 @@ def generate(
     policy: Annotated[Optional[str], typer.Option("--policy", help="Verify-length policy: static:K (default K = block size), threshold:t, survival:t, dspark, dspark-async, budget:B, retrospective (biased: for replay studies only).")] = None,
     sps_table: Annotated[Optional[Path], typer.Option("--sps-table", help="SPS table for dspark/dspark-async/budget (from profile-sps).")] = None,
     calibration: Annotated[Optional[Path], typer.Option("--calibration", help="Per-position temperatures from `dsparkctl calibrate`.")] = None,
-    temperature: Annotated[float, typer.Option("--temperature", help="Sampling temperature; 0 = greedy.")] = 0.0,
+    temperature: TemperatureOpt = None,
     top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass in (0, 1].")] = 1.0,
     top_k: Annotated[int, typer.Option("--top-k", help="Top-k sampling (0 = off).")] = 0,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Tokens to generate per prompt.")] = 128,
+    max_new_tokens: MaxNewTokensOpt = None,
+    preset: PresetOpt = None,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Requests decoded together.")] = 8,
     device: DeviceOpt = Device.auto,
     dtype: DTypeOpt = DType.auto,
@@ -70,6 +71,9 @@ def generate(
     from dsparkctl.math.sampling import SamplingParams
     from dsparkctl.provenance import provenance
 
+    from dsparkctl.data.prompts import apply_preset_wrap
+
+    preset, temperature, max_new_tokens = with_preset(preset, temperature, max_new_tokens)
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     if max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
@@ -77,8 +81,8 @@ def generate(
         raise UsageError(f"--batch-size must be >= 1, got {batch_size}")
     if trace is not None:
         check_outputs([Output(trace, "--trace")])
-    texts = prompt_texts(prompts, prompts_file, dataset, field, limit,
-                         default="Write a short poem about speculative decoding.")
+    texts = apply_preset_wrap(preset, dataset, prompt_texts(prompts, prompts_file, dataset, field, limit,
+                                                            default="Write a short poem about speculative decoding."))
     log = (lambda m: err.print(styled((m, "dim")))) if not json_out or show_progress() else (lambda m: None)
     sess = open_session(target, draft, device.value, dtype.value, revision, trust_remote_code, seed, log=log)
     for n in sess.notes:

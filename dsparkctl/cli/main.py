@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from dsparkctl import __version__
-from dsparkctl.cli import checkpoint, evaluate, generate, profile, schedule, train
+from dsparkctl.cli import checkpoint, evaluate, generate, profile, schedule, serve, train
 from dsparkctl.cli.common import STATE
 
 app = typer.Typer(
@@ -33,9 +33,14 @@ def _root(
                                           help="Print the version and exit.")] = False,
 ) -> None:
     STATE["debug"] = debug
+    from dsparkctl import distributed
+
+    if distributed.env_world().distributed:  # launched by torchrun: join the group, same argv everywhere
+        distributed.init()
+        distributed.check_same_everywhere()
 
 
-for _module in (checkpoint, generate, evaluate, schedule, profile, train):
+for _module in (checkpoint, generate, evaluate, schedule, profile, train, serve):
     _module.register(app)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -9,14 +10,21 @@ import typer
 from rich.table import Table
 
 from dsparkctl.cli.checks import Output, check_outputs, check_seed
-from dsparkctl.cli.common import DeviceOpt, DType, DTypeOpt, Device, JsonOpt, SeedOpt, err, guarded, out, print_json, show_progress, styled
+from dsparkctl.cli.common import (DeviceOpt, DraftOpt, DType, DTypeOpt, Device, JsonOpt, RevisionOpt, SeedOpt,
+                                  TargetOpt, err, guarded, out, print_json, progress_bar, styled)
 from dsparkctl.errors import UsageError
 from dsparkctl.strict_json import finite
 
 
+class Measure(str, Enum):
+    whole_step = "whole-step"
+    target_forward = "target-forward"
+
+
 def register(app: typer.Typer) -> None:
-    app.command("profile-sps", help="Time the target's forward over a grid of batch tokens "
-                "(requests × tokens per request) and write an SPS table (ours + SGLang's) and a PNG.")(profile_sps_cmd)
+    app.command("profile-sps", help="Time the engine's whole speculative step (or the target's forward alone) "
+                "over a grid of batch tokens (requests × tokens per request) and write an SPS table (ours + "
+                "SGLang's) and a PNG.")(profile_sps_cmd)
 
 
 def _int_list(text: str, name: str) -> list[int]:
@@ -53,10 +61,16 @@ def plot_sps(bt: list[int], sps: list[float], path: Path, title: str) -> None:
 @guarded
 def profile_sps_cmd(
     out_path: Annotated[Path, typer.Option("--out", help="Our SPS table JSON (also written: <out>.sglang.json and <out>.png).")] = Path("sps.json"),
-    target: Annotated[Optional[str], typer.Option("--target", help="Target model folder or hub id (default: embedded SmolLM2).")] = None,
-    revision: Annotated[Optional[str], typer.Option("--revision")] = None,
+    target: TargetOpt = None,
+    draft: DraftOpt = None,
+    revision: RevisionOpt = None,
+    measure: Annotated[Measure, typer.Option("--measure", help="whole-step: draft + schedule + verify + context "
+                                             "update of our engine, what SGLang's table holds (default); "
+                                             "target-forward: the target's verify forward alone.")] = None,
     requests: Annotated[str, typer.Option("--requests", help="Comma-separated request counts.")] = "1,2,4,8",
-    tokens: Annotated[str, typer.Option("--tokens-per-request", help="Comma-separated verify tokens per request (1 + drafts).")] = "1,2,3,4,6,8",
+    tokens: Annotated[Optional[str], typer.Option("--tokens-per-request", help="Comma-separated verify tokens per "
+                                                  "request (1 + drafts); default 1..γ+1 (whole-step) or "
+                                                  "1,2,3,4,6,8 (target-forward).")] = None,
     context_len: Annotated[int, typer.Option("--context-len", help="Cached context tokens per request.")] = 256,
     repeats: Annotated[int, typer.Option("--repeats", help="Timed repeats per point (median).")] = 5,
     warmup: Annotated[int, typer.Option("--warmup", help="Untimed warm-up steps per point.")] = 2,
@@ -67,13 +81,18 @@ def profile_sps_cmd(
     plot: Annotated[Optional[Path], typer.Option("--plot", help="PNG path (default <out stem>.png).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    from dsparkctl.engine.profile import profile_sps, table_from_points
+    from dsparkctl.engine.profile import profile_sps, profile_whole_step, table_from_points
+    from dsparkctl.engine.session import open_session, open_target
+    from dsparkctl.engine.speculative import SpeculativeEngine
+    from dsparkctl.math.policies import parse_policy
+    from dsparkctl.math.sampling import SamplingParams
     from dsparkctl.math.sps import SPSTable
-    from dsparkctl.models.loading import load_target, resolve_device, resolve_dtype
-    from dsparkctl.models.target import TargetAdapter
     from dsparkctl.provenance import provenance
 
-    reqs, toks = _int_list(requests, "--requests"), _int_list(tokens, "--tokens-per-request")
+
+    measure = measure or Measure.whole_step
+    reqs = _int_list(requests, "--requests")
+    toks = _int_list(tokens, "--tokens-per-request") if tokens is not None else None
     if context_len < 1 or repeats < 1 or warmup < 0:
         raise UsageError("--context-len and --repeats must be >= 1, --warmup >= 0",
                          "e.g. --context-len 256 --repeats 5 --warmup 2")
@@ -82,42 +101,51 @@ def profile_sps_cmd(
     sg = sglang_out or out_path.with_name(out_path.stem + ".sglang.json")
     png = plot or out_path.with_suffix(".png")
     check_outputs([Output(out_path, "--out"), Output(sg, "--sglang-out"), Output(png, "--plot", "figure")])
-    dev = resolve_device(device.value)
-    dt = resolve_dtype(dtype.value, dev)
-    tgt = load_target(target, dev, dt, revision=revision, log=lambda m: err.print(styled((m, "dim"))))
-    adapter = TargetAdapter(tgt.model, ())
+    if len({r * t for r in reqs for t in toks}) < 2:
+        raise UsageError(f"the grid --requests {requests} × --tokens-per-request {tokens} gives one batch-token "
+                         "count; SGLang treats a one-probe table as uninitialised (it verifies every draft)",
+                         "profile at least two batch-token counts, e.g. --tokens-per-request 1,2,4,6")
+    log = lambda m: err.print(styled((m, "dim")))  # noqa: E731
     total = len(set(reqs)) * len(set(toks))
-    progress = None
-    if show_progress():
-        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-        progress = Progress(TextColumn("profile-sps"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                            TimeRemainingColumn(), console=err, transient=True)
-        progress.start()
-        task = progress.add_task("p", total=total)
-    try:
-        points = profile_sps(adapter, reqs, toks, context_len, repeats, warmup, seed,
-                             on_point=(lambda p: progress.advance(task)) if progress else None)
-    finally:
-        if progress:
-            progress.stop()
+    if measure == Measure.whole_step:
+        sess = open_session(target, draft, device.value, dtype.value, revision, seed=seed, log=log)
+        engine = SpeculativeEngine(sess.adapter, sess.draft, parse_policy(f"static:{sess.draft.block_size}"),
+                                   SamplingParams(0.0), stop_token_ids=sess.stop_ids)
+        toks = toks or list(range(1, sess.draft.block_size + 2))
+        with progress_bar("profile-sps", total) as update:
+            counter = iter(range(1, total + 1))
+            points = profile_whole_step(engine, reqs, toks, context_len, repeats, warmup, seed,
+                                        on_point=lambda p: update(next(counter)))
+    else:
+        toks = toks or [1, 2, 3, 4, 6, 8]
+        sess = open_target(target, device.value, dtype.value, revision, log=log)
+        with progress_bar("profile-sps", total) as update:
+            counter = iter(range(1, total + 1))
+            points = profile_sps(sess.plain_adapter(), reqs, toks, context_len, repeats, warmup, seed,
+                                 on_point=lambda p: update(next(counter)))
+    tgt, dev, dt = sess.target, sess.device, sess.dtype
     bt, sps = table_from_points(points)
-    meta = provenance(target=tgt.name, device=str(dev), dtype=str(dt).replace("torch.", ""),
+    meta = provenance(target=tgt.name, measures=measure.value,
+                      draft=sess.draft_name if measure == Measure.whole_step else None,
+                      device=str(dev), dtype=str(dt).replace("torch.", ""),
                       context_len=context_len, repeats=repeats, warmup=warmup,
                       grid={"requests": sorted(set(reqs)), "tokens_per_request": sorted(set(toks))},
                       points=[{"requests": p.requests, "tokens_per_request": p.tokens_per_request,
                                "batch_tokens": p.batch_tokens, "median_ms": round(p.median_ms, 4),
                                "ms": [round(x, 4) for x in p.ms]} for p in points])
     table = SPSTable(bt, sps, meta=meta)
-    plot_sps(bt, sps, png, f"{tgt.name} on {dev} ({str(dt).replace('torch.', '')}), context {context_len}")
+    plot_sps(bt, sps, png, f"{tgt.name} on {dev} ({str(dt).replace('torch.', '')}), context {context_len}, "
+             f"{measure.value}")
     table.save(sg, fmt="sglang")
     table.save(out_path, fmt="dsparkctl")  # ours last: its presence means all three were written
-    result = {"table": str(out_path), "sglang_table": str(sg), "plot": str(png),
+    result = {"table": str(out_path), "sglang_table": str(sg), "plot": str(png), "measures": measure.value,
               "batch_tokens": bt, "steps_per_sec": [round(s, 3) for s in sps],
               "ms_per_step": [round(1000 / s, 3) for s in sps]}
     if json_out:
         print_json(finite(result))
         return
-    t = Table(title=f"SPS of {tgt.name} ({dev}, context {context_len}, median of {repeats})", title_justify="left")
+    t = Table(title=f"SPS of {tgt.name}, {measure.value} ({dev}, context {context_len}, median of {repeats})",
+              title_justify="left")
     for c in ("batch tokens", "steps/s", "ms/step"):
         t.add_column(c, justify="right")
     for b, s in zip(bt, sps):

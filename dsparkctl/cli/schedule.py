@@ -26,7 +26,7 @@ def _num(x: float | None, fmt: str = ".3f") -> str:
 
 
 def calibrate(
-    traces: Annotated[list[Path], typer.Argument(help="Trace files (JSON lines with confidence logits).")],
+    traces: Annotated[list[Path], typer.Argument(help="Trace files (JSON lines with confidence logits) and/or SGLang STS shards (.pt under SGLANG_DSPARK_STS_COLLECT_PATH; read with weights_only, never unpickled).")],
     holdout: Annotated[float, typer.Option("--holdout", help="Fraction of requests held out for evaluation.")] = 0.2,
     bins: Annotated[int, typer.Option("--bins", help="Equal-width ECE bins.")] = 20,
     out_path: Annotated[Path, typer.Option("--out", help="Our calibration JSON (temperatures + metrics).")] = Path("calib.json"),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -195,6 +196,45 @@ def load_prompts(dataset: str, field: str | None = None, limit: int | None = Non
     return prompts
 
 
+@dataclass(frozen=True)
+class Preset:
+    """Evaluation settings of another tool, so our numbers compare with its tables."""
+
+    name: str
+    temperature: float
+    max_new_tokens: int
+    chat: bool
+    wraps: dict[str, str]  # built-in set -> template with {prompt}
+    source: str
+
+
+# DeepSpec (deepseek-ai/DeepSpec eval.py and eval_datasets/convert_eval_datasets_to_jsonl.py):
+# temperature 1.0, 2048 new tokens, first turn only, the chat template (thinking off), HumanEval
+# wrapped in an instruction; MT-Bench turns are used as they are.
+PRESETS = {
+    "deepspec": Preset(
+        name="deepspec", temperature=1.0, max_new_tokens=2048, chat=True,
+        wraps={"humaneval": "Write a solution to the following problem and make sure that it passes the tests:\n"
+                            "```python\n{prompt}\n```"},
+        source="deepseek-ai/DeepSpec eval.py defaults and eval_datasets wrapping"),
+}
+
+
+def apply_preset_wrap(preset: Preset | None, dataset: str | None, texts: list[str]) -> list[str]:
+    """Wrap a built-in set's prompts as the preset's tool does (other sets unchanged)."""
+    if preset is None or dataset not in preset.wraps:
+        return texts
+    return [preset.wraps[dataset].replace("{prompt}", t) for t in texts]
+
+
+def get_preset(name: str | None) -> Preset | None:
+    if name is None:
+        return None
+    if name not in PRESETS:
+        raise UsageError(f"unknown preset {name!r}", f"use one of {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
 def prompt_texts(args: Sequence[str] | None, prompts_file: str | Path | None, dataset: str | None,
                  field: str | None, limit: int | None, default: str) -> list[str]:
     """The prompts a command runs on: its arguments, a file, or a named set (one source at most)."""
@@ -224,7 +264,8 @@ def encode_prompts(tokenizer: Any, prompts: Sequence[str], chat: bool = True,
     for p in prompts:
         if use_chat:
             msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": p}]
-            ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+            ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                                enable_thinking=False)  # templates without the switch ignore it
             if hasattr(ids, "keys"):
                 ids = ids["input_ids"]
             ids = list(ids)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from dsparkctl.distributed import world
 from dsparkctl.engine.run import (OnTokens, PromptsResult, plain_decoder, run_prompts, speculative_decoder)
 from dsparkctl.engine.session import Session
 from dsparkctl.engine.speculative import SpeculativeEngine
@@ -62,7 +63,7 @@ def generate_report(sess: Session, prompt_ids: Sequence[Sequence[int]], opts: Ge
     engine = SpeculativeEngine(sess.adapter, sess.draft, pol, opts.sampling, stop_token_ids=sess.stop_ids)
     sess.plain_adapter().prefill([list(prompt_ids[0])[:8]])  # warm-up: neither run pays one-time costs
     writer = TraceWriter(opts.trace, {**opts.trace_header, "block_size": gamma, "policy": pol.spec}) \
-        if opts.trace else None
+        if opts.trace and world().main else None  # under torchrun rank 0 writes the merged trace
     with writer if writer else contextlib.nullcontext():
         spec = run_prompts(speculative_decoder(engine, opts.max_new_tokens), prompt_ids, opts.batch_size, opts.seed,
                            sess.device, block_size=gamma, on_round=writer.write if writer else None,

@@ -1,10 +1,19 @@
-"""Steps-per-second profiling of a target's verify forward (the SPS table the schedulers need).
+"""Steps-per-second profiling: the SPS table the schedulers plan with.
 
-Batch tokens B = requests × tokens per request (SGLang's definition). For each grid point the
-batch is prefilled once to the chosen context length; each timed step feeds t tokens per
-request after that context and is rolled back exactly (commit 0), so every repeat sees the same
-cache. The device is synchronised before every clock read; warm-up steps are discarded; the
-median of the repeats is reported.
+Two things can be timed (`MEASURES`), and every table records which:
+  whole-step      one whole speculative step of our engine at B batch tokens: the draft's
+                  proposal (backbone, Markov loop, confidence head), the verify-length schedule,
+                  the target's forward over t tokens per request, the acceptance rule and the
+                  draft's context update. This is what SGLang's table holds (its profiler times
+                  the whole server step on a live DSpark server), and the default.
+  target-forward  the target's verify forward alone (an upper bound on steps/s).
+
+Batch tokens B = requests × tokens per request (SGLang's definition; t = 1 + drafts verified).
+For each grid point the batch is prefilled once to the chosen context length; each timed step
+is rolled back exactly (the target's cache by commit 0, the draft's context by its length), so
+every repeat sees the same state: acceptance is held fixed at "bonus only", as SGLang's profiler
+holds it with SGLANG_SIMULATE_ACC_LEN=1.0. The device is synchronised before every clock read;
+warm-up steps are discarded; the median of the repeats is reported.
 """
 
 from __future__ import annotations
@@ -12,7 +21,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -80,6 +89,52 @@ def profile_sps(adapter: TargetAdapter, requests: Sequence[int], tokens_per_requ
                 sync(dev)
                 dt = (time.perf_counter() - t0) * 1000.0
                 adapter.commit(zero)  # exact rollback
+                if i >= warmup:
+                    ms.append(dt)
+            p = SPSPoint(R, t, ms)
+            points.append(p)
+            if on_point:
+                on_point(p)
+    return points
+
+
+MEASURES = ("whole-step", "target-forward")
+
+
+@torch.no_grad()
+def profile_whole_step(engine: Any, requests: Sequence[int], tokens_per_request: Sequence[int], context_len: int,
+                       repeats: int = 5, warmup: int = 2, seed: int = 0,
+                       on_point: Callable[[SPSPoint], None] | None = None) -> list[SPSPoint]:
+    """Time draft + schedule + verify + context update (a SpeculativeEngine's round) per grid point."""
+    gamma = engine.draft.block_size
+    if max(tokens_per_request) > gamma + 1:
+        raise UsageError(f"--tokens-per-request {max(tokens_per_request)} verifies more than the draft's "
+                         f"γ={gamma} drafts + 1", f"use tokens per request ≤ {gamma + 1}")
+    check_context(engine.target.model, context_len, [gamma + 1])
+    gen = torch.Generator().manual_seed(seed)
+    tgt, drf = engine.target, engine.draft
+    dev = tgt.device
+    V = tgt.vocab_size
+    points: list[SPSPoint] = []
+    for R in sorted(set(requests)):
+        prompts = torch.randint(0, V, (R, context_len), generator=gen).tolist()
+        live = engine.prefill(prompts, gamma + 2, None)
+        ctx_len = live.context.ctx_len.clone()
+        for t in sorted(set(tokens_per_request)):
+            ell = torch.full((R,), t - 1, dtype=torch.long, device=dev)
+            zero = torch.zeros_like(ell)
+            ms = []
+            for i in range(warmup + repeats):
+                sync(dev)
+                t0 = time.perf_counter()
+                prop = drf.propose(live.context, live.anchors, engine.draft_sampling, None)
+                engine.policy.choose(prop.confidence_logits, block_size=gamma, num_requests=R)
+                res, out = engine.verify(live, prop.block, ell, None)
+                drf.append_context(live.context, out.features, res.accepted + 1)
+                sync(dev)
+                dt = (time.perf_counter() - t0) * 1000.0
+                tgt.commit(zero)  # exact rollback of the target ...
+                live.context.ctx_len = ctx_len.clone()  # ... and of the draft's context
                 if i >= warmup:
                     ms.append(dt)
             p = SPSPoint(R, t, ms)

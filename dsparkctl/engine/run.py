@@ -18,6 +18,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
+from dsparkctl.errors import UsageError
 from dsparkctl.engine.speculative import RequestOutput, RunReport, SpeculativeEngine, plain_generate
 from dsparkctl.math.sampling import SamplingParams
 from dsparkctl.math.stats import AcceptanceStats
@@ -63,6 +64,7 @@ class PromptsResult:
     times_ms: dict[str, float] = field(default_factory=dict)  # summed engine phase times
     rounds: int = 0  # engine steps
     wall_s: float = 0.0
+    trace_rows: list[TraceRound] = field(default_factory=list)  # merged runs only (distributed)
 
     @property
     def generated(self) -> int:
@@ -77,8 +79,18 @@ def run_prompts(decode: Decoder, prompts: Sequence[Sequence[int]], batch_size: i
 
     block_size: the draft's γ when `decode` is speculative (acceptance statistics are merged),
     None for plain decoding."""
+    from dsparkctl.distributed import all_gather, world
+
     ranges = batch_ranges(len(prompts), batch_size)
     todo = list(range(len(ranges))) if batches is None else list(batches)
+    w = world()
+    shard = w.distributed and batches is None
+    if shard:  # under torchrun: this rank's batches; rows are buffered and merged on every rank below
+        if on_tokens:
+            raise UsageError("streaming tokens is for one process", "drop --stream under torchrun")
+        todo = todo[w.rank::w.size]
+        rows: list[TraceRound] = []
+        final_on_round, on_round = on_round, (rows.extend if on_round else None)
     res = PromptsResult(outputs=[None] * len(prompts),
                         stats=AcceptanceStats(block_size=block_size) if block_size else None)
     t0 = time.perf_counter()
@@ -99,4 +111,26 @@ def run_prompts(decode: Decoder, prompts: Sequence[Sequence[int]], batch_size: i
         if on_batch:
             on_batch(done, len(todo))
     res.wall_s = time.perf_counter() - t0
+    if shard:
+        res = _merge(all_gather((res, rows)), len(prompts), block_size)
+        if final_on_round and w.main:
+            final_on_round(res.trace_rows)
     return res
+
+
+def _merge(pieces: list[tuple[PromptsResult, list[TraceRound]]], n: int, block_size: int | None) -> PromptsResult:
+    """Every rank's part of a run -> the one-process result (outputs in prompt order, summed
+    statistics and times, the slowest rank's wall time, trace rows ordered by request and round)."""
+    out = PromptsResult(outputs=[None] * n, stats=AcceptanceStats(block_size=block_size) if block_size else None)
+    for part, _ in pieces:
+        for i, o in enumerate(part.outputs):
+            if o is not None:
+                out.outputs[i] = o
+        if out.stats is not None:
+            out.stats = out.stats.merge(part.stats)
+        out.rounds += part.rounds
+        for k, v in part.times_ms.items():
+            out.times_ms[k] = out.times_ms.get(k, 0.0) + v
+        out.wall_s = max(out.wall_s, part.wall_s)
+    out.trace_rows = sorted((r for _, rows in pieces for r in rows), key=lambda r: (r.request, r.round))
+    return out

@@ -19,10 +19,11 @@ import torch
 
 from dsparkctl.engine.clock import Clock
 from dsparkctl.errors import UsageError
-from dsparkctl.math.sampling import SamplingParams, sample, warp_probs
+from dsparkctl.math.policies import Policy
+from dsparkctl.math.sampling import SamplingParams, draw, warp_probs
 from dsparkctl.math.stats import AcceptanceStats
 from dsparkctl.math.verify import verify
-from dsparkctl.models.draft import DSparkDraft
+from dsparkctl.models.draft import DraftState, DSparkDraft
 from dsparkctl.models.target import TargetAdapter
 from dsparkctl.trace import TraceRound
 
@@ -57,10 +58,44 @@ def _first_stop(tokens: torch.Tensor, n: torch.Tensor, stop_ids: torch.Tensor) -
     return torch.where(first <= T, first + 1, n)
 
 
+@dataclass
+class LiveRows:
+    """The requests still decoding, one row each, and what the next round starts from."""
+
+    requests: torch.Tensor  # [n] long, request index of each row
+    anchors: torch.Tensor  # [n] long, x0 of the next block (the last emitted token)
+    produced: torch.Tensor  # [n] long, tokens emitted so far
+    context: DraftState  # the draft's per-row context K/V
+
+    def keep(self, rows: torch.Tensor, target: TargetAdapter) -> None:
+        self.requests, self.anchors, self.produced = self.requests[rows], self.anchors[rows], self.produced[rows]
+        self.context.keep_rows(rows)
+        target.keep_rows(rows)
+
+
+@dataclass
+class Round:
+    """What one round did for each live row."""
+
+    verify_lengths: torch.Tensor  # [n] ℓ after the budget cap
+    budget_capped: torch.Tensor  # [n] bool, ℓ was cut below the policy's choice by the token budget
+    accepted: torch.Tensor  # [n] drafts accepted
+    emitted: torch.Tensor  # [n, γ+1] accepted drafts then one recovered/bonus token (-1 padded)
+    kept: torch.Tensor  # [n] emitted tokens kept (up to and including a stop token)
+    stopped: torch.Tensor  # [n] bool, a stop token was emitted
+    confidence_logits: torch.Tensor | None  # [n, γ]
+    draft_ms: float
+    verify_ms: float
+
+
 class SpeculativeEngine:
-    def __init__(self, target: TargetAdapter, draft: DSparkDraft, policy,
+    """Batched lossless speculative decoding: one function per stage of a round."""
+
+    def __init__(self, target: TargetAdapter, draft: DSparkDraft, policy: Policy,
                  sampling: SamplingParams, stop_token_ids: Sequence[int] = (),
                  draft_sampling: SamplingParams | None = None):
+        if not isinstance(policy, Policy):
+            raise TypeError(f"policy must be a dsparkctl Policy, got {type(policy).__name__}")
         self.target, self.draft, self.policy = target, draft, policy
         self.sampling = sampling
         self.draft_sampling = draft_sampling or sampling
@@ -71,108 +106,134 @@ class SpeculativeEngine:
             raise UsageError(f"policy {policy.spec} verifies {k} drafts but the draft's block size is "
                              f"{draft.block_size}", f"use static:K with K <= {draft.block_size}")
 
+    # ------------------------------------------------------------------ stages
+    def prefill(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                generator: torch.Generator | None) -> LiveRows:
+        """Feed every prompt to the target and its features to the draft; draw the first anchors."""
+        dev, drf = self.target.device, self.draft
+        R = len(prompts)
+        pre = self.target.prefill(prompts)
+        lengths = torch.tensor([len(p) for p in prompts], device=dev)
+        context = drf.new_state(R, dev, next(drf.fc.parameters()).dtype,
+                                capacity=int(lengths.max()) + max_new_tokens + drf.block_size + 2)
+        drf.append_context(context, pre.features, lengths)
+        anchors = draw(pre.logits[torch.arange(R, device=dev), lengths - 1], self.sampling, generator)  # [R]
+        return LiveRows(requests=torch.arange(R, device=dev), anchors=anchors,
+                        produced=torch.ones(R, dtype=torch.long, device=dev), context=context)
+
+    def schedule(self, confidence: torch.Tensor | None, live: LiveRows,
+                 max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """ℓ per row from the policy, capped so a round never emits past the token budget.
+        Returns (ℓ [n], capped [n] bool)."""
+        n = live.requests.numel()
+        ell = self.policy.choose(confidence, block_size=self.draft.block_size, num_requests=n).to(live.anchors.device)
+        budget = (max_new_tokens - live.produced - 1).clamp(min=0)  # a round emits ℓ+1 at most
+        return torch.minimum(ell, budget), ell > budget
+
+    def verify(self, live: LiveRows, block, ell: torch.Tensor, generator: torch.Generator | None):
+        """One target forward over [x0, x1..xℓ] per row, then the lossless acceptance rule.
+        Returns (VerifyResult, TargetOutput)."""
+        T = int(ell.max()) + 1
+        ids = torch.cat([live.anchors[:, None], block.tokens[:, : T - 1]], dim=1)  # [n, T]
+        out = self.target.extend(ids, ell + 1)
+        greedy = self.sampling.greedy
+        p = out.logits if greedy else warp_probs(out.logits, self.sampling)  # greedy: argmax of the logits
+        q = None if greedy else block.full_probs(p.shape[-1])[:, : T - 1]  # [n, T-1, V]
+        return verify(p, q, block.tokens[:, : T - 1], ell, generator, greedy), out
+
+    def commit(self, live: LiveRows, res, out) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keep the accepted drafts + one token in both caches; the emitted token is the next anchor.
+        Returns (kept [n], stopped [n])."""
+        n = live.requests.numel()
+        kept = _first_stop(res.emitted, res.num_emitted, self.stop_ids)  # tokens kept this round per row
+        self.target.commit(res.accepted + 1)
+        self.draft.append_context(live.context, out.features, res.accepted + 1)
+        live.anchors = res.emitted[torch.arange(n, device=live.anchors.device), res.accepted]
+        live.produced = live.produced + kept
+        last = res.emitted.gather(1, (kept - 1)[:, None]).squeeze(1)
+        return kept, (kept < res.num_emitted) | torch.isin(last, self.stop_ids)
+
+    def round(self, live: LiveRows, max_new_tokens: int, generator: torch.Generator | None, clock: Clock) -> Round:
+        """draft → schedule → verify → commit for every live row."""
+        prop = self.draft.propose(live.context, live.anchors, self.draft_sampling, generator)
+        draft_ms = clock.lap("draft")
+        ell, capped = self.schedule(prop.confidence_logits, live, max_new_tokens)
+        clock.lap("schedule")
+        res, out = self.verify(live, prop.block, ell, generator)
+        verify_ms = clock.lap("verify")
+        kept, stopped = self.commit(live, res, out)
+        return Round(verify_lengths=ell, budget_capped=capped, accepted=res.accepted, emitted=res.emitted, kept=kept,
+                     stopped=stopped, confidence_logits=prop.confidence_logits, draft_ms=draft_ms, verify_ms=verify_ms)
+
+    # ------------------------------------------------------------------ the loop
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  generator: torch.Generator | None = None,
                  on_round: Callable[[list[TraceRound]], None] | None = None,
                  on_tokens: Callable[[int, list[int]], None] | None = None) -> RunReport:
-        """Generate for all prompts in one batch. Returns outputs in prompt order."""
+        """Generate for all prompts in one batch. Returns outputs in prompt order. Trace rows are
+        built only when `on_round` listens."""
         if max_new_tokens < 1:
             raise UsageError("max_new_tokens must be >= 1")
-        tgt, drf, dev = self.target, self.draft, self.target.device
-        gamma = drf.block_size
-        greedy = self.sampling.greedy
+        gamma = self.draft.block_size
         outputs = [RequestOutput(prompt_tokens=list(p)) for p in prompts]
         stats = AcceptanceStats(block_size=gamma)
-        clock = Clock(dev)
+        clock = Clock(self.target.device)
         clock.start()
-        R = len(prompts)
-        pre = tgt.prefill(prompts)
-        lengths = torch.tensor([len(p) for p in prompts], device=dev)
-        state = drf.new_state(R, dev, next(drf.fc.parameters()).dtype,
-                              capacity=int(lengths.max()) + max_new_tokens + gamma + 2)
-        drf.append_context(state, pre.features, lengths)
-        last = pre.logits[torch.arange(R, device=dev), lengths - 1]  # [R, V]
-        anchors = sample(warp_probs(last, self.sampling), generator) if not greedy else last.argmax(-1)
+        live = self.prefill(prompts, max_new_tokens, generator)
         clock.lap("prefill")
-        if hasattr(self.policy, "reset"):
-            self.policy.reset()
-
-        rows = torch.arange(R, device=dev)  # request index of each live row
-        produced = torch.ones(R, dtype=torch.long, device=dev)  # anchor counts as generated
-        for r in range(R):
-            outputs[r].tokens.append(int(anchors[r]))
+        self.policy.reset()
+        first = live.anchors.tolist()
+        stop = set(self.stop_ids.tolist())
+        for r, t in enumerate(first):
+            outputs[r].tokens.append(t)
+            if t in stop:
+                outputs[r].finish_reason = "stop"
             if on_tokens:
-                on_tokens(r, [int(anchors[r])])
-        done = torch.isin(anchors, self.stop_ids) | (produced >= max_new_tokens)
-        for r in done.nonzero().flatten().tolist():
-            outputs[r].finish_reason = "stop" if bool(torch.isin(anchors[r], self.stop_ids)) else "length"
-        round_no = [0] * R
+                on_tokens(r, [t])
+        finished = torch.tensor([t in stop or max_new_tokens <= 1 for t in first], device=live.anchors.device)
+        round_no = [0] * len(prompts)
         steps = 0
-        live = ~done
         while True:
-            if not bool(live.all()):
-                keep = live.nonzero().flatten()
-                if keep.numel() == 0:
+            if bool(finished.any()):
+                rows = (~finished).nonzero().flatten()
+                if rows.numel() == 0:
                     break
-                rows, anchors, produced = rows[keep], anchors[keep], produced[keep]
-                tgt.keep_rows(keep)
-                state.keep_rows(keep)
-            n = rows.numel()
+                live.keep(rows, self.target)
             clock.lap("accept")
-            # ---- draft
-            prop = drf.propose(state, anchors, self.draft_sampling, generator)
-            draft_ms = clock.lap("draft")
-            # ---- schedule
-            conf = prop.confidence_logits
-            ell = self.policy.choose(conf, block_size=gamma, num_requests=n).to(dev)
-            budget = (max_new_tokens - produced - 1).clamp(min=0)  # a round emits ℓ+1 at most
-            capped = (ell > budget).tolist()  # trace: ℓ cut by the budget, not the policy's choice
-            ell = torch.minimum(ell, budget)
-            clock.lap("schedule")
-            # ---- verify: feed [anchor, x1..xℓ]
-            T = int(ell.max()) + 1
-            ids = torch.cat([anchors[:, None], prop.block.tokens[:, : T - 1]], dim=1)  # [n, T]
-            out = tgt.extend(ids, ell + 1)
-            verify_ms = clock.lap("verify")
-            p = warp_probs(out.logits, self.sampling)  # [n, T, V]
-            q = None if greedy else prop.block.full_probs(p.shape[-1])[:, : T - 1]  # [n, T-1, V]
-            res = verify(p, q, prop.block.tokens[:, : T - 1], ell, generator, greedy)
-            emitted, num = res.emitted, res.num_emitted
-            cut = _first_stop(emitted, num, self.stop_ids)  # tokens kept this round per row
-            tgt.commit(res.accepted + 1)
-            drf.append_context(state, out.features, res.accepted + 1)
-            anchors = emitted[torch.arange(n, device=dev), res.accepted]
-            produced = produced + cut
-            stopped = cut < num
-            stopped |= torch.isin(emitted.gather(1, (cut - 1)[:, None]).squeeze(1), self.stop_ids)
-            live = ~(stopped | (produced >= max_new_tokens))
-            stats.add_rounds(ell.tolist(), res.accepted.tolist())
+            rd = self.round(live, max_new_tokens, generator, clock)
+            finished = rd.stopped | (live.produced >= max_new_tokens)
+            stats.add_rounds(rd.verify_lengths, rd.accepted)
             steps += 1
-            batch_tokens = int((ell + 1).sum())
-            em, cl, ac, el = emitted.tolist(), cut.tolist(), res.accepted.tolist(), ell.tolist()
-            conf_l = conf.tolist() if conf is not None else None
-            trace_rows = []
-            for i, req in enumerate(rows.tolist()):
-                toks = em[i][: cl[i]]
+            emitted, kept, requests = rd.emitted.tolist(), rd.kept.tolist(), live.requests.tolist()
+            for i, req in enumerate(requests):
+                toks = emitted[i][: kept[i]]
                 outputs[req].tokens.extend(toks)
                 outputs[req].rounds += 1
                 if on_tokens:
                     on_tokens(req, toks)
-                trace_rows.append(TraceRound(
-                    request=req, round=round_no[req], block_size=gamma,
-                    confidence_logits=conf_l[i] if conf_l is not None else None,
-                    verify_length=el[i], accepted=ac[i], batch_tokens=batch_tokens,
-                    draft_ms=round(draft_ms, 3), verify_ms=round(verify_ms, 3), budget_capped=capped[i]))
-                round_no[req] += 1
-                if not bool(live[i]):
-                    outputs[req].finish_reason = "stop" if bool(stopped[i]) else "length"
+            for i in finished.nonzero().flatten().tolist():
+                outputs[requests[i]].finish_reason = "stop" if bool(rd.stopped[i]) else "length"
             if on_round:
-                on_round(trace_rows)
+                on_round(trace_rows(rd, requests, round_no, gamma))
+            for req in requests:
+                round_no[req] += 1
         clock.lap("accept")
         times = dict(clock.totals)
         times["total"] = sum(clock.totals.values())
         return RunReport(outputs=outputs, stats=stats, times_ms=times, rounds=steps)
+
+
+def trace_rows(rd: Round, requests: list[int], round_no: list[int], gamma: int) -> list[TraceRound]:
+    """One trace record per live row of a round (only built when a trace is being written)."""
+    ell, acc, capped = rd.verify_lengths.tolist(), rd.accepted.tolist(), rd.budget_capped.tolist()
+    conf = rd.confidence_logits.tolist() if rd.confidence_logits is not None else None
+    batch_tokens = int((rd.verify_lengths + 1).sum())
+    return [TraceRound(request=req, round=round_no[req], block_size=gamma,
+                       confidence_logits=conf[i] if conf is not None else None, verify_length=ell[i],
+                       accepted=acc[i], batch_tokens=batch_tokens, draft_ms=round(rd.draft_ms, 3),
+                       verify_ms=round(rd.verify_ms, 3), budget_capped=capped[i])
+            for i, req in enumerate(requests)]
 
 
 @torch.no_grad()
@@ -193,7 +254,7 @@ def plain_generate(target: TargetAdapter, prompts: Sequence[Sequence[int]], max_
     rows = torch.arange(R, device=dev)
     steps = 0
     while True:
-        tok = logits.argmax(-1) if sampling.greedy else sample(warp_probs(logits, sampling), generator)
+        tok = draw(logits, sampling, generator)
         live = []
         for i, req in enumerate(rows.tolist()):
             t = int(tok[i])

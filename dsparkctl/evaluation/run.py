@@ -10,6 +10,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from dsparkctl.distributed import world
 from dsparkctl.evaluation.live import LiveResult, live_rollouts, target_continuations
 from dsparkctl.evaluation.teacher_forced import evaluate_sequences
 from dsparkctl.math.sampling import SamplingParams
@@ -45,7 +46,7 @@ def evaluate_dataset(model: Any, drafts: Sequence[DraftUnderTest], prompts: Sequ
         r: dict[str, Any] = {"source": d.source, "kind": d.draft.cfg.kind, "block_size": d.draft.block_size}
         conts = None
         if mode in ("live", "both"):
-            tp = trace_path(d.label)
+            tp = trace_path(d.label) if world().main else None  # rank 0 writes the merged trace
             writer = TraceWriter(tp, {**(trace_header or {}), "draft": d.source, "block_size": d.draft.block_size,
                                       "policy": f"static:{d.draft.block_size}"}) if tp else None
             with writer if writer else contextlib.nullcontext():

@@ -178,12 +178,25 @@ def target_forward(model: Any, seqs: Sequence[Sequence[int]], layer_ids: Sequenc
 
 def evaluate_sequences(draft: DSparkDraft, model: Any, seqs: Sequence[Sequence[int]], prompt_lens: Sequence[int],
                        params: SamplingParams, batch_size: int = 8) -> TeacherForcedStats:
-    """Teacher-forced statistics of `draft` on target continuations `seqs` (prompt + response ids)."""
+    """Teacher-forced statistics of `draft` on target continuations `seqs` (prompt + response ids).
+
+    Under torchrun the sequences are split across ranks and every rank gets the merged result,
+    with sequences in their original order (so intervals are the one-process ones)."""
+    from dsparkctl.distributed import all_gather, world
+
+    w = world()
+    order = list(range(len(seqs)))[w.rank::w.size] if w.distributed else list(range(len(seqs)))
+    per_seq: dict[int, torch.Tensor] = {}
+    for i in range(0, len(order), batch_size):
+        part = order[i: i + batch_size]
+        fw = target_forward(model, [seqs[j] for j in part], draft.cfg.target_layer_ids, batch_size)
+        for j, (feats, logits) in zip(part, fw):
+            toks = torch.as_tensor(list(seqs[j]), dtype=torch.long, device=feats.device)
+            per_seq[j] = sequence_betas(draft, toks, feats, logits, prompt_lens[j], params)
+    if w.distributed:
+        for other in all_gather(per_seq):
+            per_seq.update(other)
     stats = TeacherForcedStats(block_size=draft.block_size)
-    for i in range(0, len(seqs), batch_size):
-        part = seqs[i: i + batch_size]
-        fw = target_forward(model, part, draft.cfg.target_layer_ids, batch_size)
-        for (feats, logits), s, pl in zip(fw, part, prompt_lens[i: i + batch_size]):
-            toks = torch.as_tensor(list(s), dtype=torch.long, device=feats.device)
-            stats.add(sequence_betas(draft, toks, feats, logits, pl, params))
+    for j in range(len(seqs)):
+        stats.add(per_seq[j])
     return stats

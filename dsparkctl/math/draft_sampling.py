@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dsparkctl.math.sampling import SamplingParams, sample, warp_probs
+from dsparkctl.math.sampling import SamplingParams, draw, warp_probs
 
 __all__ = ["DraftBlock", "sample_block"]
 
@@ -44,11 +44,6 @@ class DraftBlock:
         return full.index_copy_(2, self.vocab_ids, self.probs)
 
 
-def _draw(probs: Tensor, params: SamplingParams, generator) -> Tensor:
-    # probs: [..., V] -> [...]; greedy probs are one-hot so argmax is the argmax of the logits.
-    return probs.argmax(dim=-1) if params.greedy else sample(probs, generator)
-
-
 def sample_block(
     base_logits: Tensor,          # [R, γ, V] U_1..U_γ from the draft's one parallel forward
     anchors: Tensor,              # [R] long, x_0
@@ -66,7 +61,7 @@ def sample_block(
 
     if head is None:
         probs = warp_probs(base_logits, params)                              # [R, γ, K]
-        return DraftBlock(tokens=to_target(_draw(probs, params, generator)), probs=probs, markov_embeds=None,
+        return DraftBlock(tokens=to_target(draw(probs, params, generator, warped=True)), probs=probs, markov_embeds=None,
                           vocab_ids=vocab_ids)
 
     device = base_logits.device
@@ -81,7 +76,7 @@ def sample_block(
             bias, embed, state = head.step(prev, None if hidden is None else hidden[:, k], state)
             logits = base_logits[:, k] + bias                                # new tensor [R, V]
             p = warp_probs(logits, params)                                   # [R, K] float32
-            prev = to_target(_draw(p, params, generator))                    # [R] target ids
+            prev = to_target(draw(p, params, generator, warped=True))                    # [R] target ids
             probs[:, k] = p
             tokens[:, k] = prev
             embeds[:, k] = embed

@@ -146,6 +146,10 @@ class Policy:
         self.state = self.new_state()
         if self.needs_sps and sps is None:
             raise UsageError(f"policy {spec!r} needs an SPS table", "pass --sps-table")
+        if self.needs_sps and len(sps.batch_tokens) < 2:
+            raise UsageError(f"policy {spec!r}: the SPS table has one probe, which SGLang treats as uninitialised "
+                             "(it then verifies every draft)",
+                             "profile at least two batch-token counts with `dsparkctl profile-sps`")
 
     needs_sps = False
 

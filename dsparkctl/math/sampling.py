@@ -22,7 +22,7 @@ from torch import Tensor
 
 from dsparkctl.errors import UsageError
 
-__all__ = ["SamplingParams", "warp_probs", "sample", "exponential_noise", "sample_with_noise"]
+__all__ = ["SamplingParams", "warp_probs", "sample", "draw", "exponential_noise", "sample_with_noise"]
 
 
 @dataclass(frozen=True)
@@ -126,3 +126,13 @@ def sample_with_noise(weights: Tensor, noise: Tensor) -> Tensor:
 def sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:
     """Draw one token per row. probs: [..., V] (rows need not be normalised) -> LongTensor [...]."""
     return sample_with_noise(probs, exponential_noise(probs.shape, generator, probs.device))
+
+
+def draw(scores: Tensor, params: SamplingParams, generator: torch.Generator | None, *,
+         warped: bool = False) -> Tensor:
+    """The next token per row: the argmax when greedy, else a sample of the warped distribution.
+
+    scores: [..., V] raw logits, or probabilities already warped (`warped=True`). Returns [...]."""
+    if params.greedy:
+        return scores.argmax(dim=-1)
+    return sample(scores if warped else warp_probs(scores, params), generator)

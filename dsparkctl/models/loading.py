@@ -21,12 +21,15 @@ DEFAULT_DRAFT_NAME = "smollm2-135m-dspark"
 
 
 def resolve_device(device: str) -> torch.device:
+    """auto: CUDA when present; under torchrun `auto`/`cuda` mean this rank's GPU (LOCAL_RANK)."""
+    from dsparkctl.distributed import rank_device
+
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(rank_device("auto") if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda was asked for but torch sees no CUDA device",
                          "use --device cpu, or install a CUDA build of torch")
-    return torch.device(device)
+    return torch.device(rank_device(device))
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

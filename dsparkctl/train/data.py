@@ -37,6 +37,7 @@ from typing import Any, Callable
 import torch
 
 from dsparkctl.data.prompts import encode_prompts, load_conversations, load_prompts
+from dsparkctl.distributed import barrier, world
 from dsparkctl.errors import InputError
 from dsparkctl.fsutil import atomic_open, write_json
 from dsparkctl.train.recipe import Recipe
@@ -226,8 +227,6 @@ def build_dataset(recipe: Recipe, model: Any, tokenizer: Any, stop_ids: list[int
                   log: Callable[[str], None] = print,
                   on_batch: Callable[[int, int], None] | None = None) -> list[Sequence]:
     """Build (or reuse) every part covering the first `num_prompts` items; return their sequences."""
-    from safetensors.torch import load_file
-
     d = recipe.data
     folder = data_dir(recipe, cache_dir)
     folder.mkdir(parents=True, exist_ok=True)
@@ -245,38 +244,54 @@ def build_dataset(recipe: Recipe, model: Any, tokenizer: Any, stop_ids: list[int
     nb = (d.num_prompts + bs - 1) // bs
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
     seqs: list[Sequence] = []
+    w = world()
+    if w.distributed:  # under torchrun each rank first builds its own share of the missing parts
+        for b in range(w.rank, nb, w.size):
+            _build_part(recipe, model, tokenizer, stop_ids, folder, items, b, layer_ids, pad)
+        barrier()
     for b in range(nb):
-        part = items[b * bs: min((b + 1) * bs, d.num_prompts)]
-        tfile = folder / f"tokens_{b:05d}.safetensors"
-        ffile = folder / feature_name(b, layer_ids, d.topk)
-        if not (tfile.is_file() and ffile.is_file()):
-            _wait_for_other_builder(folder / f"part_{b:05d}.lock", lambda: tfile.is_file() and ffile.is_file())
-        if tfile.is_file() and ffile.is_file():
-            toks, feats = load_file(str(tfile)), load_file(str(ffile))
-        elif tfile.is_file():
-            toks = load_file(str(tfile))
-            offs = toks["offsets"].tolist()
-            s = [toks["tokens"][offs[i]: offs[i + 1]].tolist() for i in range(len(offs) - 1)]
-            feats = teacher_forced_part(model, s, toks["prompt_len"].tolist(), layer_ids, pad, d.topk)
-            _save(ffile, feats)
-        else:
-            lock = _claim(folder / f"part_{b:05d}.lock")
-            if d.source == "responses":
-                packed = teacher_forced_part(model, [it["prompt"] + it["response"] for it in part],
-                                             [len(it["prompt"]) for it in part], layer_ids, pad, d.topk)
-            else:
-                gen = torch.Generator().manual_seed(d.seed * 100_003 + b)
-                packed = regenerate_part(model, [it["prompt"] for it in part], layer_ids, d.max_new_tokens,
-                                         d.temperature, stop_ids, pad, d.topk, gen)
-            toks = {k: packed[k] for k in ("tokens", "prompt_len", "offsets")}
-            feats = {k: packed[k] for k in ("features", "topk_ids", "topk_logp")}
-            _save(ffile, feats)
-            _save(tfile, toks)
-            lock.unlink(missing_ok=True)
+        toks, feats = _build_part(recipe, model, tokenizer, stop_ids, folder, items, b, layer_ids, pad)
         seqs.extend(unpack(toks, feats))
         if on_batch:
             on_batch(b + 1, nb)
     return seqs
+
+
+def _build_part(recipe: Recipe, model: Any, tokenizer: Any, stop_ids: list[int], folder: Path, items: list[dict],
+                b: int, layer_ids: tuple[int, ...], pad: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Part b's token and feature tensors: read from the cache, or built and cached (atomically)."""
+    from safetensors.torch import load_file
+
+    d = recipe.data
+    bs = d.batch_size
+    part = items[b * bs: min((b + 1) * bs, d.num_prompts)]
+    tfile = folder / f"tokens_{b:05d}.safetensors"
+    ffile = folder / feature_name(b, layer_ids, d.topk)
+    if not (tfile.is_file() and ffile.is_file()):
+        _wait_for_other_builder(folder / f"part_{b:05d}.lock", lambda: tfile.is_file() and ffile.is_file())
+    if tfile.is_file() and ffile.is_file():
+        return load_file(str(tfile)), load_file(str(ffile))
+    if tfile.is_file():
+        toks = load_file(str(tfile))
+        offs = toks["offsets"].tolist()
+        s = [toks["tokens"][offs[i]: offs[i + 1]].tolist() for i in range(len(offs) - 1)]
+        feats = teacher_forced_part(model, s, toks["prompt_len"].tolist(), layer_ids, pad, d.topk)
+        _save(ffile, feats)
+        return toks, feats
+    lock = _claim(folder / f"part_{b:05d}.lock")
+    if d.source == "responses":
+        packed = teacher_forced_part(model, [it["prompt"] + it["response"] for it in part],
+                                     [len(it["prompt"]) for it in part], layer_ids, pad, d.topk)
+    else:
+        gen = torch.Generator().manual_seed(d.seed * 100_003 + b)
+        packed = regenerate_part(model, [it["prompt"] for it in part], layer_ids, d.max_new_tokens,
+                                 d.temperature, stop_ids, pad, d.topk, gen)
+    toks = {k: packed[k] for k in ("tokens", "prompt_len", "offsets")}
+    feats = {k: packed[k] for k in ("features", "topk_ids", "topk_logp")}
+    _save(ffile, feats)
+    _save(tfile, toks)
+    lock.unlink(missing_ok=True)
+    return toks, feats
 
 
 def _pid_alive(pid: int) -> bool:

@@ -60,23 +60,34 @@ def sparse_l1(q: Tensor, topk_idx: Tensor, topk_p: Tensor) -> Tensor:
     return ((q_at - topk_p).abs() * inside).sum(-1) + (topk_p * ~inside).sum(-1) + (1.0 - q_at.sum(-1))
 
 
+def loss_counts(target_idx: Tensor, valid: Tensor) -> Tensor:
+    """The objective's denominators [3]: valid slots, slots whose x* the draft can emit, blocks.
+    A data-parallel step sums them over ranks first, so N ranks × b sequences give exactly the
+    loss (and gradient) of one process × N·b."""
+    valid = valid.reshape(-1, valid.shape[-1])
+    emit = valid & (target_idx.reshape(valid.shape) >= 0)
+    return torch.stack([valid.sum(), emit.sum(), valid.any(-1).sum()]).double()
+
+
 def dspark_loss(draft_logits: Tensor, topk_idx: Tensor, topk_p: Tensor, target_idx: Tensor,
                 conf_logits: Tensor | None, valid: Tensor, weights: tuple[float, float, float] = (
-                    CE_WEIGHT, L1_WEIGHT, BCE_WEIGHT)) -> LossParts:
+                    CE_WEIGHT, L1_WEIGHT, BCE_WEIGHT), counts: Tensor | None = None) -> LossParts:
     """draft_logits: [M, γ, K]; topk_idx/topk_p: [M, γ, k]; target_idx: [M, γ] draft index of x*
-    (-1 if outside the draft vocabulary); conf_logits: [M, γ] | None; valid: [M, γ] bool."""
+    (-1 if outside the draft vocabulary); conf_logits: [M, γ] | None; valid: [M, γ] bool;
+    counts: denominators from `loss_counts` (default: this batch's own)."""
     M, g, K = draft_logits.shape
     w_ce, w_l1, w_bce = weights
     vf = valid.float()
-    n_slots = vf.sum().clamp(min=1.0)
+    if counts is None:
+        counts = loss_counts(target_idx, valid)
+    n_slots, n_emit, blocks = (float(c) if float(c) > 0 else 1.0 for c in counts)
     logq = F.log_softmax(draft_logits.float(), dim=-1)
     q = logq.exp()
     l1 = sparse_l1(q, topk_idx, topk_p)  # [M, γ]
     emit = valid & (target_idx >= 0)
     ce = -(logq.gather(-1, target_idx.clamp(min=0)[..., None]).squeeze(-1))  # [M, γ]
-    ce_m = (ce * emit).sum() / emit.sum().clamp(min=1)
+    ce_m = (ce * emit).sum() / n_emit
     w = position_weights(g, draft_logits.device)
-    blocks = valid.any(-1).float().sum().clamp(min=1.0)
     l1_m = (l1 * w * vf).sum() / blocks
     total = w_ce * ce_m + w_l1 * l1_m
     overlap = (1.0 - 0.5 * l1).detach().clamp(0.0, 1.0)

@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 import torch
 
+from dsparkctl.distributed import barrier, world
 from dsparkctl.errors import InputError
 from dsparkctl.models.draft import DSparkDraft
 from dsparkctl.models.draft_io import check_draft_destination, load_draft, random_draft_config, save_draft
@@ -278,7 +279,7 @@ def run_training(recipe: Recipe, *, model: Any, tokenizer: Any, stop_ids: list[i
         log(f"resumed {run_dir.name} at step {start}")
 
     def evaluate(step: int) -> None:
-        if recipe.eval.every and step % recipe.eval.every == 0:
+        if recipe.eval.every and step % recipe.eval.every == 0 and world().main:
             t = time.perf_counter()
             st = heldout_stats(draft, held, recipe.eval.temperature, scale)
             row = {"step": step, "temperature": recipe.eval.temperature, **st.to_json(),
@@ -289,14 +290,18 @@ def run_training(recipe: Recipe, *, model: Any, tokenizer: Any, stop_ids: list[i
                 on_eval(step, row)
 
     res = trainer.train(on_step=on_step, stop_after=stop_after, on_checkpoint=evaluate, max_seconds=max_seconds)
-    stats = heldout_stats(draft, held, recipe.eval.temperature, scale)
-    heldout = {"temperature": recipe.eval.temperature, **stats.to_json()}
-    extra = {"dsparkctl": provenance(recipe=recipe.to_dict(), recipe_hash=recipe.digest(), steps=res.steps,
-                                     target=recipe.target.model, heldout_tau=stats.tau,
-                                     train_sequences=len(train_seqs), vocab_coverage=coverage)}
-    export_draft(draft, run_dir / "final", scale, extra)
-    if out is not None:
-        export_draft(draft, out, scale, extra, with_embeddings)
+    heldout: dict[str, Any] = {"temperature": recipe.eval.temperature}
+    if world().main:  # rank 0 evaluates and exports; the others wait for it
+        stats = heldout_stats(draft, held, recipe.eval.temperature, scale)
+        heldout.update(stats.to_json())
+        extra = {"dsparkctl": provenance(recipe=recipe.to_dict(), recipe_hash=recipe.digest(), steps=res.steps,
+                                         target=recipe.target.model, heldout_tau=stats.tau,
+                                         train_sequences=len(train_seqs), vocab_coverage=coverage,
+                                         world_size=world().size)}
+        export_draft(draft, run_dir / "final", scale, extra)
+        if out is not None:
+            export_draft(draft, out, scale, extra, with_embeddings)
+    barrier()
     return TrainOutcome(run_dir=run_dir, draft_dir=out or run_dir / "final", steps=res.steps, resumed_from=start,
                         seconds=res.seconds, last=res.logs[-1] if res.logs else None, heldout=heldout,
                         train_sequences=len(train_seqs), heldout_sequences=len(held), vocab_coverage=coverage)

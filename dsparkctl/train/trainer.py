@@ -28,7 +28,8 @@ from dsparkctl.fsutil import atomic_dir, write_json
 from dsparkctl.strict_json import finite
 from dsparkctl.models.draft import DSparkDraft
 from dsparkctl.train.data import Sequence
-from dsparkctl.train.loss import LossParts, dspark_loss, lr_at
+from dsparkctl.distributed import all_reduce_sum_, world
+from dsparkctl.train.loss import LossParts, dspark_loss, loss_counts, lr_at
 from dsparkctl.train.recipe import Recipe
 
 
@@ -49,12 +50,9 @@ def anchor_range(seq: Sequence, gamma: int) -> tuple[int, int]:
     return seq.prompt_len, len(seq.tokens) - 1 - gamma
 
 
-def make_batch(seqs: list[Sequence], n_anchors: int, gamma: int, gen: torch.Generator, to_draft: torch.Tensor,
-               feature_scale: torch.Tensor | None = None) -> Batch:
-    """Sample up to n_anchors distinct full-block anchors per sequence (padding slots are invalid).
-
-    to_draft: [V] long, the draft-vocabulary index of each target id (-1 outside the subset).
-    Context is cut at the last sampled anchor (later positions are never attended to)."""
+def sample_anchors(seqs: list[Sequence], n_anchors: int, gamma: int,
+                   gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to n_anchors distinct full-block anchors per sequence, sorted: (positions [B, N], valid [B, N])."""
     B = len(seqs)
     a_pos = torch.zeros(B, n_anchors, dtype=torch.long)
     ok = torch.zeros(B, n_anchors, dtype=torch.bool)
@@ -65,7 +63,21 @@ def make_batch(seqs: list[Sequence], n_anchors: int, gamma: int, gen: torch.Gene
         a_pos[b, : len(pick)] = torch.sort(pick).values
         ok[b, : len(pick)] = True
         a_pos[b, len(pick):] = lo if count else 0
-    S = max(1, int(a_pos.max()))
+    return a_pos, ok
+
+
+def make_batch(seqs: list[Sequence], n_anchors: int, gamma: int, gen: torch.Generator, to_draft: torch.Tensor,
+               feature_scale: torch.Tensor | None = None, rows: slice | None = None) -> Batch:
+    """Sample anchors for every sequence (the generator advances the same way on every rank), then
+    assemble the batch of `rows` (this rank's share; all by default).
+
+    to_draft: [V] long, the draft-vocabulary index of each target id (-1 outside the subset).
+    Context is cut at the last sampled anchor (later positions are never attended to)."""
+    a_pos, ok = sample_anchors(seqs, n_anchors, gamma, gen)
+    if rows is not None:
+        seqs, a_pos, ok = seqs[rows], a_pos[rows], ok[rows]
+    B = len(seqs)
+    S = max(1, int(a_pos.max())) if B else 1
     F_ = seqs[0].features.shape[1]
     k = seqs[0].topk_ids.shape[1]
     feats = torch.zeros(B, S, F_)
@@ -79,9 +91,9 @@ def make_batch(seqs: list[Sequence], n_anchors: int, gamma: int, gen: torch.Gene
         idx = (a_pos[b][:, None] + steps).clamp(max=len(s.tokens) - 1)  # [N, γ+1]
         toks[b] = s.tokens[idx]
         # slot k predicts the token at a+k; top-k row j holds the target's distribution for the token at P+j
-        rows = (idx[:, 1:] - s.prompt_len).clamp(0, len(s.topk_ids) - 1)
-        tk_ids[b] = s.topk_ids[rows].long()
-        tk_lp[b] = s.topk_logp[rows].float()
+        rows_k = (idx[:, 1:] - s.prompt_len).clamp(0, len(s.topk_ids) - 1)
+        tk_ids[b] = s.topk_ids[rows_k].long()
+        tk_lp[b] = s.topk_logp[rows_k].float()
     if feature_scale is not None:
         feats *= feature_scale
     valid = ok[:, :, None].expand(B, n_anchors, gamma).clone()
@@ -89,14 +101,16 @@ def make_batch(seqs: list[Sequence], n_anchors: int, gamma: int, gen: torch.Gene
                  target_idx=to_draft[toks[:, :, 1:]], topk_idx=to_draft[tk_ids], topk_p=tk_lp.exp(), valid=valid)
 
 
-def batch_loss(draft: DSparkDraft, batch: Batch, weights: tuple[float, float, float]) -> LossParts:
+def batch_loss(draft: DSparkDraft, batch: Batch, weights: tuple[float, float, float],
+               counts: torch.Tensor | None = None) -> LossParts:
+    """counts: the loss's denominators over the whole (global) batch, see `loss_counts`."""
     hidden = draft.forward_blocks(batch.features, batch.anchor_ids, batch.anchor_pos)  # [B, N, γ, H]
     logits, conf = draft.block_logits(hidden, batch.prev_tokens)  # [B, N, γ, K], [B, N, γ]
     g, K = logits.shape[-2:]
     k = batch.topk_idx.shape[-1]
     return dspark_loss(logits.reshape(-1, g, K), batch.topk_idx.reshape(-1, g, k), batch.topk_p.reshape(-1, g, k),
                        batch.target_idx.reshape(-1, g), conf.reshape(-1, g) if conf is not None else None,
-                       batch.valid.reshape(-1, g), weights)
+                       batch.valid.reshape(-1, g), weights, counts=counts)
 
 
 def trainable(draft: DSparkDraft) -> dict[str, torch.nn.Parameter]:
@@ -159,6 +173,10 @@ class Trainer:
         for n, p in draft.named_parameters():
             p.requires_grad_(n in trainable(draft))
         o = recipe.optim
+        w = world()
+        if o.batch_sequences % w.size:
+            raise InputError(f"optim.batch_sequences {o.batch_sequences} is not divisible by the {w.size} ranks",
+                             "the recipe's batch is global: use a multiple of the number of ranks")
         params = list(trainable(draft).values())
         decay = [p for p in params if p.ndim >= 2]
         no_decay = [p for p in params if p.ndim < 2]
@@ -175,6 +193,8 @@ class Trainer:
         from safetensors.torch import save_file
 
         path = self.ckpt_dir(self.step)
+        if not world().main:  # rank 0 alone writes; every rank holds the same state
+            return path
         if path.exists():
             shutil.rmtree(path)
         with atomic_dir(path) as tmp:
@@ -227,7 +247,11 @@ class Trainer:
         t0 = time.perf_counter()
         end = o.steps if stop_after is None else min(o.steps, self.step + stop_after)
         params = list(trainable(self.draft).values())
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        w = world()
+        per = o.batch_sequences // w.size
+        share = slice(w.rank * per, (w.rank + 1) * per)  # this rank's rows of the global batch
+        if w.main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
         self.draft.train()
         while self.step < end:
             ts = time.perf_counter()
@@ -236,16 +260,28 @@ class Trainer:
                 g["lr"] = lr
             pick = torch.randint(len(self.seqs), (o.batch_sequences,), generator=self.gen).tolist()
             batch = make_batch([self.seqs[i] for i in pick], o.anchors_per_sequence, self.draft.block_size,
-                               self.gen, self.to_draft, self.feature_scale)
+                               self.gen, self.to_draft, self.feature_scale, rows=share)
             t1 = time.perf_counter()
-            parts = batch_loss(self.draft, batch, weights)
-            loss = float(parts.total.detach())
+            counts = all_reduce_sum_(loss_counts(batch.target_idx, batch.valid))  # global denominators
+            parts = batch_loss(self.draft, batch, weights, counts)
+            if w.distributed:  # every rank logs the global loss: the sum of the ranks' shares
+                g = all_reduce_sum_(torch.tensor([float(parts.total.detach()), parts.ce, parts.l1, parts.bce],
+                                                 dtype=torch.float64))
+                parts.ce, parts.l1, parts.bce = float(g[1]), float(g[2]), float(g[3])
+                loss = float(g[0])
+            else:
+                loss = float(parts.total.detach())
             if not math.isfinite(loss):
                 raise NonFiniteLoss(f"the loss became {loss} at step {self.step + 1}",
                                     "lower optim.lr or check optim.grad_clip; nothing was saved for this step")
             t2 = time.perf_counter()
             self.opt.zero_grad(set_to_none=True)
             parts.total.backward()
+            if w.distributed:  # the gradient of the global loss: sum over ranks (what DDP does, unscaled)
+                for p in params:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    all_reduce_sum_(p.grad)
             t3 = time.perf_counter()
             norm = torch.nn.utils.clip_grad_norm_(params, o.grad_clip)
             if not bool(torch.isfinite(norm)):
@@ -258,9 +294,12 @@ class Trainer:
                           parts.top1, t4 - ts, {"data": t1 - ts, "forward": t2 - t1, "backward": t3 - t2,
                                                 "optimizer": t4 - t3}, int(batch.valid[:, :, 0].sum()))
             result.logs.append(log)
-            with open(self.run_dir / "log.jsonl", "a") as fh:
-                fh.write(json.dumps(finite(log.to_json()), allow_nan=False) + "\n")
+            if w.main:
+                with open(self.run_dir / "log.jsonl", "a") as fh:
+                    fh.write(json.dumps(finite(log.to_json()), allow_nan=False) + "\n")
             out_of_time = max_seconds is not None and time.perf_counter() - t0 >= max_seconds
+            if max_seconds is not None and w.distributed:  # every rank stops at the same step
+                out_of_time = bool(all_reduce_sum_(torch.tensor([float(out_of_time)])) > 0)
             if out_of_time:
                 end = self.step
             if self.step % o.checkpoint_every == 0 or self.step == end:

@@ -1,0 +1,172 @@
+"""Scale-out through torch.distributed, launched by torchrun (NCCL on GPUs, gloo on CPU).
+
+    torchrun --nproc-per-node N -m dsparkctl <train|eval-acceptance|generate> ...
+
+Rank, world size and local rank come from the environment torchrun sets (RANK, WORLD_SIZE,
+LOCAL_RANK); without them (a plain process) everything here is a no-op and world = 1. Each rank
+uses its own GPU (cuda:LOCAL_RANK) or the CPU.
+
+Work is split by units that do not depend on who runs them: prompt batches (each seeded from
+(seed, batch index), engine/run.py), teacher-forced sequences, data parts. Rank 0 gathers the
+pieces in their global order and alone writes files and prints results, so a merged run equals a
+one-process run. Every rank parses the same command line; `check_same_everywhere` proves it by
+comparing a digest of the arguments, so ranks can never run with different options.
+
+A rank that fails prints its one-line error prefixed by its rank and exits non-zero; torchrun
+then stops the other ranks (they unwind through their SIGTERM handler), so a job never hangs on
+a collective that a dead peer will not join.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Sequence, TypeVar
+
+import torch
+
+from dsparkctl.errors import UsageError
+
+T = TypeVar("T")
+TIMEOUT = datetime.timedelta(minutes=30)
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+
+_WORLD = World()
+
+
+def world() -> World:
+    return _WORLD
+
+
+def env_world() -> World:
+    """What torchrun's environment says (rank 0 of 1 without it)."""
+    try:
+        size = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+        local = int(os.environ.get("LOCAL_RANK", str(rank)))
+    except ValueError:
+        raise UsageError("RANK/WORLD_SIZE/LOCAL_RANK are not integers", "launch with torchrun") from None
+    if size < 1 or not 0 <= rank < size:
+        raise UsageError(f"RANK {rank} / WORLD_SIZE {size} are inconsistent", "launch with torchrun")
+    return World(rank=rank, size=size, local_rank=local)
+
+
+def init(device: str = "auto") -> World:
+    """Join the process group when launched by torchrun; pick this rank's device. Idempotent."""
+    global _WORLD
+    w = env_world()
+    if not w.distributed:
+        _WORLD = w
+        return w
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        use_cuda = device in ("auto", "cuda") and torch.cuda.is_available()
+        if use_cuda:
+            torch.cuda.set_device(w.local_rank)
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=TIMEOUT)
+    _WORLD = w
+    return w
+
+
+def rank_device(device: str) -> str:
+    """`auto`/`cuda` become this rank's own GPU under torchrun; anything else is kept."""
+    w = world()
+    if device in ("auto", "cuda") and torch.cuda.is_available():
+        return f"cuda:{w.local_rank}" if w.distributed else "cuda"
+    return device
+
+
+def check_same_everywhere(argv: Sequence[str] | None = None) -> None:
+    """Refuse to run when ranks were given different arguments (compares a digest)."""
+    w = world()
+    if not w.distributed:
+        return
+    digest = hashlib.sha256("\0".join(argv if argv is not None else sys.argv[1:]).encode()).hexdigest()
+    digests = all_gather(digest)
+    if len(set(digests)) > 1:
+        bad = [r for r, d in enumerate(digests) if d != digests[0]]
+        raise UsageError(f"ranks {bad} were started with other arguments than rank 0",
+                         "launch every rank with the same command line (torchrun does)")
+
+
+def mine(n: int) -> list[int]:
+    """Indices 0..n-1 this rank works on (round-robin, so uneven work spreads evenly)."""
+    w = world()
+    return list(range(w.rank, n, w.size))
+
+
+def all_gather(obj: T) -> list[T]:
+    w = world()
+    if not w.distributed:
+        return [obj]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * w.size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def gather(obj: T) -> list[T] | None:
+    """Every rank's object on rank 0 (in rank order); None on the other ranks."""
+    w = world()
+    if not w.distributed:
+        return [obj]
+    import torch.distributed as dist
+
+    out: list[Any] | None = [None] * w.size if w.main else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
+def merge_by_index(pieces: Sequence[dict[int, T]], n: int) -> list[T]:
+    """Pieces {global index: item} from every rank -> the items in global order (all present)."""
+    merged: dict[int, T] = {}
+    for p in pieces:
+        merged.update(p)
+    missing = [i for i in range(n) if i not in merged]
+    if missing:
+        raise RuntimeError(f"ranks returned no result for items {missing[:5]}")
+    return [merged[i] for i in range(n)]
+
+
+def barrier() -> None:
+    w = world()
+    if w.distributed:
+        import torch.distributed as dist
+        dist.barrier()
+
+
+def all_reduce_sum_(t: torch.Tensor) -> torch.Tensor:
+    """In place: the sum of `t` over ranks (no-op in one process)."""
+    if world().distributed:
+        import torch.distributed as dist
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def shutdown() -> None:
+    global _WORLD
+    if world().distributed:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    _WORLD = World()

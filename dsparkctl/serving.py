@@ -1,0 +1,153 @@
+"""`serve-config`: what a user pastes to serve a (tuned) draft in SGLang or vLLM.
+
+Every name below was read in the engines' source (docs/serving.md cites the files):
+
+SGLang (`python/sglang/srt/server_args.py`, `environ.py`, `speculative/ragged_verify.py`)
+    --speculative-algorithm DSPARK          DFLASH for a draft without a Markov head (DSPARK
+                                            refuses markov_rank 0)
+    --speculative-draft-model-path PATH
+    --speculative-dspark-block-size γ       (DFLASH: --speculative-dflash-block-size)
+    --speculative-dspark-sps-table-path F   {"sample_batch_tokens", "sample_steps_per_sec", "max_batch_tokens"}
+    --speculative-dspark-confidence-sts-path F   {"temperatures", ...}
+    SGLANG_RAGGED_VERIFY_MODE               static (default: the SPS and STS files are unused, no
+                                            confidence head is built) | cap-accept | compact (the
+                                            confidence-scheduled mode that forwards only Σ(1+ℓ));
+                                            compact also needs SGLANG_PREP_IN_CUDA_GRAPH=1
+vLLM (`vllm/config/speculative.py`), `vllm serve TARGET --speculative-config JSON`
+    method "dspark", model, num_speculative_tokens (= the draft's block size),
+    num_speculative_tokens_per_batch_size [[start, end, k], ...] (inclusive batch-size ranges)
+
+Neither engine reads a reduced draft vocabulary (`draft_vocab_ids`), so such a draft is served
+through its full-vocabulary export (`expand_vocabulary`): the head and W2 cover the whole
+vocabulary again, W2 rows outside the subset are zero.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any, Sequence
+
+from dsparkctl.errors import InputError
+
+RAGGED_ENV = "SGLANG_RAGGED_VERIFY_MODE"
+
+
+def k_table_from_sweep(sweep: dict[str, Any], block_size: int, max_batch_size: int | None = None) -> list[list[int]]:
+    """vLLM's num_speculative_tokens_per_batch_size from a sweep: the best static:K per
+    concurrency (by total throughput), as inclusive [start, end, K] batch-size ranges."""
+    rows = sweep.get("rows")
+    if not isinstance(rows, list) or not rows:
+        raise InputError("the sweep result has no rows", "write one with `dsparkctl sweep-scheduler --out`")
+    best: dict[int, tuple[float, int]] = {}
+    for r in rows:
+        pol = str(r.get("policy", ""))
+        if not pol.startswith("static:"):
+            continue
+        try:
+            k, c, thr = int(pol.split(":", 1)[1]), int(r["concurrency"]), float(r["throughput_tok_s"])
+        except (KeyError, TypeError, ValueError):
+            raise InputError(f"sweep row {r!r} is malformed", "use a file written by sweep-scheduler") from None
+        if not 0 <= k <= block_size:
+            raise InputError(f"the sweep's static:{k} exceeds the draft's block size {block_size}",
+                             "sweep with the same draft")
+        if c not in best or thr > best[c][0]:
+            best[c] = (thr, k)
+    if not best:
+        raise InputError("the sweep has no static:K policies to pick a length per batch size from",
+                         f"run sweep-scheduler --policies static:1,...,static:{block_size} (and others)")
+    cs = sorted(best)
+    ranges: list[list[int]] = []
+    for i, c in enumerate(cs):
+        end = cs[i + 1] - 1 if i + 1 < len(cs) else (max_batch_size or max(c, 1024))
+        k = best[c][1]
+        start = 1 if i == 0 else c
+        if ranges and ranges[-1][2] == k:
+            ranges[-1][1] = end
+        else:
+            ranges.append([start, end, k])
+    return ranges
+
+
+def sglang_command(target: str, draft: str, block_size: int, dspark: bool, sps_table: str | None,
+                   sts: str | None, extra: Sequence[str] = ()) -> tuple[dict[str, str], list[str]]:
+    """(environment, argv) of an SGLang server for this draft."""
+    argv = ["python", "-m", "sglang.launch_server", "--model-path", target,
+            "--speculative-algorithm", "DSPARK" if dspark else "DFLASH",
+            "--speculative-draft-model-path", draft,
+            "--speculative-dspark-block-size" if dspark else "--speculative-dflash-block-size", str(block_size)]
+    env: dict[str, str] = {}
+    if dspark and (sps_table or sts):
+        env[RAGGED_ENV] = "compact"  # without it SGLang ignores both tuning files
+        env["SGLANG_PREP_IN_CUDA_GRAPH"] = "1"
+        if sps_table:
+            argv += ["--speculative-dspark-sps-table-path", sps_table]
+        if sts:
+            argv += ["--speculative-dspark-confidence-sts-path", sts]
+    return env, argv + list(extra)
+
+
+def vllm_config(draft: str, block_size: int, k_table: list[list[int]] | None) -> dict[str, Any]:
+    cfg: dict[str, Any] = {"method": "dspark", "model": draft, "num_speculative_tokens": block_size}
+    if k_table:
+        cfg["num_speculative_tokens_per_batch_size"] = k_table
+    return cfg
+
+
+def shell_line(env: dict[str, str], argv: list[str]) -> str:
+    return " ".join([f"{k}={shlex.quote(v)}" for k, v in env.items()] + [shlex.quote(a) for a in argv])
+
+
+def check_sglang_sps(path: Path) -> dict[str, Any]:
+    """An SGLang SPS table SGLang will use: ≥ 2 probes (one probe = uninitialised: verify all)."""
+    from dsparkctl.strict_json import read
+
+    d = read(path, "SPS table", "write one with `dsparkctl profile-sps`")
+    if not isinstance(d, dict) or "sample_batch_tokens" not in d or "sample_steps_per_sec" not in d:
+        raise InputError(f"{path}: not an SGLang SPS table (sample_batch_tokens, sample_steps_per_sec)",
+                         "pass the <out>.sglang.json that profile-sps writes")
+    if len(d["sample_batch_tokens"]) < 2:
+        raise InputError(f"{path}: one probe; SGLang treats it as uninitialised and verifies every draft",
+                         "profile at least two batch-token counts")
+    return d
+
+
+def check_sts(path: Path, block_size: int) -> dict[str, Any]:
+    """An SGLang STS file for this draft: γ positive temperatures (SGLang's planner checks γ)."""
+    from dsparkctl.strict_json import read
+
+    d = read(path, "STS file", "write one with `dsparkctl calibrate`")
+    temps = d.get("temperatures") if isinstance(d, dict) else None
+    if not isinstance(temps, list) or not all(isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0
+                                              for t in temps):
+        raise InputError(f"{path}: not an SGLang STS file (temperatures: positive numbers)",
+                         "pass the <out>.sglang.json that calibrate writes")
+    if len(temps) != block_size:
+        raise InputError(f"{path}: {len(temps)} temperatures for a draft with block size {block_size}",
+                         "calibrate traces of this draft")
+    return d
+
+
+def expand_vocabulary(draft: Any, target: Any) -> Any:
+    """A full-vocabulary copy of a reduced-vocabulary draft, for engines without index maps.
+
+    Same backbone, W1 and heads; W2 gets zero rows outside the subset and the head is the
+    target's full head again (borrowed from `target`, a TargetAdapter). Tokens outside the subset
+    now get draft mass from the base logits, so its acceptance must be measured again."""
+    import torch
+
+    from dsparkctl.models.draft import DSparkDraft
+
+    if draft.draft_vocab_ids is None:
+        return draft
+    full = DSparkDraft(draft.cfg.replace(draft_vocab_size=0))
+    skip = ("draft_vocab_ids", "lm_head.weight", "embed_tokens.weight", "markov_head.markov_w2.weight")
+    full.load_state_dict({k: v for k, v in draft.state_dict().items() if k not in skip}, strict=False)
+    if draft.markov_head is not None:
+        w2 = full.markov_head.markov_w2.weight
+        with torch.no_grad():
+            w2.zero_()
+            w2[draft.draft_vocab_ids] = draft.markov_head.markov_w2.weight.to(w2.dtype)
+    full.share_target_embeddings(target.embed_tokens(), target.lm_head())
+    p = next(draft.fc.parameters())
+    return full.to(device=p.device, dtype=p.dtype).eval()

@@ -1,0 +1,60 @@
+"""profile-sps measures the whole speculative step by default (what SGLang's table holds)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from dsparkctl.cli.main import app
+from dsparkctl.engine.profile import profile_whole_step
+from dsparkctl.engine.speculative import SpeculativeEngine
+from dsparkctl.errors import UsageError
+from dsparkctl.math.policies import parse_policy
+from dsparkctl.math.sampling import SamplingParams
+from dsparkctl.models.draft_io import random_draft
+from dsparkctl.models.target import TargetAdapter
+from tests.tiny_models import save_tiny_target, tiny_target, write_deepspec_draft
+
+
+def test_whole_step_points_roll_back_exactly():
+    model = tiny_target("qwen3")
+    tgt = TargetAdapter(model, [0, 1])
+    draft = random_draft(tgt, block_size=4, markov_rank=8, layer_ids=[0, 1])
+    eng = SpeculativeEngine(tgt, draft, parse_policy("static:4"), SamplingParams(0.0))
+    seen = []
+    points = profile_whole_step(eng, [1, 3], [1, 3, 5], context_len=16, repeats=2, warmup=1,
+                                on_point=lambda p: seen.append((p.requests, p.tokens_per_request,
+                                                                int(tgt.seq_len.max()), tgt.cache_slots())))
+    assert [(p.requests, p.tokens_per_request) for p in points] == [(1, 1), (1, 3), (1, 5), (3, 1), (3, 3), (3, 5)]
+    assert all(len(p.ms) == 2 and min(p.ms) > 0 for p in points)
+    assert {s[2] for s in seen} == {16} and {s[3] for s in seen} == {16}  # the cache never grew
+    with pytest.raises(UsageError, match="verifies more than"):
+        profile_whole_step(eng, [1], [6], context_len=8)
+
+
+def test_cli_default_is_whole_step_and_the_file_says_so(tmp_path):
+    target = save_tiny_target(tmp_path / "t", "llama")
+    draft = write_deepspec_draft(tmp_path / "d", block_size=3)
+    out = tmp_path / "sps.json"
+    fast = ["--requests", "1,2", "--repeats", "1", "--warmup", "0", "--context-len", "8"]
+    res = CliRunner().invoke(app, ["profile-sps", "--target", str(target), "--draft", str(draft), "--out", str(out),
+                                   *fast, "--json"])
+    assert res.exit_code == 0, res.output
+    ours = json.loads(out.read_text())
+    assert ours["measures"] == "whole-step" and ours["draft"] == str(draft)
+    assert ours["batch_tokens"] == [1, 2, 3, 4, 6, 8]  # tokens per request 1..γ+1 = 1..4, requests 1, 2
+    res = CliRunner().invoke(app, ["profile-sps", "--target", str(target), "--measure", "target-forward",
+                                   "--out", str(tmp_path / "tf.json"), *fast, "--tokens-per-request", "1,2"])
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "tf.json").read_text())["measures"] == "target-forward"
+    sg = json.loads((tmp_path / "tf.sglang.json").read_text())
+    assert set(sg) == {"sample_batch_tokens", "sample_steps_per_sec", "max_batch_tokens"}
+
+
+def test_one_probe_grids_are_refused_before_loading(tmp_path):
+    res = CliRunner().invoke(app, ["profile-sps", "--target", str(tmp_path / "none"), "--requests", "2",
+                                   "--tokens-per-request", "1", "--out", str(tmp_path / "s.json")])
+    assert res.exit_code != 0 and "one batch-token count" in res.output and not (tmp_path / "s.json").exists()
