@@ -46,12 +46,16 @@ def run_probe(name: str, overrides: list[str], args, lt, stops, held: list) -> d
     st = heldout_stats(draft, curve, 0.0, scale)
     points.append({"minutes": 0.0, "steps": 0, "blocks": 0, "tau": st.tau, "conditional": st.conditional(),
                    "sequences": len(curve)})
-    while elapsed < args.minutes * 60 - 1e-6:
-        chunk = min(args.every * 60, args.minutes * 60 - elapsed)
-        res = trainer.train(max_seconds=chunk)
+    per_step = rec.optim.batch_sequences * rec.optim.anchors_per_sequence
+    while True:
+        if args.blocks:  # equal work instead of equal wall clock (fair on a shared machine)
+            steps = max(1, round(min(args.every_blocks, args.blocks - blocks) / per_step))
+            res = trainer.train(stop_after=steps)
+        else:
+            res = trainer.train(max_seconds=min(args.every * 60, args.minutes * 60 - elapsed))
         elapsed += res.seconds
         blocks += sum(lg.blocks for lg in res.logs)
-        final = elapsed >= args.minutes * 60 - 1e-6
+        final = blocks >= args.blocks - per_step / 2 if args.blocks else elapsed >= args.minutes * 60 - 1e-6
         st = heldout_stats(draft, held if final else curve, 0.0, scale)
         last = res.logs[-1]
         points.append({"minutes": elapsed / 60, "steps": trainer.step, "blocks": blocks, "tau": st.tau,
@@ -60,6 +64,8 @@ def run_probe(name: str, overrides: list[str], args, lt, stops, held: list) -> d
                        "s_per_step": res.seconds / max(1, len(res.logs))})
         print(f"{name}: {elapsed / 60:.1f} min, step {trainer.step}, {blocks} blocks, held-out τ {st.tau:.3f}, "
               f"c1 {st.conditional()[0]:.3f}", flush=True)
+        if final:
+            break
     phases = {k: sum(lg.phases[k] for lg in res.logs) / len(res.logs) for k in res.logs[0].phases}
     return {"name": name, "overrides": overrides, "setup_seconds": setup_s, "points": points,
             "final_tau": points[-1]["tau"], "final_conditional": points[-1]["conditional"],
@@ -101,6 +107,8 @@ def main() -> None:
     ap.add_argument("--base", action="append", default=[], help="override applied to every probe (key=value)")
     ap.add_argument("--minutes", type=float, default=8.0)
     ap.add_argument("--every", type=float, default=1.0)
+    ap.add_argument("--blocks", type=int, default=0, help="train each probe for this many blocks instead of minutes")
+    ap.add_argument("--every-blocks", type=int, default=10_000)
     ap.add_argument("--curve-sequences", type=int, default=16, help="held-out sequences for intermediate points")
     ap.add_argument("--cache-dir", type=Path, default=default_cache_dir())
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "probes")

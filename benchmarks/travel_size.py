@@ -39,7 +39,8 @@ def main() -> int:
     mib = total_mib(files)
     biggest = sorted(files, key=lambda f: f.stat().st_size, reverse=True)[:3]
     print(f"travels: {mib:.1f} MiB in {len(files)} files (limit {args.limit_mib:.0f} MiB); largest: "
-          + ", ".join(f"{f.relative_to(repo)} {f.stat().st_size / 2 ** 20:.1f} MiB" for f in biggest))
+          + ", ".join(f"{f.relative_to(repo) if f.is_relative_to(repo) else f} {f.stat().st_size / 2 ** 20:.1f} MiB"
+                      for f in biggest))
     if mib > args.limit_mib:
         print("over the limit: ignore or carry less", file=sys.stderr)
         return 1

@@ -58,14 +58,12 @@ def read_sglang_shard(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tens
     [N, γ] with position k = 1 iff drafts 1..k+1 matched the target's argmax, optionally
     "observed_mask" [N, γ]}. Read with torch.load(weights_only=True) only: anything that is not
     plain tensors is refused, never unpickled. Returns (logits [N, γ] float64, accepted [N])."""
-    import pickle
-
     path = Path(path)
     if not path.is_file():
         raise InputError(f"STS shard {path} does not exist or is not a regular file")
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as exc:
+    except Exception as exc:  # noqa: BLE001 - weights_only's unpickler raises many kinds on hostile bytes
         first = (str(exc).strip().splitlines() or ["unreadable"])[0][:120]
         raise InputError(f"{path}: not a tensors-only torch file, refused without unpickling ({first})",
                          "pass SGLang's STS shards (logits, prefix_mask) or dsparkctl traces") from None

@@ -135,7 +135,7 @@ def run_sweep(trace_paths, sps_path, policy_specs=DEFAULT_POLICIES, concurrency=
         raise UsageError(f"--concurrency {max(concurrency)} is more than --rounds {rounds}: one step of it "
                          "replays more request-rounds than a whole cell may", "raise --rounds or lower --concurrency")
     for s in policy_specs:  # unknown names fail before any file is read
-        parse_policy(s, sps=SPSTable([1], [1.0]))
+        parse_policy(s, sps=SPSTable([1, 2], [1.0, 1.0]))  # a placeholder table: names are checked, not costs
     sps = SPSTable.load(sps_path)
     pool = load_replay_rounds(trace_paths)
     if rounds * pool["gamma"] > MAX_CANDIDATES:  # a cell is replayed in one batch of [steps, C, γ]

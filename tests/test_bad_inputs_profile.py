@@ -57,7 +57,8 @@ CASES = [
     ("--tokens-per-request -2", [*NO_MODEL, "--tokens-per-request", "1,-2"], "--tokens-per-request"),
     ("--seed 2**70", [*NO_MODEL, "--seed", str(2 ** 70)], "--seed"),
     # bounded by the model: refused after loading it, before any forward
-    ("--context-len beyond positions", [*MODEL, "--context-len", "100000", "--requests", "1"],
+    ("--context-len beyond positions", [*MODEL, "--context-len", "100000", "--requests", "1", "--measure",
+                                        "target-forward"],
      "--context-len 100000 + 8 tokens per request = 100008 positions, beyond the model's 2048"),
     ("--context-len at the edge", [*MODEL, "--context-len", "2047", "--tokens-per-request", "1,2"],
      "= 2049 positions, beyond the model's 2048"),

@@ -42,15 +42,29 @@ def test_shards_calibrate_like_traces(tmp_path):
     assert all(t > 1.2 for t in res["temperatures"])  # it finds the head over-confident
 
 
+class _Unpickled(Exception):
+    pass
+
+
+class Evil:
+    """A pickle that would run code if it were ever unpickled: torch.load(weights_only=True) must refuse it."""
+
+    def __reduce__(self):
+        return (_Unpickled, ("this object was unpickled",))
+
+
 def _pickled(path):
-    class Evil:  # noqa: D401 - any non-tensor object
-        pass
+    torch.save({"logits": Evil(), "prefix_mask": torch.zeros(2, 2)}, path)
+
+
+def _raw_pickle(path):
     with open(path, "wb") as fh:
         pickle.dump({"logits": Evil(), "prefix_mask": torch.zeros(2, 2)}, fh)
 
 
 BAD = [
     ("a pickled object", _pickled, "refused without unpickling"),
+    ("a raw pickle", _raw_pickle, "refused without unpickling"),
     ("not a dict", lambda p: torch.save([torch.zeros(3, 2)], p), "expected a dict"),
     ("no prefix_mask", lambda p: torch.save({"logits": torch.zeros(3, 2)}, p), "prefix_mask"),
     ("shapes differ", lambda p: torch.save({"logits": torch.zeros(3, 2), "prefix_mask": torch.zeros(3, 3)}, p),

@@ -307,3 +307,42 @@ def test_cached_heldout_tau_equals_a_real_teacher_forced_evaluation(tmp_path):
     assert cached.anchors == real.anchors > 0
     assert cached.tau == pytest.approx(real.tau, abs=1e-6)
     assert cached.conditional() == pytest.approx(real.conditional(), abs=1e-6)
+
+
+def test_init_from_a_draft_folder_continues_it(tmp_path):
+    """A fresh machine without the run folder continues a shipped draft: init_from loads every
+    trained tensor (the tap scale folded into fc is unfolded), the optimizer starts fresh."""
+    from dsparkctl.models.draft_io import load_draft
+    from dsparkctl.train.run import export_draft, load_init_draft, prepare, tap_scale, trainable
+
+    model = tiny_target("llama", vocab=64, layers=4)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14], [20, 21]]
+    part = regenerate_part(model, prompts, (0, 2), max_new_tokens=20, temperature=0.0, stop_ids=[1], pad_id=2,
+                           topk=8, generator=torch.Generator())
+    seqs = unpack(part, part)
+    base = ["num_layers=1", "layer_ids=[0, 2]", "block_size=3", "markov_rank=8", "mask_token_id=2", "vocab_size=40",
+            "tap_norm=true", "holdout=1", "num_prompts=5"]
+    rec = load_recipe(None, base)
+    tgt = TargetAdapter(model, [0, 2])
+    draft = init_draft(rec, tgt, 2)
+    from dsparkctl.train.run import select_vocab
+    draft.set_draft_vocab(select_vocab(seqs, 40, 64))
+    draft.share_target_embeddings(tgt.embed_tokens(), tgt.lm_head())
+    scale = tap_scale(seqs, 2)
+    Trainer(rec, draft, seqs, tmp_path / "a", feature_scale=scale).train(stop_after=5)
+    export_draft(draft, tmp_path / "exported", scale, {"dsparkctl": {"test": True}})
+    # the exported file needs no extra op: fc has the scale folded in
+    loaded = load_draft(tmp_path / "exported", tgt)
+    feats = seqs[1].features.float()[None]
+    a = torch.tensor([[seqs[1].prompt_len]])
+    h_trained = draft.forward_blocks(feats * scale, seqs[1].tokens[None, a[0, 0]: a[0, 0] + 1], a)
+    h_loaded = loaded.float().forward_blocks(feats, seqs[1].tokens[None, a[0, 0]: a[0, 0] + 1], a)
+    torch.testing.assert_close(h_loaded, h_trained, atol=0.05, rtol=0.05)
+    # a second recipe starting from it
+    rec2 = load_recipe(None, base + [f"init_from={tmp_path / 'exported'}"])
+    fresh = init_draft(rec2, tgt, 2)
+    fresh.set_draft_vocab(select_vocab(seqs, 40, 64))
+    load_init_draft(rec2, fresh, tgt, scale)
+    assert torch.equal(fresh.draft_vocab_ids, draft.draft_vocab_ids)
+    for n, p in trainable(fresh).items():
+        torch.testing.assert_close(p, trainable(draft)[n], atol=2e-2, rtol=2e-2)  # bf16 file

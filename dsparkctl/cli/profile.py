@@ -101,23 +101,29 @@ def profile_sps_cmd(
     sg = sglang_out or out_path.with_name(out_path.stem + ".sglang.json")
     png = plot or out_path.with_suffix(".png")
     check_outputs([Output(out_path, "--out"), Output(sg, "--sglang-out"), Output(png, "--plot", "figure")])
-    if len({r * t for r in reqs for t in toks}) < 2:
-        raise UsageError(f"the grid --requests {requests} × --tokens-per-request {tokens} gives one batch-token "
-                         "count; SGLang treats a one-probe table as uninitialised (it verifies every draft)",
-                         "profile at least two batch-token counts, e.g. --tokens-per-request 1,2,4,6")
+    def check_grid(grid: list[int]) -> None:
+        if len({r * t for r in reqs for t in grid}) < 2:
+            raise UsageError(f"the grid --requests {requests} × --tokens-per-request {grid} gives one batch-token "
+                             "count; SGLang treats a one-probe table as uninitialised (it verifies every draft)",
+                             "profile at least two batch-token counts, e.g. --tokens-per-request 1,2,4,6")
+    if toks is not None:
+        check_grid(toks)
     log = lambda m: err.print(styled((m, "dim")))  # noqa: E731
-    total = len(set(reqs)) * len(set(toks))
     if measure == Measure.whole_step:
         sess = open_session(target, draft, device.value, dtype.value, revision, seed=seed, log=log)
         engine = SpeculativeEngine(sess.adapter, sess.draft, parse_policy(f"static:{sess.draft.block_size}"),
                                    SamplingParams(0.0), stop_token_ids=sess.stop_ids)
         toks = toks or list(range(1, sess.draft.block_size + 2))
+        check_grid(toks)
+        total = len(set(reqs)) * len(set(toks))
         with progress_bar("profile-sps", total) as update:
             counter = iter(range(1, total + 1))
             points = profile_whole_step(engine, reqs, toks, context_len, repeats, warmup, seed,
                                         on_point=lambda p: update(next(counter)))
     else:
         toks = toks or [1, 2, 3, 4, 6, 8]
+        check_grid(toks)
+        total = len(set(reqs)) * len(set(toks))
         sess = open_target(target, device.value, dtype.value, revision, log=log)
         with progress_bar("profile-sps", total) as update:
             counter = iter(range(1, total + 1))

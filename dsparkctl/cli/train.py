@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from dsparkctl.cli.common import JsonOpt, err, guarded, out, print_json, show_progress
+from dsparkctl.cli.common import Device, DeviceOpt, JsonOpt, err, guarded, out, print_json, show_progress
 
 
 def register(app: typer.Typer) -> None:
@@ -29,6 +29,7 @@ def register(app: typer.Typer) -> None:
                                                           "later).")] = None,
         export_step: Annotated[int | None, typer.Option("--export-step", help="Do not train: write the kept "
                                                         "checkpoint of this step as a draft to --out.")] = None,
+        device: DeviceOpt = Device.auto,
         with_embeddings: Annotated[bool, typer.Option("--with-embeddings", help="Also write the target's embedding "
                                                       "and LM head into --out (for DeepSpec's eval.py, which does not "
                                                       "borrow them).")] = False,
@@ -46,7 +47,8 @@ def register(app: typer.Typer) -> None:
         import torch
         if rec.optim.threads:
             torch.set_num_threads(rec.optim.threads)
-        dev = torch.device("cpu")
+        from dsparkctl.models.loading import resolve_device
+        dev = resolve_device(device.value)
         lt = load_target(None if rec.target.model == "embedded" else rec.target.model, dev,
                          resolve_dtype(rec.target.dtype, dev), log=lambda s: err.print(s))
         stops = stop_token_ids(lt.tokenizer, lt.model)

@@ -110,7 +110,7 @@ def profile_whole_step(engine: Any, requests: Sequence[int], tokens_per_request:
     if max(tokens_per_request) > gamma + 1:
         raise UsageError(f"--tokens-per-request {max(tokens_per_request)} verifies more than the draft's "
                          f"γ={gamma} drafts + 1", f"use tokens per request ≤ {gamma + 1}")
-    check_context(engine.target.model, context_len, [gamma + 1])
+    check_context(engine.target.model, context_len, tokens_per_request)
     gen = torch.Generator().manual_seed(seed)
     tgt, drf = engine.target, engine.draft
     dev = tgt.device

@@ -90,7 +90,7 @@ def run_prompts(decode: Decoder, prompts: Sequence[Sequence[int]], batch_size: i
             raise UsageError("streaming tokens is for one process", "drop --stream under torchrun")
         todo = todo[w.rank::w.size]
         rows: list[TraceRound] = []
-        final_on_round, on_round = on_round, (rows.extend if on_round else None)
+        final_on_round, on_round = on_round, rows.extend  # every rank keeps its rows: rank 0 may write them
     res = PromptsResult(outputs=[None] * len(prompts),
                         stats=AcceptanceStats(block_size=block_size) if block_size else None)
     t0 = time.perf_counter()

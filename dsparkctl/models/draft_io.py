@@ -271,7 +271,7 @@ def random_draft_config(target: Any, *, num_layers: int = 1, block_size: int = 5
     """A draft config shaped for `target` (TargetAdapter); taps default to low/middle/high layers."""
     L = target.num_layers
     tc = target.text_config
-    taps = layer_ids or sorted({1, L // 2, L - 3})
+    taps = layer_ids or sorted({i for i in (1, L // 2, L - 3) if 0 <= i <= L - 2} or {max(0, L - 2)})
     base = tc.to_dict()
     base["architectures"] = ["Qwen3DSparkModel"]  # a draft, not a copy of the target's class
     base.update(

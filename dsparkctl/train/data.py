@@ -115,55 +115,68 @@ def regenerate_part(model: Any, prompts: list[list[int]], layer_ids: tuple[int, 
     from dsparkctl.models.target import new_cache
 
     base, head = model.model, model.get_output_embeddings()
+    dev = next(model.parameters()).device  # the model's device; everything cached goes to the CPU
     R = len(prompts)
     ids, mask = _right_pad(prompts, pad_id)
+    ids, mask = ids.to(dev), mask.to(dev)
     plen = torch.tensor([len(p) for p in prompts])
-    pos = torch.arange(ids.shape[1])[None].expand(R, -1)
+    pos = torch.arange(ids.shape[1], device=dev)[None].expand(R, -1)
     cache = new_cache(model.config)
     out = base(input_ids=ids, attention_mask=mask.long(), position_ids=pos, cache=cache, use_cache=True,
                output_hidden_states=True)
-    taps = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1).to(torch.float16)  # [R, L, F]
-    feats = [[taps[r, : plen[r]]] for r in range(R)]
-    last = out.last_hidden_state[torch.arange(R), plen - 1]  # [R, H]
-    tk_ids: list[list[torch.Tensor]] = [[] for _ in range(R)]
-    tk_logp: list[list[torch.Tensor]] = [[] for _ in range(R)]
-    resp: list[list[int]] = [[] for _ in range(R)]
-    stop = set(int(s) for s in stop_ids)
-    rows = torch.arange(R)  # batch index of each live row
-    seq_len = plen.clone()
+    taps = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1).to(torch.float16).cpu()  # [R, L, F]
+    last = out.last_hidden_state[torch.arange(R, device=dev), (plen - 1).to(dev)]  # [R, H]
+    stop = torch.tensor(sorted(set(int(t) for t in stop_ids)) or [-1], device=dev)
+    rows = torch.arange(R, device=dev)  # batch index of each live row
+    seq_len = plen.clone().to(dev)
+    steps: list[tuple[torch.Tensor, ...]] = []  # per decode step: (rows, token, top-k ids, log-probs, taps)
+    count = torch.zeros(R, dtype=torch.long, device=dev)  # response tokens so far per row
     for _step in range(max_new_tokens):
         logits = head(last).float()  # [n, V]
-        logp = torch.log_softmax(logits, dim=-1)
-        v, i = logp.topk(topk, dim=-1)
-        if temperature > 0:
-            nxt = torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=generator)[:, 0]
+        v, i = torch.log_softmax(logits, dim=-1).topk(topk, dim=-1)
+        if temperature > 0:  # the generator lives on the CPU: draw there
+            probs = torch.softmax(logits / temperature, dim=-1).cpu()
+            nxt = torch.multinomial(probs, 1, generator=generator)[:, 0].to(dev)
         else:
             nxt = logits.argmax(-1)
-        live = []
-        for j, r in enumerate(rows.tolist()):
-            tk_ids[r].append(i[j].to(torch.int32))
-            tk_logp[r].append(v[j].to(torch.float16))
-            t = int(nxt[j])
-            resp[r].append(t)
-            if t not in stop and len(resp[r]) < max_new_tokens:
-                live.append(j)
-        if not live:
+        count[rows] += 1
+        done = torch.isin(nxt, stop) | (count[rows] >= max_new_tokens)
+        step = [rows.cpu(), nxt.cpu(), i.to(torch.int32).cpu(), v.to(torch.float16).cpu()]
+        steps.append(step)
+        if bool(done.all()):
             break
-        if len(live) < len(rows):
-            keep = torch.tensor(live)
-            rows, nxt, seq_len, mask = rows[keep], nxt[keep], seq_len[keep], mask[keep]
+        if bool(done.any()):
+            kd = (~done).nonzero().flatten()
+            rows, nxt, seq_len, mask = rows[kd], nxt[kd], seq_len[kd], mask[kd]
             for layer in cache.layers:
-                layer.keys, layer.values = layer.keys[keep], layer.values[keep]
-        mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=torch.bool)], dim=1)
+                layer.keys, layer.values = layer.keys[kd], layer.values[kd]
+        mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=torch.bool, device=dev)], dim=1)
         out = base(input_ids=nxt[:, None], attention_mask=mask.long(), position_ids=seq_len[:, None], cache=cache,
                    use_cache=True, output_hidden_states=True)
-        step_taps = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1).to(torch.float16)  # [n, 1, F]
-        for j, r in enumerate(rows.tolist()):
-            feats[r].append(step_taps[j])
+        # the taps of the token just fed (it belongs to the rows still live)
+        step.append((rows.cpu(), torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)[:, 0]
+                     .to(torch.float16).cpu()))
         last = out.last_hidden_state[:, 0]
         seq_len = seq_len + 1
-    return _pack([list(p) + resp[r] for r, p in enumerate(prompts)], [len(p) for p in prompts],
-                 [torch.cat(f) for f in feats], [torch.stack(t) for t in tk_ids], [torch.stack(t) for t in tk_logp])
+    # regroup the per-step tensors by row (vectorised: no per-token Python work)
+    tok_rows = torch.cat([st[0] for st in steps])
+    order = torch.sort(tok_rows, stable=True).indices  # by row, then step
+    toks = torch.cat([st[1] for st in steps])[order]
+    tki = torch.cat([st[2] for st in steps])[order]
+    tkl = torch.cat([st[3] for st in steps])[order]
+    n_resp = torch.bincount(tok_rows, minlength=R).tolist()
+    fed = [st[4] for st in steps if len(st) > 4]
+    if fed:
+        f_rows = torch.cat([r for r, _ in fed])
+        f_order = torch.sort(f_rows, stable=True).indices
+        f_taps = torch.cat([t for _, t in fed])[f_order]
+        n_fed = torch.bincount(f_rows, minlength=R).tolist()
+    else:
+        f_taps, n_fed = taps.new_zeros(0, taps.shape[-1]), [0] * R
+    resp = toks.split(n_resp)
+    feats = [torch.cat([taps[r, : plen[r]], t]) for r, t in enumerate(f_taps.split(n_fed))]
+    return _pack([list(p) + resp[r].tolist() for r, p in enumerate(prompts)], [len(p) for p in prompts],
+                 feats, list(tki.split(n_resp)), list(tkl.split(n_resp)))
 
 
 @torch.no_grad()
@@ -171,18 +184,19 @@ def teacher_forced_part(model: Any, seqs: list[list[int]], prompt_lens: list[int
                         pad_id: int, topk: int, chunk: int = 8) -> dict[str, torch.Tensor]:
     """One forward per sequence (batched): tapped features and the target's top-k at response positions."""
     base, head = model.model, model.get_output_embeddings()
+    dev = next(model.parameters()).device
     feats, tki, tkl = [], [], []
     for c in range(0, len(seqs), chunk):
         part = seqs[c: c + chunk]
         ids, mask = _right_pad(part, pad_id)
-        out = base(input_ids=ids, attention_mask=mask.long(), output_hidden_states=True)
-        taps = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1).to(torch.float16)
+        out = base(input_ids=ids.to(dev), attention_mask=mask.long().to(dev), output_hidden_states=True)
+        taps = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1).to(torch.float16).cpu()
         for r, s in enumerate(part):
             S, P = len(s), prompt_lens[c + r]
             feats.append(taps[r, : S - 1])
             i, v = _topk(out.last_hidden_state[r, P - 1: S - 1], head, topk)
-            tki.append(i)
-            tkl.append(v)
+            tki.append(i.cpu())
+            tkl.append(v.cpu())
     return _pack(seqs, prompt_lens, feats, tki, tkl)
 
 

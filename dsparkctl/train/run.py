@@ -126,7 +126,7 @@ def load_init_draft(recipe: Recipe, draft: DSparkDraft, adapter: TargetAdapter,
         for n, p in mine.items():
             p.copy_(theirs[n])
         if scale is not None:
-            draft.fc.weight.div_(scale)  # exported fc = trained fc · scale: undo the fold
+            draft.fc.weight.div_(scale.to(draft.fc.weight.device))  # exported fc = trained fc · scale: undo the fold
         if draft.draft_vocab_ids is not None:
             if src.draft_vocab_ids is None:
                 raise InputError(f"optim.init_from {recipe.optim.init_from}: has the full vocabulary, the recipe "
@@ -151,7 +151,7 @@ def export_draft(draft: DSparkDraft, out: Path, scale: torch.Tensor | None, extr
     check_embeddings_export(draft.cfg.draft_vocab_size, with_embeddings)
     w = draft.fc.weight.data
     if scale is not None:
-        draft.fc.weight.data = w * scale[None, :]
+        draft.fc.weight.data = w * scale.to(w.device)[None, :]
     try:
         return save_draft(draft, out, dtype=torch.bfloat16, extra_config=extra, overwrite=True,
                           include_embeddings=with_embeddings)
@@ -186,7 +186,7 @@ def heldout_stats(draft: DSparkDraft, seqs: list[Sequence], temperature: float,
     V = draft.cfg.vocab_size
     ids = draft.draft_vocab_ids
     to_draft = torch.full((V,), -1, dtype=torch.long)
-    to_draft[ids if ids is not None else torch.arange(V)] = torch.arange(draft.cfg.output_vocab_size)
+    to_draft[ids.cpu() if ids is not None else torch.arange(V)] = torch.arange(draft.cfg.output_vocab_size)
     stats = TeacherForcedStats(block_size=g)
     was_training = draft.training
     draft.eval()
@@ -194,21 +194,24 @@ def heldout_stats(draft: DSparkDraft, seqs: list[Sequence], temperature: float,
         lo, hi = anchor_range(s, g)
         if hi < lo:
             continue
+        dev = next(draft.fc.parameters()).device
         feats = s.features.float()[None]
         if scale is not None:
             feats = feats * scale
+        feats = feats.to(dev)
         betas = []
         for a0 in range(lo, hi + 1, chunk):
             a = torch.arange(a0, min(hi + 1, a0 + chunk))
             idx = a[:, None] + torch.arange(g + 1)
             toks = s.tokens[idx]
-            hidden = draft.forward_blocks(feats[:, : int(a.max())], toks[None, :, 0], a[None])[0]
-            logits, _ = draft.block_logits(hidden, toks[:, :g])  # [n, γ, K]
+            hidden = draft.forward_blocks(feats[:, : int(a.max())], toks[None, :, 0].to(dev), a[None].to(dev))[0]
+            logits, _ = draft.block_logits(hidden, toks[:, :g].to(dev))  # [n, γ, K]
+            logits = logits.float().cpu()
             rows = idx[:, 1:] - s.prompt_len  # top-k row of the token each slot predicts (a+1..a+γ)
             if params.greedy:
                 betas.append((to_draft[s.topk_ids[rows, 0].long()] == logits.argmax(-1)).float())
             else:
-                q = warp_probs(logits.float(), params)
+                q = warp_probs(logits, params)
                 p = warp_probs(s.topk_logp[rows].float(), params)  # warped over the top-k only
                 betas.append((1 - 0.5 * sparse_l1(q, to_draft[s.topk_ids[rows].long()], p)).clamp(0, 1))
         stats.add(torch.cat(betas))
@@ -249,6 +252,7 @@ def prepare(recipe: Recipe, model: Any, tokenizer: Any, stop_ids: list[int], cac
         draft.set_draft_vocab(select_vocab(train_seqs, recipe.draft.vocab_size, adapter.vocab_size))
         draft.share_target_embeddings(adapter.embed_tokens(), adapter.lm_head())
     scale = tap_scale(train_seqs, len(recipe.draft.layer_ids)) if recipe.draft.tap_norm else None
+    draft.to(adapter.device)
     if recipe.optim.init_from:
         load_init_draft(recipe, draft, adapter, scale)
     return adapter, train_seqs, held, draft, scale

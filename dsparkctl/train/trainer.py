@@ -13,6 +13,7 @@ batches and parameters as an uninterrupted run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import shutil
@@ -43,6 +44,9 @@ class Batch:
     topk_idx: torch.Tensor  # [B, N, γ, k] draft-vocabulary index of the target's top-k (-1: outside)
     topk_p: torch.Tensor  # [B, N, γ, k] float32 target probabilities of those ids
     valid: torch.Tensor  # [B, N, γ] bool
+
+    def to(self, device: torch.device) -> "Batch":
+        return Batch(**{k: v.to(device, non_blocking=True) for k, v in self.__dict__.items()})
 
 
 def anchor_range(seq: Sequence, gamma: int) -> tuple[int, int]:
@@ -168,7 +172,7 @@ class Trainer:
         self.feature_scale = feature_scale
         V = draft.cfg.vocab_size
         self.to_draft = torch.full((V,), -1, dtype=torch.long)
-        ids = draft.draft_vocab_ids if draft.draft_vocab_ids is not None else torch.arange(V)
+        ids = draft.draft_vocab_ids.cpu() if draft.draft_vocab_ids is not None else torch.arange(V)
         self.to_draft[ids] = torch.arange(ids.numel())
         for n, p in draft.named_parameters():
             p.requires_grad_(n in trainable(draft))
@@ -252,6 +256,9 @@ class Trainer:
         share = slice(w.rank * per, (w.rank + 1) * per)  # this rank's rows of the global batch
         if w.main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+        dev = next(self.draft.fc.parameters()).device
+        # on a GPU the forward runs in bf16 (weights, optimizer and loss reductions stay fp32)
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else contextlib.nullcontext()
         self.draft.train()
         while self.step < end:
             ts = time.perf_counter()
@@ -260,10 +267,11 @@ class Trainer:
                 g["lr"] = lr
             pick = torch.randint(len(self.seqs), (o.batch_sequences,), generator=self.gen).tolist()
             batch = make_batch([self.seqs[i] for i in pick], o.anchors_per_sequence, self.draft.block_size,
-                               self.gen, self.to_draft, self.feature_scale, rows=share)
+                               self.gen, self.to_draft, self.feature_scale, rows=share).to(dev)
             t1 = time.perf_counter()
-            counts = all_reduce_sum_(loss_counts(batch.target_idx, batch.valid))  # global denominators
-            parts = batch_loss(self.draft, batch, weights, counts)
+            counts = all_reduce_sum_(loss_counts(batch.target_idx, batch.valid).cpu())  # global denominators
+            with autocast:
+                parts = batch_loss(self.draft, batch, weights, counts)
             if w.distributed:  # every rank logs the global loss: the sum of the ranks' shares
                 g = all_reduce_sum_(torch.tensor([float(parts.total.detach()), parts.ce, parts.l1, parts.bce],
                                                  dtype=torch.float64))
