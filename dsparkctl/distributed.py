@@ -50,10 +50,22 @@ class World:
 
 
 _WORLD = World()
+_SPLIT = {"work": True}
 
 
 def world() -> World:
     return _WORLD
+
+
+def replicate_work() -> None:
+    """The ranks hold shards of ONE model (tensor parallel): they must all run the same prompts,
+    so work is no longer split (rank 0 still alone writes and prints)."""
+    _SPLIT["work"] = False
+
+
+def split_work() -> bool:
+    """Whether prompts, sequences and data parts are divided among the ranks."""
+    return world().distributed and _SPLIT["work"]
 
 
 def env_world() -> World:

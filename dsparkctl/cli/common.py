@@ -71,6 +71,9 @@ DraftOpt = Annotated[str | None, typer.Option("--draft", help="DeepSpec draft fo
 OutPathOpt = Annotated[Path | None, typer.Option("--out", help="Write the result here (atomically).")]
 
 
+TargetParallelOpt = Annotated[str, typer.Option("--target-parallel", help="For a target too big for one device: "
+                                                "device-map (one process, layers over the visible GPUs) or tp "
+                                                "(under torchrun, each rank a shard; the ranks then share the work).")]
 TemperatureOpt = Annotated[float | None, typer.Option("--temperature", help="Sampling temperature; 0 = greedy "
                                                      "(default 0, or the --preset's).")]
 MaxNewTokensOpt = Annotated[int | None, typer.Option("--max-new-tokens", help="Tokens to generate per prompt "

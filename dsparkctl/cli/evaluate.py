@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from dsparkctl.cli.common import (DeviceOpt, DType, DTypeOpt, Device, JsonOpt, MaxNewTokensOpt, PresetOpt, RevisionOpt,
-                                  SeedOpt, TemperatureOpt, TrustRemoteCodeOpt, err, guarded, out, print_json,
+                                  SeedOpt, TargetParallelOpt, TemperatureOpt, TrustRemoteCodeOpt, err, guarded, out, print_json,
                                   with_preset)
 
 
@@ -76,6 +76,7 @@ def eval_acceptance(
     chat: Annotated[bool, typer.Option("--chat/--no-chat", help="Wrap prompts in the target's chat template.")] = True,
     revision: RevisionOpt = None,
     trust_remote_code: TrustRemoteCodeOpt = False,
+    target_parallel: TargetParallelOpt = "none",
     device: DeviceOpt = Device.auto,
     dtype: DTypeOpt = DType.auto,
     seed: SeedOpt = 0,
@@ -104,7 +105,8 @@ def eval_acceptance(
                                Output(trace, "--trace") if trace else None) if o is not None])
     # prompts first: bad prompt files fail before any model loads
     prompt_texts = {ds: apply_preset_wrap(preset, ds, load_prompts(ds, field, limit)) for ds in datasets}
-    sess = open_target(target, device.value, dtype.value, revision, trust_remote_code, log=lambda s: err.print(s))
+    sess = open_target(target, device.value, dtype.value, revision, trust_remote_code, log=lambda s: err.print(s),
+                       parallel=target_parallel)
     lt = sess.target
     drafts = []
     for i, src in enumerate(draft or [None]):

@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from dsparkctl.cli.common import (DeviceOpt, DraftOpt, DType, DTypeOpt, Device, JsonOpt, RevisionOpt, SeedOpt,
-                                  MaxNewTokensOpt, PresetOpt, TargetOpt, TemperatureOpt, TrustRemoteCodeOpt, err,
+                                  MaxNewTokensOpt, PresetOpt, TargetOpt, TargetParallelOpt, TemperatureOpt, TrustRemoteCodeOpt, err,
                                   guarded, out, print_json, progress_bar, show_progress, styled, with_preset)
 from dsparkctl.errors import UsageError
 
@@ -63,6 +63,7 @@ def generate(
     chat: Annotated[bool, typer.Option("--chat/--no-chat", help="Wrap prompts in the target's chat template.")] = True,
     show_text: Annotated[bool, typer.Option("--text/--no-text", help="Print the generated text.")] = True,
     trust_remote_code: TrustRemoteCodeOpt = False,
+    target_parallel: TargetParallelOpt = "none",
 ) -> None:
     from dsparkctl.cli.checks import Output, check_outputs
     from dsparkctl.data.prompts import encode_prompts, prompt_texts
@@ -84,7 +85,8 @@ def generate(
     texts = apply_preset_wrap(preset, dataset, prompt_texts(prompts, prompts_file, dataset, field, limit,
                                                             default="Write a short poem about speculative decoding."))
     log = (lambda m: err.print(styled((m, "dim")))) if not json_out or show_progress() else (lambda m: None)
-    sess = open_session(target, draft, device.value, dtype.value, revision, trust_remote_code, seed, log=log)
+    sess = open_session(target, draft, device.value, dtype.value, revision, trust_remote_code, seed, log=log,
+                        parallel=target_parallel)
     for n in sess.notes:
         err.print(styled(("note:", "yellow"), f" {n}"))
     tok = sess.target.tokenizer

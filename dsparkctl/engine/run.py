@@ -79,12 +79,12 @@ def run_prompts(decode: Decoder, prompts: Sequence[Sequence[int]], batch_size: i
 
     block_size: the draft's γ when `decode` is speculative (acceptance statistics are merged),
     None for plain decoding."""
-    from dsparkctl.distributed import all_gather, world
+    from dsparkctl.distributed import all_gather, split_work, world
 
     ranges = batch_ranges(len(prompts), batch_size)
     todo = list(range(len(ranges))) if batches is None else list(batches)
     w = world()
-    shard = w.distributed and batches is None
+    shard = split_work() and batches is None
     if shard:  # under torchrun: this rank's batches; rows are buffered and merged on every rank below
         if on_tokens:
             raise UsageError("streaming tokens is for one process", "drop --stream under torchrun")

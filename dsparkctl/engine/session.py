@@ -49,20 +49,24 @@ class Session:
 
 
 def open_target(target: str | None, device: str = "auto", dtype: str = "auto", revision: str | None = None,
-                trust_remote_code: bool = False, log: Callable[[str], None] = print) -> Session:
-    """A session holding the target only (embedded default, a folder or a hub id)."""
+                trust_remote_code: bool = False, log: Callable[[str], None] = print,
+                parallel: str = "none") -> Session:
+    """A session holding the target only (embedded default, a folder or a hub id); `parallel`
+    spreads a big target (models/loading.py: device-map or tp)."""
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    tgt = load_target(target, dev, dt, revision=revision, trust_remote_code=trust_remote_code, log=log)
+    tgt = load_target(target, dev, dt, revision=revision, trust_remote_code=trust_remote_code, log=log,
+                      parallel=parallel)
     return Session(target=tgt, device=dev, dtype=dt, stop_ids=stop_token_ids(tgt.tokenizer, tgt.model),
                    embedded_target=target in (None, "", "embedded"))
 
 
 def open_session(target: str | None, draft: str | None, device: str = "auto", dtype: str = "auto",
                  revision: str | None = None, trust_remote_code: bool = False, seed: int = 0,
-                 log: Callable[[str], None] = print, random_draft_kw: dict[str, Any] | None = None) -> Session:
+                 log: Callable[[str], None] = print, random_draft_kw: dict[str, Any] | None = None,
+                 parallel: str = "none") -> Session:
     """The target and one draft; the session's adapter taps the draft's layers."""
-    sess = open_target(target, device, dtype, revision, trust_remote_code, log)
+    sess = open_target(target, device, dtype, revision, trust_remote_code, log, parallel)
     sess.draft, sess.draft_name, notes = sess.load_draft(draft, revision, seed, random_draft_kw)
     sess.notes.extend(notes)
     sess.adapter = TargetAdapter(sess.target.model, sess.draft.cfg.target_layer_ids)

@@ -182,10 +182,11 @@ def evaluate_sequences(draft: DSparkDraft, model: Any, seqs: Sequence[Sequence[i
 
     Under torchrun the sequences are split across ranks and every rank gets the merged result,
     with sequences in their original order (so intervals are the one-process ones)."""
-    from dsparkctl.distributed import all_gather, world
+    from dsparkctl.distributed import all_gather, split_work, world
 
     w = world()
-    order = list(range(len(seqs)))[w.rank::w.size] if w.distributed else list(range(len(seqs)))
+    split = split_work()
+    order = list(range(len(seqs)))[w.rank::w.size] if split else list(range(len(seqs)))
     per_seq: dict[int, torch.Tensor] = {}
     for i in range(0, len(order), batch_size):
         part = order[i: i + batch_size]
@@ -193,7 +194,7 @@ def evaluate_sequences(draft: DSparkDraft, model: Any, seqs: Sequence[Sequence[i
         for j, (feats, logits) in zip(part, fw):
             toks = torch.as_tensor(list(seqs[j]), dtype=torch.long, device=feats.device)
             per_seq[j] = sequence_betas(draft, toks, feats, logits, prompt_lens[j], params)
-    if w.distributed:
+    if split:
         for other in all_gather(per_seq):
             per_seq.update(other)
     stats = TeacherForcedStats(block_size=draft.block_size)

@@ -56,9 +56,19 @@ def quiet_transformers() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
+TARGET_PARALLEL = ("none", "device-map", "tp")
+
+
 def load_target(spec: str | None, device: torch.device, dtype: torch.dtype, revision: str | None = None,
-                trust_remote_code: bool = False, log: Callable[[str], None] = print) -> LoadedTarget:
-    """Load a transformers causal LM + tokenizer from the embedded default, a folder or a hub id."""
+                trust_remote_code: bool = False, log: Callable[[str], None] = print,
+                parallel: str = "none") -> LoadedTarget:
+    """Load a transformers causal LM + tokenizer from the embedded default, a folder or a hub id.
+
+    parallel: how a target that does not fit one device is spread, both transformers' own ways:
+      none        the whole model on `device`
+      device-map  one process, layers spread over the visible devices (`device_map="auto"`)
+      tp          under torchrun, every rank holds a shard (`tp_plan="auto"`); the ranks then
+                  work on the same prompts together (dsparkctl.distributed.replicate_work)"""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dsparkctl.models.draft_io import resolve_folder
@@ -72,13 +82,27 @@ def load_target(spec: str | None, device: torch.device, dtype: torch.dtype, revi
         folder, name = resolve_folder(spec, revision), str(spec)
     if not (folder / "config.json").is_file():
         raise InputError(f"{folder} has no config.json", "pass a transformers model folder or hub id")
+    if parallel not in TARGET_PARALLEL:
+        raise UsageError(f"unknown --target-parallel {parallel!r}", f"use one of {', '.join(TARGET_PARALLEL)}")
+    kw: dict = {}
+    if parallel == "device-map":
+        kw["device_map"] = "auto"
+    elif parallel == "tp":
+        from dsparkctl.distributed import replicate_work, world
+        if not world().distributed:
+            raise UsageError("--target-parallel tp shards the target across torchrun ranks",
+                             "launch with torchrun --nproc-per-node N, or use device-map in one process")
+        kw["tp_plan"] = "auto"
+        replicate_work()
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=trust_remote_code, **kw)
         tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as exc:
         raise InputError(f"cannot load target {name}: {str(exc).splitlines()[0]}",
                          "pass a folder with config.json, safetensors weights and a tokenizer") from None
-    return LoadedTarget(model=model.to(device).eval(), tokenizer=tok, name=name, path=folder)
+    if parallel == "none":
+        model = model.to(device)
+    return LoadedTarget(model=model.eval(), tokenizer=tok, name=name, path=folder)
 
 
 def default_draft_dir() -> Path | None:

@@ -99,7 +99,9 @@ class TargetAdapter:
     # --------------------------------------------------------------------- properties
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        """Where inputs go and outputs come back: the input embedding's device (the first device of
+        a model spread with a device map)."""
+        return self.model.get_input_embeddings().weight.device
 
     @property
     def dtype(self) -> torch.dtype:
@@ -127,10 +129,11 @@ class TargetAdapter:
             output_hidden_states=want_hidden,
         )
         feats = None
+        dev = ids.device  # with a device map, layers (and their outputs) live on several devices
         if want_hidden:
             hs = out.hidden_states
-            feats = torch.cat([hs[i + 1] for i in self.layer_ids], dim=-1)
-        return TargetOutput(logits=out.logits.float(), features=feats)
+            feats = torch.cat([hs[i + 1].to(dev) for i in self.layer_ids], dim=-1)
+        return TargetOutput(logits=out.logits.float().to(dev), features=feats)
 
     @torch.no_grad()
     def prefill(self, prompts: Sequence[Sequence[int]]) -> TargetOutput:
