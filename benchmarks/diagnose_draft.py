@@ -27,13 +27,12 @@ from pathlib import Path
 import torch
 
 from dsparkctl.data.prompts import encode_prompts, load_prompts
-from dsparkctl.engine.speculative import plain_generate
 from dsparkctl.evaluation.baselines import NGramGuess, baseline_stats
+from dsparkctl.evaluation.continuations import cached_continuations
 from dsparkctl.evaluation.teacher_forced import evaluate_sequences
 from dsparkctl.math.sampling import SamplingParams
 from dsparkctl.models.draft_io import load_draft
 from dsparkctl.models.loading import load_target, stop_token_ids
-from dsparkctl.models.target import TargetAdapter
 from dsparkctl.train.loss import dspark_loss
 from dsparkctl.train.recipe import load_recipe
 from dsparkctl.train.run import default_cache_dir, prepare
@@ -139,11 +138,7 @@ def main() -> None:
           [s.topk_ids[:, 0].tolist() for s in held])
     for ds in args.dataset:
         prompts = encode_prompts(lt.tokenizer, load_prompts(ds, limit=args.limit))
-        conts = []
-        for i in range(0, len(prompts), 8):
-            rep = plain_generate(TargetAdapter(lt.model), prompts[i:i + 8], args.max_new_tokens,
-                                 SamplingParams(0.0), stop_token_ids=stops)
-            conts += [o.tokens for o in rep.outputs]
+        conts, _ = cached_continuations(lt.model, prompts, SamplingParams(0.0), args.max_new_tokens, stops)
         seqs = [list(p) + c for p, c in zip(prompts, conts)]
         score(ds, seqs, [len(p) for p in prompts], conts)  # greedy: the argmax is the token itself
     if args.steps:

@@ -1,6 +1,7 @@
 """Target adapter: a transformers causal LM seen as "feed tokens, get logits + tapped features".
 
-All KV-cache API details live here and nowhere else (transformers 5.x: `cache=`,
+All KV-cache API details live here and nowhere else (transformers 5.x: `cache=` or, before it,
+`past_key_values=` (`cache_kwarg`),
 `DynamicCache(config=...)`, `DynamicLayer.keys/values`, `crop(-n)`).
 
 Layout of the batched cache. Each request (row) owns the slots where its tokens were fed;
@@ -13,6 +14,7 @@ Batch 1 therefore never holds a hole: rollback is an exact `crop`.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -53,6 +55,25 @@ def _growing_layer_class():
             return self.keys, self.values
 
     return GrowingLayer
+
+
+def cache_kwarg(module: torch.nn.Module) -> str:
+    """The keyword a transformers forward takes its KV cache by: `cache` (recent 5.x, the only
+    spelling from 5.40) or `past_key_values` (earlier 5.x, e.g. the 5.17 of our GPU machines)."""
+    return _cache_kwarg(type(module))
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_kwarg(cls: type) -> str:
+    import inspect
+
+    params = inspect.signature(cls.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def with_cache(module: torch.nn.Module, cache) -> dict:
+    """`{<the module's cache keyword>: cache}`, to splat into its forward call."""
+    return {cache_kwarg(module): cache}
 
 
 def new_cache(config):
@@ -124,7 +145,7 @@ class TargetAdapter:
             input_ids=ids,
             attention_mask=attn.to(torch.long),
             position_ids=pos,
-            cache=self.cache,
+            **with_cache(self.model, self.cache),
             use_cache=True,
             output_hidden_states=want_hidden,
         )

@@ -112,7 +112,7 @@ def regenerate_part(model: Any, prompts: list[list[int]], layer_ids: tuple[int, 
     Right-padded prefill with explicit positions; each decode step feeds one token per live row
     (padding slots stay as masked holes); finished rows leave the batch at once.
     """
-    from dsparkctl.models.target import new_cache
+    from dsparkctl.models.target import new_cache, with_cache
 
     base, head = model.model, model.get_output_embeddings()
     dev = next(model.parameters()).device  # the model's device; everything cached goes to the CPU
@@ -122,7 +122,7 @@ def regenerate_part(model: Any, prompts: list[list[int]], layer_ids: tuple[int, 
     plen = torch.tensor([len(p) for p in prompts])
     pos = torch.arange(ids.shape[1], device=dev)[None].expand(R, -1)
     cache = new_cache(model.config)
-    out = base(input_ids=ids, attention_mask=mask.long(), position_ids=pos, cache=cache, use_cache=True,
+    out = base(input_ids=ids, attention_mask=mask.long(), position_ids=pos, **with_cache(base, cache), use_cache=True,
                output_hidden_states=True)
     taps = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1).to(torch.float16).cpu()  # [R, L, F]
     last = out.last_hidden_state[torch.arange(R, device=dev), (plen - 1).to(dev)]  # [R, H]
@@ -151,8 +151,8 @@ def regenerate_part(model: Any, prompts: list[list[int]], layer_ids: tuple[int, 
             for layer in cache.layers:
                 layer.keys, layer.values = layer.keys[kd], layer.values[kd]
         mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=torch.bool, device=dev)], dim=1)
-        out = base(input_ids=nxt[:, None], attention_mask=mask.long(), position_ids=seq_len[:, None], cache=cache,
-                   use_cache=True, output_hidden_states=True)
+        out = base(input_ids=nxt[:, None], attention_mask=mask.long(), position_ids=seq_len[:, None],
+                   **with_cache(base, cache), use_cache=True, output_hidden_states=True)
         # the taps of the token just fed (it belongs to the rows still live)
         step.append((rows.cpu(), torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)[:, 0]
                      .to(torch.float16).cpu()))
@@ -239,8 +239,25 @@ def feature_name(part: int, layer_ids: tuple[int, ...], topk: int) -> str:
 
 def build_dataset(recipe: Recipe, model: Any, tokenizer: Any, stop_ids: list[int], cache_dir: Path,
                   log: Callable[[str], None] = print,
-                  on_batch: Callable[[int, int], None] | None = None) -> list[Sequence]:
-    """Build (or reuse) every part covering the first `num_prompts` items; return their sequences."""
+                  on_batch: Callable[[int, int], None] | None = None, holdout: int = 0) -> list[Sequence]:
+    """Build (or reuse) every part covering the first `num_prompts` items; return their sequences.
+
+    With `data.extra_responses` the dataset's own answers to that many more prompts follow
+    (teacher-forced, their own cache), minus any prompt among the first `holdout` sequences."""
+    seqs = _build_source(recipe, model, tokenizer, stop_ids, cache_dir, on_batch)
+    d = recipe.data
+    if d.extra_responses:
+        import dataclasses
+        extra = dataclasses.replace(recipe, data=dataclasses.replace(d, source="responses", num_prompts=d.extra_responses,
+                                                                     extra_responses=0))
+        held = {tuple(s.tokens[: s.prompt_len].tolist()) for s in seqs[:holdout]}
+        more = _build_source(extra, model, tokenizer, stop_ids, cache_dir, on_batch)
+        seqs += [s for s in more if tuple(s.tokens[: s.prompt_len].tolist()) not in held]
+    return seqs
+
+
+def _build_source(recipe: Recipe, model: Any, tokenizer: Any, stop_ids: list[int], cache_dir: Path,
+                  on_batch: Callable[[int, int], None] | None) -> list[Sequence]:
     d = recipe.data
     folder = data_dir(recipe, cache_dir)
     folder.mkdir(parents=True, exist_ok=True)

@@ -63,6 +63,7 @@ class DataSection:
     temperature: float = 0.0  # regeneration temperature (0 = greedy)
     batch_size: int = 32  # prompts per cached part (one regeneration batch)
     topk: int = 32  # target distribution cached as its top-k per position
+    extra_responses: int = 0  # also train on this many of the dataset's own answers, teacher-forced (cheap data)
     seed: int = 0
 
 
@@ -114,7 +115,8 @@ class Recipe:
         """What the cached data depends on: target and data settings, except how many prompts
         are used (parts are prefix-stable, so a larger num_prompts extends the same cache)."""
         d = self.to_dict()
-        part = {"target": d["target"], "data": {k: v for k, v in d["data"].items() if k != "num_prompts"}}
+        part = {"target": d["target"], "data": {k: v for k, v in d["data"].items()
+                                                if k not in ("num_prompts", "extra_responses")}}
         return hashlib.sha256(json.dumps(part, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -226,6 +228,8 @@ def validate(r: Recipe, source: str) -> None:
         bad(f"draft.init {d.init!r}", "use random or target")
     if da.source not in ("regenerate", "responses"):
         bad(f"data.source {da.source!r}", "use regenerate or responses")
+    if da.extra_responses < 0 or (da.extra_responses and da.source != "regenerate"):
+        bad("data.extra_responses must be >= 0, and is for source = \"regenerate\" (it adds the dataset's answers)")
     if not 1 <= da.topk <= 1024:
         bad(f"data.topk must be in [1, 1024], got {da.topk}")
     if len(o.loss_weights) != 3 or any(not (w >= 0 and w < float("inf")) for w in o.loss_weights):

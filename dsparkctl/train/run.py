@@ -245,7 +245,8 @@ def prepare(recipe: Recipe, model: Any, tokenizer: Any, stop_ids: list[int], cac
     for p in model.parameters():
         p.requires_grad_(False)
     adapter = TargetAdapter(model, recipe.draft.layer_ids)  # refuses taps the target does not have
-    seqs = build_dataset(recipe, model, tokenizer, stop_ids, cache_dir, log=log, on_batch=on_data)
+    seqs = build_dataset(recipe, model, tokenizer, stop_ids, cache_dir, log=log, on_batch=on_data,
+                         holdout=recipe.eval.holdout)
     train_seqs, held = split(recipe, seqs)
     draft = init_draft(recipe, adapter, pick_mask_token(recipe, tokenizer, adapter.vocab_size))
     if recipe.draft.vocab_size:
