@@ -13,10 +13,12 @@ from pathlib import Path
 
 from dsparkctl.fsutil import write_json
 from dsparkctl.math.sps import SPSTable
-from dsparkctl.math.synthetic import SyntheticModel, write_synthetic_trace
+from dsparkctl.math.synthetic import SyntheticModel
+from dsparkctl.sps_io import save_sps_table
 from dsparkctl.plots import frontier_plot
 from dsparkctl.provenance import provenance
 from dsparkctl.sweep import DEFAULT_CONCURRENCY, DEFAULT_POLICIES, run_sweep
+from dsparkctl.trace import write_synthetic_trace
 
 
 def main() -> None:
@@ -28,8 +30,9 @@ def main() -> None:
     trace, sps_path = d / "sweep_trace.jsonl", d / "sweep_sps.json"
     write_synthetic_trace(trace, SyntheticModel(overconfidence=(1.0,) * 5), 400, 50, seed=1)
     bt = [1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
-    SPSTable(bt, [1 / (0.020 + 2e-5 * b + (0.008 if b >= 4 else 0)) for b in bt],
-             meta={"device": "synthetic CPU-like staircase: step = 20 ms + 0.02 ms/token, +8 ms from B=4"}).save(sps_path)
+    save_sps_table(SPSTable(bt, [1 / (0.020 + 2e-5 * b + (0.008 if b >= 4 else 0)) for b in bt],
+                            meta={"device": "synthetic CPU-like staircase: step = 20 ms + 0.02 ms/token, +8 ms from B=4"}),
+                   sps_path)
     t0 = time.perf_counter()
     res = run_sweep([trace], sps_path, DEFAULT_POLICIES, DEFAULT_CONCURRENCY, rounds=args.rounds, seed=0)
     wall = time.perf_counter() - t0

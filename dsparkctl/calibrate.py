@@ -12,7 +12,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -112,25 +112,27 @@ def _load_inputs(paths: Sequence[str | os.PathLike]) -> tuple[CalibrationData, t
 
 
 def run_calibration(trace_paths: Sequence[str | os.PathLike], holdout: float = 0.2, bins: int = 20,
-                    seed: int = 0) -> dict[str, Any]:
+                    seed: int = 0, names: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Read, split by request, fit STS on the training part, measure before/after on the held-out part.
 
     `bins` is bounded by the data: at most one bin per recorded round (more bins than rounds only
-    adds empty ones, and each costs memory in the fit and a row in every reliability diagram)."""
+    adds empty ones, and each costs memory in the fit and a row in every reliability diagram).
+    `names` says how messages call `holdout` and `bins` (the CLI passes its flags)."""
+    n = {"holdout": "holdout", "bins": "bins", **(names or {})}
     if not 0.0 < holdout < 1.0:
-        raise UsageError(f"--holdout must be in (0, 1), got {holdout}", "e.g. --holdout 0.2")
+        raise UsageError(f"{n['holdout']} must be in (0, 1), got {holdout}", "hold out a fraction such as 0.2")
     if bins < 2:
-        raise UsageError(f"--bins must be ≥ 2, got {bins}", "e.g. --bins 20")
+        raise UsageError(f"{n['bins']} must be ≥ 2, got {bins}", "use e.g. 20 bins")
     data, keys, traces = _load_inputs(trace_paths)
     if bins > data.logits.shape[0]:
-        raise UsageError(f"--bins {bins} is more than the {data.logits.shape[0]} rounds in the traces",
-                         f"use at most {data.logits.shape[0]} bins (e.g. --bins 20)")
+        raise UsageError(f"{n['bins']} {bins} is more than the {data.logits.shape[0]} rounds in the traces",
+                         f"use at most {data.logits.shape[0]} bins (e.g. 20)")
     gen = torch.Generator().manual_seed(seed)
     hold = split_requests(keys, holdout, gen)
     train, held = data.subset(~hold), data.subset(hold)
     if train.logits.shape[0] == 0 or held.logits.shape[0] == 0:
         raise InputError("too few requests to split into training and held-out parts",
-                         "record more requests or change --holdout")
+                         f"record more requests or change {n['holdout']}")
     temps = fit_sts(train, bins=bins)
     ones = torch.ones_like(temps)
     before, after = position_metrics(held, ones, bins), position_metrics(held, temps, bins)

@@ -149,17 +149,6 @@ def gather(obj: T) -> list[T] | None:
     return out
 
 
-def merge_by_index(pieces: Sequence[dict[int, T]], n: int) -> list[T]:
-    """Pieces {global index: item} from every rank -> the items in global order (all present)."""
-    merged: dict[int, T] = {}
-    for p in pieces:
-        merged.update(p)
-    missing = [i for i in range(n) if i not in merged]
-    if missing:
-        raise RuntimeError(f"ranks returned no result for items {missing[:5]}")
-    return [merged[i] for i in range(n)]
-
-
 def barrier() -> None:
     w = world()
     if w.distributed:

@@ -60,13 +60,6 @@ def write_json(path: str | os.PathLike, obj: Any) -> None:
         fh.write("\n")
 
 
-def read_json(path: str | os.PathLike, what: str, hint: str) -> Any:
-    """Parse a user-supplied JSON file strictly; anything wrong is a one-line InputError."""
-    from dsparkctl.strict_json import read
-
-    return read(path, what, hint)
-
-
 def save_figure(fig: Any, path: str | os.PathLike, dpi: int = 120) -> None:
     """Atomically save a matplotlib figure (format from the suffix)."""
     path = Path(path)

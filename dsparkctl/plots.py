@@ -67,3 +67,24 @@ def frontier_plot(rows: Sequence[dict[str, Any]], path: str | os.PathLike, title
     ax.legend(title="policy", fontsize=8)
     save_figure(fig, path)
     plt.close(fig)
+
+
+def plot_sps(bt: Sequence[int], sps: Sequence[float], path: str | os.PathLike, title: str,
+             other: tuple[Sequence[int], Sequence[float], str] | None = None, label: str = "steps/s") -> None:
+    """An SPS table: steps/s (and ms/step) against batch tokens; `other` adds a second curve
+    (batch tokens, steps/s, label), e.g. whole step against target forward."""
+    fig, ax1 = plt.subplots(figsize=(7, 4))
+    ax1.plot(bt, sps, "o-", color="tab:blue", label=label)
+    if other is not None:
+        ax1.plot(other[0], other[1], "^-", color="tab:green", label=other[2])
+        ax1.legend(loc="upper right", fontsize=8)
+    ax1.set_xlabel("batch tokens B (requests × tokens per request)")
+    ax1.set_ylabel("steps per second", color="tab:blue")
+    ax1.set_xscale("log", base=2)
+    ax2 = ax1.twinx()
+    ax2.plot(bt, [1000.0 / s for s in sps], "s--", color="tab:red", label="ms/step")
+    ax2.set_ylabel("ms per step", color="tab:red")
+    ax1.set_title(title)
+    ax1.grid(True, alpha=0.3)
+    save_figure(fig, path)
+    plt.close(fig)

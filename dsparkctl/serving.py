@@ -128,6 +128,30 @@ def check_sts(path: Path, block_size: int) -> dict[str, Any]:
     return d
 
 
+def sglang_file(path: Path, kind: str) -> Path:
+    """Our SPS table / calibration result -> the SGLang file written beside it; SGLang's files as they are."""
+    from dsparkctl.sps_io import SPS_FORMAT
+    from dsparkctl.strict_json import read
+
+    d = read(path, "SPS table" if kind == "sps" else "calibration file",
+             "write it with `dsparkctl profile-sps`" if kind == "sps" else "write it with `dsparkctl calibrate`")
+    if not isinstance(d, dict):
+        raise InputError(f"{path}: expected a JSON object")
+    if kind == "sps" and d.get("format") == SPS_FORMAT:
+        twin = path.with_name(path.stem + ".sglang.json")
+        if not twin.is_file():
+            raise InputError(f"{path} is our SPS table and {twin} (its SGLang twin) is missing",
+                             "pass the .sglang.json that profile-sps writes beside it")
+        return twin
+    if kind == "sts" and "temperatures" not in d:
+        twin = Path(str((d.get("outputs") or {}).get("sglang_sts", ""))) if isinstance(d.get("outputs"), dict) else None
+        if not twin or not twin.is_file():
+            raise InputError(f"{path}: not an SGLang STS file and names none that exists",
+                             "pass the .sglang-sts.json that calibrate writes")
+        return twin
+    return path
+
+
 def expand_vocabulary(draft: Any, target: Any) -> Any:
     """A full-vocabulary copy of a reduced-vocabulary draft, for engines without index maps.
 

@@ -2,7 +2,7 @@
 
 Replay model. Traces must come from full verification (`static:γ`, every `verify_length == γ`),
 so each recorded round tells how many drafts WOULD have been accepted (`accepted_if_full`).
-Rounds the engine marked `budget_capped` (ℓ cut by `--max-new-tokens` at the end of a request)
+Rounds the engine marked `budget_capped` (ℓ cut by the token budget at the end of a request)
 are skipped: they do not say how many of γ drafts would have been accepted, and the cut depends
 only on the token count, not on the drafts, so skipping them biases nothing.
 At concurrency C the engine runs steps of C requests; each request's round is drawn uniformly
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -31,6 +31,7 @@ from dsparkctl.errors import InputError, UsageError
 from dsparkctl.math.policies import parse_policy, survival_from_logits
 from dsparkctl.math.sps import SPSTable
 from dsparkctl.provenance import provenance
+from dsparkctl.sps_io import load_sps_table
 from dsparkctl.trace import read_traces
 
 SWEEP_FORMAT = "dsparkctl-sweep/1"
@@ -79,17 +80,6 @@ def _full_hint(header: dict[str, Any], gamma: int) -> str:
     return f"record with `dsparkctl generate --policy static:{gamma} --trace ...`"
 
 
-def parse_concurrency(text: str) -> list[int]:
-    try:
-        levels = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise UsageError(f"--concurrency {text!r} is not a comma-separated list of integers",
-                         "e.g. --concurrency 1,2,4,8") from None
-    if not levels or any(c < 1 for c in levels):
-        raise UsageError(f"--concurrency needs positive integers, got {text!r}", "e.g. --concurrency 1,2,4,8")
-    return levels
-
-
 def replay(pool: dict[str, Any], policy_specs: Sequence[str], concurrency: Sequence[int], sps: SPSTable,
            temperatures: Sequence[float] | None = None, rounds: int = 20_000, seed: int = 0) -> list[dict[str, Any]]:
     """Run every (policy, concurrency) cell; returns one row per cell."""
@@ -123,25 +113,31 @@ def replay(pool: dict[str, Any], policy_specs: Sequence[str], concurrency: Seque
 
 
 def run_sweep(trace_paths, sps_path, policy_specs=DEFAULT_POLICIES, concurrency=DEFAULT_CONCURRENCY,
-              calibration=None, rounds: int = 20_000, seed: int = 0) -> dict[str, Any]:
+              calibration=None, rounds: int = 20_000, seed: int = 0,
+              names: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Read the traces, the SPS table and the calibration, replay every cell, return the sweep document.
+
+    `names` says how messages call `rounds` and `concurrency` (the CLI passes its flags)."""
     from dsparkctl.calibrate import load_temperatures
 
+    n = {"rounds": "rounds", "concurrency": "concurrency", **(names or {})}
     if rounds < 1:
-        raise UsageError(f"--rounds must be ≥ 1, got {rounds}")
+        raise UsageError(f"{n['rounds']} must be ≥ 1, got {rounds}")
     if not policy_specs or not concurrency:
-        raise UsageError("nothing to sweep: no policies or no load levels", "e.g. --policies static:1,dspark "
-                         "--concurrency 1,8,64")
+        raise UsageError("nothing to sweep: no policies or no load levels",
+                         "give at least one policy and one load level")
     if max(concurrency) > rounds:  # a cell replays ≈ rounds request-rounds, and at least one step of C
-        raise UsageError(f"--concurrency {max(concurrency)} is more than --rounds {rounds}: one step of it "
-                         "replays more request-rounds than a whole cell may", "raise --rounds or lower --concurrency")
+        raise UsageError(f"{n['concurrency']} {max(concurrency)} is more than {n['rounds']} {rounds}: one step of it "
+                         "replays more request-rounds than a whole cell may",
+                         f"raise {n['rounds']} or lower {n['concurrency']}")
     for s in policy_specs:  # unknown names fail before any file is read
         parse_policy(s, sps=SPSTable([1, 2], [1.0, 1.0]))  # a placeholder table: names are checked, not costs
-    sps = SPSTable.load(sps_path)
+    sps = load_sps_table(sps_path)
     pool = load_replay_rounds(trace_paths)
     if rounds * pool["gamma"] > MAX_CANDIDATES:  # a cell is replayed in one batch of [steps, C, γ]
-        raise UsageError(f"--rounds {rounds} × block size {pool['gamma']} is more than the {MAX_CANDIDATES:,} "
+        raise UsageError(f"{n['rounds']} {rounds} × block size {pool['gamma']} is more than the {MAX_CANDIDATES:,} "
                          "candidates one cell may hold in memory",
-                         f"use --rounds ≤ {MAX_CANDIDATES // pool['gamma']:,}; the default 20000 is plenty")
+                         f"use {n['rounds']} ≤ {MAX_CANDIDATES // pool['gamma']:,}; the default 20000 is plenty")
     temps = load_temperatures(calibration, pool["gamma"]) if calibration else None
     rows = replay(pool, policy_specs, concurrency, sps, temps, rounds, seed)
     return {"format": SWEEP_FORMAT, "block_size": pool["gamma"], "pooled_rounds": int(pool["accepted"].numel()),

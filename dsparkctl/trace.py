@@ -14,11 +14,13 @@ Every further line is one round of one request:
     draft_ms           float wall time of the draft step for the whole batch
     verify_ms          float wall time of the target verify forward for the whole batch
     budget_capped      bool  ℓ was cut below the policy's choice by the token budget
-                             (`--max-new-tokens`); optional, false when absent (older traces)
+                             (max new tokens); optional, false when absent (older traces)
 
 Extra keys are allowed and preserved (forward compatible); these names never change.
 The reader is strict: UTF-8 lines of strict JSON (no NaN/Infinity, each key once), integers
 within int64, block_size ≤ MAX_BLOCK_SIZE, and each (request, round) once per file.
+`write_synthetic_trace` writes traces of a known acceptance model (`math.synthetic`) for tests,
+benchmarks and the docs.
 """
 
 from __future__ import annotations
@@ -28,10 +30,13 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Sequence
+
+import torch
 
 from dsparkctl.errors import InputError
 from dsparkctl.fsutil import atomic_open
+from dsparkctl.math.synthetic import SyntheticModel, sample_rounds
 from dsparkctl.strict_json import StrictJSONError, finite, loads
 
 TRACE_FORMAT = "dsparkctl-trace/1"
@@ -124,9 +129,9 @@ def read_trace(path: str | os.PathLike) -> Trace:
     """Read and validate a trace file; errors name the file and the 1-based line number."""
     path = Path(path)
     if not path.exists():
-        raise InputError(f"trace file {path} does not exist", "pass a file written by `--trace`")
+        raise InputError(f"trace file {path} does not exist", _WRITTEN_BY)
     if not path.is_file():
-        raise InputError(f"trace file {path} is not a regular file", "pass a file written by `--trace`")
+        raise InputError(f"trace file {path} is not a regular file", _WRITTEN_BY)
     rounds: list[TraceRound] = []
     header: dict[str, Any] | None = None
     seen: dict[tuple[int, int], int] = {}  # (request, round) -> line
@@ -174,7 +179,7 @@ def read_traces(paths: Sequence[str | os.PathLike]) -> list[Trace]:
 
 
 class TraceWriter:
-    """Writes a trace atomically: the file appears only when `close()` succeeds."""
+    """A context manager writing a trace atomically: the file appears only if the block succeeds."""
 
     def __init__(self, path: str | os.PathLike, header: dict[str, Any]):
         self._cm = atomic_open(path, "w")
@@ -185,29 +190,30 @@ class TraceWriter:
         for r in rounds:  # strict JSON: a NaN logit becomes null (and the reader names the line)
             self._fh.write(json.dumps(finite(r.to_json())) + "\n")
 
-    def close(self) -> None:
-        self._cm.__exit__(None, None, None)
-
-    def abort(self, exc: BaseException) -> None:
-        try:
-            self._cm.__exit__(type(exc), exc, exc.__traceback__)
-        except BaseException:
-            pass
-
     def __enter__(self) -> "TraceWriter":
         return self
 
     def __exit__(self, et, ev, tb) -> None:
-        if et is None:
-            self.close()
-        else:
-            self.abort(ev)
+        self._cm.__exit__(et, ev, tb)  # on an exception the temporary file is removed and it propagates
 
 
-def iter_request_rounds(trace: Trace) -> Iterator[list[TraceRound]]:
-    """Group a trace's rounds by request, each list ordered by round."""
-    by_req: dict[int, list[TraceRound]] = {}
-    for r in trace.rounds:
-        by_req.setdefault(r.request, []).append(r)
-    for req in sorted(by_req):
-        yield sorted(by_req[req], key=lambda r: r.round)
+def write_synthetic_trace(path: str | os.PathLike, model: SyntheticModel, requests: int, rounds_per_request: int,
+                          seed: int = 0, batch_size: int = 8, verify_length: int | None = None,
+                          with_confidence: bool = True, extra_header: dict | None = None) -> int:
+    """A trace of `requests` × `rounds_per_request` rounds drawn from `model`; returns the rounds written."""
+    gen = torch.Generator().manual_seed(seed)
+    n = requests * rounds_per_request
+    s = sample_rounds(model, n, gen, verify_length)
+    ell = verify_length if verify_length is not None else model.gamma
+    header = {"source": "synthetic", "synthetic_model": asdict(model), "seed": seed,
+              "block_size": model.gamma, "policy": f"static:{ell}", "temperature": 1.0,
+              **(extra_header or {})}
+    logits, acc, vl = s["logits"].tolist(), s["accepted"].tolist(), s["verify_length"].tolist()
+    with TraceWriter(path, header) as w:
+        w.write(TraceRound(request=i // rounds_per_request, round=i % rounds_per_request,
+                           block_size=model.gamma,
+                           confidence_logits=[round(x, 6) for x in logits[i]] if with_confidence else None,
+                           verify_length=vl[i], accepted=acc[i],
+                           batch_tokens=batch_size * (1 + vl[i]), draft_ms=1.0, verify_ms=5.0)
+                for i in range(n))
+    return n

@@ -20,6 +20,7 @@ from dsparkctl.checkpoint.fixtures import write_fixture
 from dsparkctl.checkpoint.source import open_local
 from dsparkctl.cli import common
 from dsparkctl.cli.main import app
+from tests.helpers import snapshot
 
 S5 = "model-00005-of-00008.safetensors"  # mtp.0
 S6 = "model-00006-of-00008.safetensors"  # mtp.1
@@ -176,17 +177,6 @@ CASES = [
 ]
 
 
-def _snapshot(root: Path) -> dict[str, tuple]:
-    """Every path under root with its type, size and mtime (never reads a FIFO)."""
-    out = {}
-    for dirpath, dirs, files in os.walk(root):
-        for name in dirs + files:
-            p = os.path.join(dirpath, name)
-            st = os.lstat(p)
-            out[os.path.relpath(p, root)] = (st.st_mode, st.st_size, st.st_mtime_ns)
-    return out
-
-
 @pytest.mark.parametrize("case,argv,mutate,needle", CASES, ids=[c[0] for c in CASES])
 def test_bad_input(case, argv, mutate, needle, pristine: Path, tmp_path: Path):
     ckpt = tmp_path / "ckpt"
@@ -194,14 +184,14 @@ def test_bad_input(case, argv, mutate, needle, pristine: Path, tmp_path: Path):
     for f in pristine.iterdir():
         (ckpt / f.name).write_bytes(f.read_bytes())
     mutate(ckpt)
-    before = _snapshot(tmp_path)
+    before = snapshot(tmp_path)
     res = CliRunner().invoke(app, [a.format(ckpt=ckpt, tmp=tmp_path) for a in argv])
     message = res.stderr.strip()
     assert res.exit_code not in (0, None), f"{case}: exit 0\n{res.stdout}"
     assert len(message.splitlines()) == 1, f"{case}: not one line: {message!r}"
     assert message.startswith("error:") and "Traceback" not in res.output, message
     assert needle in message, f"{case}: {needle!r} not in {message!r}"
-    assert _snapshot(tmp_path) == before, f"{case}: files changed"
+    assert snapshot(tmp_path) == before, f"{case}: files changed"
 
 
 @pytest.mark.parametrize("mutate,check", [

@@ -5,7 +5,6 @@ target that does not exist: had the model been loaded first, that would be the e
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ from typer.testing import CliRunner
 from dsparkctl.cli import common
 from dsparkctl.cli.main import app
 from dsparkctl.strict_json import loads
+from tests.helpers import snapshot
 from tests.tiny_models import save_tiny_target
 
 runner = CliRunner()
@@ -65,30 +65,20 @@ CASES = [
 ]
 
 
-def _snapshot(root: Path) -> dict[str, tuple]:
-    out = {}
-    for dirpath, dirs, files in os.walk(root):
-        for name in dirs + files:
-            p = os.path.join(dirpath, name)
-            st = os.lstat(p)
-            out[p] = (st.st_mode, st.st_size, st.st_mtime_ns)
-    return out
-
-
 @pytest.mark.parametrize("case,argv,needle", CASES, ids=[c[0] for c in CASES])
 def test_bad_input(case, argv, needle, target: Path, tmp_path: Path, monkeypatch):
     o = tmp_path / "mine"
     (o / "sub").mkdir(parents=True)
     (o / "notes.txt").write_text("the user's")
     monkeypatch.chdir(o)  # the default --out sps.json would land here
-    before = _snapshot(o)
+    before = snapshot(o)
     res = runner.invoke(app, [a.format(o=o, t=target) for a in argv])
     message = res.stderr.strip().splitlines()
     assert res.exit_code not in (0, None), f"{case}: exit 0"
     errors = [m for m in message if m.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in res.output, message  # (loading the model logs a line)
     assert needle.format(o=o) in errors[0], f"{case}: {needle!r} not in {errors[0]!r}"
-    assert _snapshot(o) == before, f"{case}: files left or changed"
+    assert snapshot(o) == before, f"{case}: files left or changed"
 
 
 def test_all_three_outputs_and_strict_json(target: Path, tmp_path: Path):

@@ -5,7 +5,6 @@ left, created or changed. Below the table: what must come out right instead of f
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,8 +15,10 @@ from typer.testing import CliRunner
 from dsparkctl.cli import common
 from dsparkctl.cli.main import app
 from dsparkctl.math.sps import SPSTable
-from dsparkctl.math.synthetic import SyntheticModel, write_synthetic_trace
+from dsparkctl.math.synthetic import SyntheticModel
 from dsparkctl.strict_json import loads
+from dsparkctl.trace import write_synthetic_trace
+from tests.helpers import snapshot
 
 runner = CliRunner()
 SPS = {"format": "dsparkctl-sps/1", "batch_tokens": [1, 4, 16, 64, 256, 1024, 8192],
@@ -190,24 +191,13 @@ CASES = [
 HINT_NAMES_NO_MISSING_FLAG = ("--sps-extrapolate",)
 
 
-def _snapshot(*roots: Path) -> dict[str, tuple]:
-    out = {}
-    for root in roots:
-        for dirpath, dirs, files in os.walk(root):
-            for name in dirs + files:
-                p = os.path.join(dirpath, name)
-                st = os.lstat(p)
-                out[p] = (st.st_mode, st.st_size, st.st_mtime_ns)
-    return out
-
-
 @pytest.mark.parametrize("case,argv,needle", CASES, ids=[c[0] for c in CASES])
 def test_bad_input(case, argv, needle, d: Path, tmp_path: Path, monkeypatch):
     o = tmp_path / "mine"
     o.mkdir()
     (o / "notes.txt").write_text("the user's")
     monkeypatch.chdir(o)  # default outputs (calib.json, ...) would land here
-    before = _snapshot(d, o)
+    before = snapshot(d, o)
     res = runner.invoke(app, [a.format(d=d, o=o) for a in argv])
     message = res.stderr.strip()
     assert res.exit_code not in (0, None), f"{case}: exit 0\n{res.stdout[:300]}"
@@ -215,7 +205,7 @@ def test_bad_input(case, argv, needle, d: Path, tmp_path: Path, monkeypatch):
     assert message.startswith("error:") and "Traceback" not in res.output, message
     assert needle.format(d=d, o=o) in message, f"{case}: {needle!r} not in {message!r}"
     assert not any(flag in message for flag in HINT_NAMES_NO_MISSING_FLAG), message
-    assert _snapshot(d, o) == before, f"{case}: files left or changed"
+    assert snapshot(d, o) == before, f"{case}: files left or changed"
 
 
 # --------------------------------------------------------------------------- right results, not errors
@@ -287,3 +277,24 @@ def test_generate_trace_capped_by_the_budget_is_swept(tmp_path: Path):
     doc = loads(res.stdout)
     assert doc["budget_capped_rounds_skipped"] == len(capped)
     assert doc["pooled_rounds"] == len(rows) - len(capped)
+
+
+def test_library_errors_name_no_flags(d: Path):
+    """The library says what is wrong in its own words; only the CLI names its flags (the table above)."""
+    from dsparkctl.calibrate import run_calibration
+    from dsparkctl.errors import UsageError
+    from dsparkctl.math.audit import check_alpha
+    from dsparkctl.sweep import run_sweep
+
+    cases = [
+        (lambda: run_sweep([d / "full.jsonl"], d / "sps.json", rounds=0), "rounds must be ≥ 1, got 0"),
+        (lambda: run_sweep([d / "full.jsonl"], d / "sps.json", concurrency=[64], rounds=10),
+         "concurrency 64 is more than rounds 10"),
+        (lambda: run_calibration([d / "full.jsonl"], holdout=1.5), "holdout must be in (0, 1), got 1.5"),
+        (lambda: run_calibration([d / "full.jsonl"], bins=10 ** 8), "bins 100000000 is more than the 400 rounds"),
+        (lambda: check_alpha(0.0), "the significance level alpha 0.0 must be in (0, 1)"),
+    ]
+    for call, words in cases:
+        with pytest.raises(UsageError) as e:
+            call()
+        assert words in e.value.message and "--" not in e.value.one_line(), e.value.one_line()

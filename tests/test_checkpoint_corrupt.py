@@ -106,28 +106,32 @@ def _set(name: str, key: str, value) -> Callable[[dict], None]:
     return lambda h: h[name].__setitem__(key, value)
 
 
-# (case id, mutation, text the one-line error must contain, extra CLI args)
+# (case id, mutation, what the one-line error must say: the file or tensor at fault and why, extra CLI args)
 CASES = [
-    ("truncated shard", _truncate, DRAFT_SHARD, []),
-    ("header length past EOF", _header_past_eof, DRAFT_SHARD, []),
-    ("non-JSON header", _not_json, DRAFT_SHARD, []),
-    ("overlapping offsets", _edit_header(DRAFT_SHARD, _overlap), "mtp.0.", []),
-    ("out-of-range offsets", _edit_header(DRAFT_SHARD, _out_of_range), "mtp.0.attn_norm.weight", []),
+    ("truncated shard", _truncate, (DRAFT_SHARD, "out of range (data region is"), []),
+    ("header length past EOF", _header_past_eof, (DRAFT_SHARD, "header length", "runs past the end of the file"), []),
+    ("non-JSON header", _not_json, (DRAFT_SHARD, "header is not valid JSON"), []),
+    ("overlapping offsets", _edit_header(DRAFT_SHARD, _overlap),
+     (DRAFT_SHARD, "tensor mtp.0.ffn_norm.weight overlaps the previous tensor's bytes"), []),
+    ("out-of-range offsets", _edit_header(DRAFT_SHARD, _out_of_range),
+     ("tensor mtp.0.attn_norm.weight: data_offsets [1000031604, 1000031732] out of range",), []),
     ("unknown dtype", _edit_header(DRAFT_SHARD, _set("mtp.0.attn_norm.weight", "dtype", "F7_WAT")),
-     "mtp.0.attn_norm.weight", []),
+     ("tensor mtp.0.attn_norm.weight: unknown dtype 'F7_WAT'",), []),
     ("shape/bytes mismatch", _edit_header(DRAFT_SHARD, _set("mtp.0.attn_norm.weight", "shape", [63])),
-     "mtp.0.attn_norm.weight", []),
+     ("tensor mtp.0.attn_norm.weight: shape [63] × BF16 needs 126 bytes but spans 128",), []),
     ("index entry ../", _edit_index(lambda wm: wm.__setitem__("mtp.0.attn_norm.weight", "../x.safetensors")),
-     "mtp.0.attn_norm.weight", []),
+     ("tensor mtp.0.attn_norm.weight: shard '../x.safetensors' leaves the checkpoint folder",), []),
     ("index entry absolute", _edit_index(lambda wm: wm.__setitem__("mtp.0.attn_norm.weight", "/tmp/x.safetensors")),
-     "mtp.0.attn_norm.weight", []),
-    ("missing shard", lambda f: (f / SHARD6).unlink(), SHARD6, []),
-    ("missing scale", _drop_tensor("mtp.0.attn.wq_a.scale"), "mtp.0.attn.wq_a.weight", []),
-    ("no draft tensors", _no_draft, "no draft tensors", []),
+     ("tensor mtp.0.attn_norm.weight: shard '/tmp/x.safetensors' leaves the checkpoint folder",), []),
+    ("missing shard", lambda f: (f / SHARD6).unlink(), (f"{SHARD6}: shard file is missing",), []),
+    ("missing scale", _drop_tensor("mtp.0.attn.wq_a.scale"),
+     ("tensor mtp.0.attn.wq_a.weight (F8_E4M3) has no mtp.0.attn.wq_a.scale",), []),
+    ("no draft tensors", _no_draft, ("no draft tensors",), []),
     ("index names a tensor the shard lacks", _edit_index(lambda wm: wm.__setitem__("mtp.9.x.weight", DRAFT_SHARD)),
-     "mtp.9.x.weight", []),
-    ("NaN e8m0 scale on dequantize", _nan_scale, "mtp.0.attn.wq_a", ["--dequantize", "bf16"]),
-    ("config not JSON", lambda f: (f / "config.json").write_text("{oops"), "config.json", []),
+     (f"index puts tensor mtp.9.x.weight in {DRAFT_SHARD} but its header lacks it",), []),
+    ("NaN e8m0 scale on dequantize", _nan_scale, ("tensor mtp.0.attn.wq_a.weight: scale holds e8m0 NaN",),
+     ["--dequantize", "bf16"]),
+    ("config not JSON", lambda f: (f / "config.json").write_text("{oops"), ("config.json is not valid JSON",), []),
 ]
 
 
@@ -136,8 +140,8 @@ def pristine(tmp_path_factory) -> Path:
     return write_fixture(tmp_path_factory.mktemp("pristine") / "ckpt", "v4.1-flash")
 
 
-@pytest.mark.parametrize("case,mutate,needle,args", CASES, ids=[c[0] for c in CASES])
-def test_corrupt_input_is_refused(case, mutate, needle, args, pristine: Path, tmp_path: Path, monkeypatch):
+@pytest.mark.parametrize("case,mutate,needles,args", CASES, ids=[c[0] for c in CASES])
+def test_corrupt_input_is_refused(case, mutate, needles, args, pristine: Path, tmp_path: Path, monkeypatch):
     # The message is one line; the shared stderr console would hard-wrap it at 80 columns when not a TTY.
     monkeypatch.setattr(common.err, "soft_wrap", True)
     folder = tmp_path / "ckpt"
@@ -148,12 +152,10 @@ def test_corrupt_input_is_refused(case, mutate, needle, args, pristine: Path, tm
     out = tmp_path / "OUT"
     result = CliRunner().invoke(app, ["extract", str(folder), str(out), *args])
     message = result.stderr.strip()
-    assert result.exit_code != 0, f"{case}: exit 0"
-    assert len(message.splitlines()) == 1, f"{case}: not one line: {message!r}"
-    assert needle in message, f"{case}: {needle!r} not in {message!r}"
+    assert result.exit_code == 3, f"{case}: exit {result.exit_code}, not 3 (a corrupt or unsafe checkpoint)"
+    assert len(message.splitlines()) == 1 and message.startswith("error: "), f"{case}: not one line: {message!r}"
+    for needle in needles:
+        assert needle in message, f"{case}: {needle!r} not in {message!r}"
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".OUT")], "temporary folder left behind"
 
-
-def test_at_least_ten_corrupt_cases():
-    assert len(CASES) >= 10

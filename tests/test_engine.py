@@ -91,6 +91,24 @@ def _exact_three_token_distribution(model, prompt, params):
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
+def assert_three_tokens_distributed_as(outputs, exact: torch.Tensor, params) -> None:
+    """The first three tokens of `outputs` (samples for one prompt) against the exact law `exact` [V, V, V]:
+    token 1, and tokens 2-3 jointly, by chi-square (cells expecting ≤ 5 counts only bounded, not tested)."""
+    exact, n, V = exact.double(), len(outputs), exact.shape[0]
+    for name, obs_idx, exp in (
+        ("token 1", [o.tokens[0] for o in outputs], exact.sum((1, 2))),
+        ("tokens 2-3", [o.tokens[1] * V + o.tokens[2] for o in outputs], exact.sum(0).flatten()),
+    ):
+        obs = torch.bincount(torch.tensor(obs_idx), minlength=exp.numel()).double()
+        e = exp * n
+        keep = e > 5
+        assert obs[~keep].sum() <= max(20.0, 3 * float(e[~keep].sum())), name
+        o, ek = obs[keep], e[keep]
+        stat, pval = chisquare(o.numpy(), (ek * o.sum() / ek.sum()).numpy())
+        print(f"{params}: {name} chi2={stat:.1f} p={pval:.3f}")
+        assert pval > 1e-3, (name, stat, pval)
+
+
 @pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_p=0.9)])
 def test_sampled_output_matches_target_distribution(params):
     """End to end through the engine. Token 1 comes from prefill; tokens 2-3 come from a
@@ -111,19 +129,7 @@ def test_sampled_output_matches_target_distribution(params):
     rep = eng.generate([prompt] * n, 3, generator=gen)
     hist = rep.stats.histogram
     assert hist[0] > 300 and hist[1] > 300, hist  # both rejections and acceptances happened
-    exact = _exact_three_token_distribution(model, prompt, params).double()
-    for name, obs_idx, exp in (
-        ("token 1", [o.tokens[0] for o in rep.outputs], exact.sum((1, 2))),
-        ("tokens 2-3", [o.tokens[1] * 8 + o.tokens[2] for o in rep.outputs], exact.sum(0).flatten()),
-    ):
-        obs = torch.bincount(torch.tensor(obs_idx), minlength=exp.numel()).double()
-        e = exp * n
-        keep = e > 5
-        assert obs[~keep].sum() <= max(20.0, 3 * float(e[~keep].sum())), name
-        o, ek = obs[keep], e[keep]
-        stat, pval = chisquare(o.numpy(), (ek * o.sum() / ek.sum()).numpy())
-        print(f"{params}: {name} chi2={stat:.1f} p={pval:.3f}")
-        assert pval > 1e-3, (name, stat, pval)
+    assert_three_tokens_distributed_as(rep.outputs, _exact_three_token_distribution(model, prompt, params), params)
 
 
 def test_bf16_path_runs_and_stays_greedy_exact():

@@ -9,10 +9,11 @@ import torch
 from typer.testing import CliRunner
 
 from dsparkctl.cli.main import app
-from dsparkctl.evaluation.run import DraftUnderTest, evaluate_dataset
+from dsparkctl.evaluation.run import DraftUnderTest, evaluate_dataset, trace_path
 from dsparkctl.evaluation.teacher_forced import TeacherForcedStats, sequence_betas
 from dsparkctl.math.sampling import SamplingParams
 from dsparkctl.models.target import TargetAdapter
+from dsparkctl.trace import read_trace
 from tests.tiny_models import bigram_oracle_draft, save_tiny_target, tiny_target, write_deepspec_draft
 
 runner = CliRunner()
@@ -27,8 +28,11 @@ def test_teacher_forced_stats_on_hand_values():
     assert st.survival() == pytest.approx([1.5 / 3, 1.0 / 3])
     assert st.conditional() == pytest.approx([0.5, 1.0 / 1.5])
     assert st.tau == pytest.approx(1 + 1.5 / 3 + 1.0 / 3)
-    lo, hi = st.conditional_interval()[0]
-    assert lo <= 0.5 <= hi
+    # cluster-robust intervals (clusters = sequences): c_1 = 1.5/3 with se 1/3 spans all of [0, 1]; a_2 = 1/3 with
+    # se 2/9; τ - 1 = 2.5/3 with se 5/9, clipped to [0, γ] rather than [0, 1]
+    assert st.conditional_interval()[0] == pytest.approx((0.0, 1.0))
+    assert st.survival_interval()[1] == pytest.approx((0.0, 1 / 3 + 1.96 * 2 / 9))
+    assert st.tau_interval() == pytest.approx((1.0, 1 + 2.5 / 3 + 1.96 * 5 / 9))
 
 
 @pytest.fixture(scope="module")
@@ -83,16 +87,44 @@ def test_cli_eval_json_plot_trace_and_mismatch(tmp_path):
                               "--temperature", "1.0", "--json", "--plot", str(plot), "--trace", str(trace)])
     assert res.exit_code == 0, res.output
     rep = json.loads(res.stdout)
+    assert json.loads((tmp_path / "r.json").read_text()) == rep
+    assert (rep["mode"], rep["temperature"], rep["max_new_tokens"]) == ("both", 1.0, 12)
     d = rep["datasets"][str(prompts)]["drafts"]
-    assert set(d) == {"a", "b"} and d["a"]["live"]["tau"] >= 1.0 and d["a"]["teacher_forced"]["tau"] >= 1.0
-    assert plot.read_bytes()[:4] == b"\x89PNG"
-    assert len(list(tmp_path.glob("t.*.jsonl"))) == 2
+    assert set(d) == {"a", "b"}
+    # one draft under two labels, same seed: the same rollouts and the same teacher-forced pass
+    for mode, keys in (("live", ("rounds", "tokens", "histogram", "reached", "accepted_at", "tau")),
+                       ("teacher_forced", ("anchors", "tau", "conditional", "survival"))):
+        assert {k: d["a"][mode][k] for k in keys} == {k: d["b"][mode][k] for k in keys}, mode
+    assert d["a"]["teacher_forced"]["continuations"] == "live outputs"
+    # two drafts: one trace per (dataset, draft), named <stem>.<dataset stem>_<label>.jsonl, rounds = live rounds
+    for label in ("a", "b"):
+        path = tmp_path / f"t.p_{label}.jsonl"
+        assert d[label]["trace"] == str(path)
+        tr = read_trace(path)
+        assert (tr.header["dataset"], tr.header["policy"]) == (str(prompts), "static:4")
+        assert len(tr.rounds) == d[label]["live"]["rounds"]
+    assert not trace.exists() and sorted(p.name for p in tmp_path.glob("t*.jsonl")) == ["t.p_a.jsonl", "t.p_b.jsonl"]
+    assert plot.read_bytes()[:4] == b"\x89PNG" and rep["plot"] == str(plot)
     # a draft whose vocabulary differs from the target's: one line, exit != 0
     bad = write_deepspec_draft(tmp_path / "bad", vocab=80, hidden=32, taps=(0, 1), rank=8)
     res = runner.invoke(app, ["eval-acceptance", "--target", str(target), "--draft", str(bad), "--dataset", str(prompts)])
     assert res.exit_code != 0 and "vocabulary 80 != target vocabulary 64" in res.output
     lines = [ln for ln in res.output.replace("\r", "\n").splitlines() if ln.strip() and "Loading weights" not in ln]
     assert len(lines) == 1 and lines[0].startswith("error:")
+
+
+@pytest.mark.parametrize("trace,dataset,label,several,expect", [
+    (None, "mt-bench", "a", True, None),
+    ("out/t.jsonl", "mt-bench", "a", False, "out/t.jsonl"),
+    ("out/t.jsonl", "mt-bench", "a", True, "out/t.mt-bench_a.jsonl"),
+    ("out/t.jsonl", "data/p.txt", "my draft/v2", True, "out/t.p_my_draft_v2.jsonl"),
+    ("out/t", "humaneval", "b", True, "out/t.humaneval_b.jsonl"),
+])
+def test_trace_path_names_one_file_per_dataset_and_draft(trace, dataset, label, several, expect):
+    from pathlib import Path
+
+    got = trace_path(Path(trace) if trace else None, dataset, label, several)
+    assert got == (Path(expect) if expect else None)
 
 
 def test_cli_empty_prompt_rows_are_one_line(tmp_path):

@@ -16,10 +16,11 @@ import torch
 
 from dsparkctl.calibrate import calibration_data, load_temperatures
 from dsparkctl.errors import DsparkError
-from dsparkctl.math.sps import MAX_BATCH_TOKENS, MAX_STEPS_PER_SEC, SPSTable
-from dsparkctl.math.synthetic import SyntheticModel, write_synthetic_trace
+from dsparkctl.math.sps import MAX_BATCH_TOKENS, MAX_STEPS_PER_SEC
+from dsparkctl.math.synthetic import SyntheticModel
+from dsparkctl.sps_io import load_sps_table, table_json
 from dsparkctl.sweep import load_replay_rounds
-from dsparkctl.trace import MAX_BLOCK_SIZE, read_trace
+from dsparkctl.trace import MAX_BLOCK_SIZE, read_trace, write_synthetic_trace
 
 BUDGET_S = 1.5  # per reader
 PALETTE: list[Any] = [None, True, False, -1, 0, 1, 3, 5, 2 ** 63, 10 ** 30, -0.0, 0.5, 1e308, -1e308, 1e-320,
@@ -133,13 +134,13 @@ def _mutate_doc(raw: bytes, rng: random.Random) -> bytes:
 
 
 def _check_sps(path: Path) -> None:
-    t = SPSTable.load(path)
+    t = load_sps_table(path)
     assert all(1 <= b <= MAX_BATCH_TOKENS for b in t.batch_tokens)
     assert all(b < c for b, c in zip(t.batch_tokens, t.batch_tokens[1:]))
     assert all(0 < s <= MAX_STEPS_PER_SEC for s in t.steps_per_sec)
-    json.dumps(t.to_json(), allow_nan=False)
+    json.dumps(table_json(t), allow_nan=False)
     probe = torch.tensor([0.0, 1.0, t.batch_tokens[-1], 3.0 * t.batch_tokens[-1], 2.0 ** 31])
-    for table in (t.with_options(extrapolate="clamp"), t.with_options(mode="linear", extrapolate="linear")):
+    for table in (load_sps_table(path, extrapolate="clamp"), load_sps_table(path, mode="linear", extrapolate="linear")):
         v = table.sps(probe)
         assert bool(torch.isfinite(v).all()) and bool((v > 0).all()) and float(v.max()) <= MAX_STEPS_PER_SEC, v
 

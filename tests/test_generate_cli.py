@@ -36,15 +36,20 @@ def test_generate_json_trace_and_baseline(models, tmp_path):
     rep = json.loads(res.stdout)
     assert rep["block_size"] == 4 and rep["policy"] == "static:4" and rep["draft_kind"] == "dspark"
     assert rep["baseline"]["identical_outputs"] == 3
-    assert [r["generated_tokens"] for r in rep["requests"]] == [12, 12, 12] or any(
-        r["finish_reason"] == "stop" for r in rep["requests"])
     acc = rep["acceptance"]
-    assert acc["rounds"] > 0 and acc["tau"] >= 1.0
     tr = read_trace(trace)
     assert tr.header["block_size"] == 4 and tr.header["target"] == str(target)
-    assert {r.request for r in tr.rounds} == {0, 1, 2}
     assert all(r.verify_length <= 4 and r.confidence_logits is not None for r in tr.rounds)
-    assert len(tr.rounds) == acc["rounds"]
+    assert len(tr.rounds) == acc["rounds"] == sum(r["rounds"] for r in rep["requests"])
+    assert rep["generated_tokens"] == sum(r["generated_tokens"] for r in rep["requests"])
+    # greedy decoding of this tiny target never emits <eos> within 12 tokens of these prompts (the plain
+    # baseline gives the same tokens), so every request runs to its budget
+    assert [(r["generated_tokens"], r["finish_reason"]) for r in rep["requests"]] == [(12, "length")] * 3
+    for req in rep["requests"]:  # and the trace accounts for every token: prefill's, then accepted + 1 a round
+        rounds = [r for r in tr.rounds if r.request == req["index"]]
+        assert [r.round for r in rounds] == list(range(req["rounds"]))
+        assert 1 + sum(r.accepted + 1 for r in rounds) == req["generated_tokens"]
+    assert acc["tokens"] == sum(r.accepted + 1 for r in tr.rounds)
 
 
 def test_generate_human_output_has_acceptance_table(models):

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from dsparkctl.errors import InputError, UsageError
-from dsparkctl.math.policies import (POLICY_NAMES, DSparkAsync, expected_throughput, parse_policy,
-                                     survival_from_logits)
+from dsparkctl.math.policies import (NEEDS_SPS, POLICY_NAMES, POLICY_SPECS, DSparkAsync, expected_throughput,
+                                     parse_policy, survival_from_logits)
 from dsparkctl.math.sps import SPSTable
 
 
@@ -43,9 +43,20 @@ def test_parse_policy_errors(spec, msg):
         parse_policy(spec, sps=linear_time_sps(8))
 
 
-def test_needs_sps():
+@pytest.mark.parametrize("name", NEEDS_SPS)
+def test_needs_sps(name):
     with pytest.raises(UsageError, match="needs an SPS table"):
-        parse_policy("dspark")
+        parse_policy(name)
+
+
+def test_one_policy_list():
+    """The list every help text and hint prints is the registry's, the one parse_policy reads."""
+    assert POLICY_SPECS == "static:K, threshold:t, survival:t, dspark, dspark-async, budget:B, retrospective"
+    assert NEEDS_SPS == ("dspark", "dspark-async", "retrospective")
+    assert POLICY_NAMES == tuple(s.split(":")[0] for s in POLICY_SPECS.split(", "))
+    for name in set(POLICY_NAMES) - set(NEEDS_SPS):  # every other policy runs without a table
+        parse_policy({"static": "static:1", "threshold": "threshold:0.5", "survival": "survival:0.5",
+                      "budget": "budget:2"}[name])
 
 
 def test_static_without_confidence_head():

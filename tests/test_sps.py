@@ -7,6 +7,7 @@ import torch
 
 from dsparkctl.errors import InputError
 from dsparkctl.math.sps import SPSTable
+from dsparkctl.sps_io import load_sps_table, save_sps_table
 
 BT, SPS = [1, 4, 16, 64], [100.0, 80.0, 40.0, 12.0]
 
@@ -56,13 +57,13 @@ def test_dense_matches_lookup():
 def test_roundtrip(tmp_path, fmt):
     t = SPSTable(BT, SPS, meta={"device": "cpu"}, max_batch_tokens=128)
     p = tmp_path / f"{fmt}.json"
-    t.save(p, fmt=fmt)
+    save_sps_table(t, p, fmt=fmt)
     obj = json.loads(p.read_text())
     if fmt == "sglang":
         assert set(obj) == {"sample_batch_tokens", "sample_steps_per_sec", "max_batch_tokens"}
     else:
         assert obj["format"] == "dsparkctl-sps/1" and "provenance" in obj and obj["device"] == "cpu"
-    u = SPSTable.load(p)
+    u = load_sps_table(p)
     assert u.batch_tokens == BT and u.steps_per_sec == SPS and u.max_batch_tokens == 128
 
 
@@ -79,4 +80,4 @@ def test_bad_files(tmp_path, content, msg):
     p = tmp_path / "t.json"
     p.write_text(content)
     with pytest.raises(InputError, match=msg):
-        SPSTable.load(p)
+        load_sps_table(p)

@@ -7,7 +7,9 @@ from typer.testing import CliRunner
 
 from dsparkctl.cli.main import app
 from dsparkctl.math.sps import SPSTable
-from dsparkctl.math.synthetic import SyntheticModel, write_synthetic_trace
+from dsparkctl.math.synthetic import SyntheticModel
+from dsparkctl.sps_io import save_sps_table
+from dsparkctl.trace import write_synthetic_trace
 
 runner = CliRunner()
 
@@ -20,8 +22,8 @@ def files(tmp_path_factory):
     write_synthetic_trace(d / "noconf.jsonl", SyntheticModel(), 10, 5, seed=3, with_confidence=False)
     g3 = SyntheticModel(gamma=3, mean_logit=(2.0, 1.5, 1.0), overconfidence=(2.0,) * 3, bias=(0.0,) * 3)
     write_synthetic_trace(d / "g3.jsonl", g3, 10, 5, seed=4)
-    SPSTable([1, 4, 16, 64, 256, 1024, 8192], [50.0, 40.0, 35.0, 25.0, 12.0, 4.0, 0.6]).save(d / "sps.json")
-    SPSTable([1, 4, 16], [50.0, 40.0, 35.0]).save(d / "sps_sglang.json", fmt="sglang")
+    save_sps_table(SPSTable([1, 4, 16, 64, 256, 1024, 8192], [50.0, 40.0, 35.0, 25.0, 12.0, 4.0, 0.6]), d / "sps.json")
+    save_sps_table(SPSTable([1, 4, 16], [50.0, 40.0, 35.0]), d / "sps_sglang.json", fmt="sglang")
     (d / "bad_sps.json").write_text(json.dumps({"sample_batch_tokens": [1, 8, 4],
                                                 "sample_steps_per_sec": [3, 2, 1], "max_batch_tokens": 8}))
     lines = (d / "full.jsonl").read_text().splitlines()
@@ -51,12 +53,22 @@ def test_sweep_json_and_plot(files, tmp_path):
                               "--concurrency", "1,4,64", "--rounds", "500", "--plot", str(tmp_path / "f.png"),
                               "--json"])
     assert res.exit_code == 0, res.output
-    rows = json.loads(res.stdout)["rows"]
-    assert len(rows) == 9
-    s1 = [r for r in rows if r["policy"] == "static:1"]
-    assert all(r["mean_verify"] == 1.0 for r in s1)
-    assert all(1.0 <= r["tokens_per_step"] <= 2.0 for r in s1)
-    assert (tmp_path / "f.png").stat().st_size > 10_000
+    doc = json.loads(res.stdout)
+    rows = doc["rows"]
+    assert [(r["policy"], r["concurrency"]) for r in rows] == [
+        (p, c) for c in (1, 4, 64) for p in ("static:1", "dspark", "dspark-async")]
+    assert doc["pooled_rounds"] == 60 * 20 and doc["block_size"] == 5
+    for r in rows:  # each cell replays ceil(rounds / C) steps of C requests
+        assert r["steps"] == -(-500 // r["concurrency"]) and r["request_rounds"] == r["steps"] * r["concurrency"]
+        assert r["per_user_tok_s"] == pytest.approx(r["throughput_tok_s"] / r["concurrency"])
+        assert 0.0 <= r["mean_verify"] <= 5.0 and 1.0 <= r["tokens_per_step"] <= 1.0 + r["mean_verify"]
+    # static:1 verifies one draft per request: B = 2C every step, so each step takes 1 / SPS(2C) with the
+    # table's floor lookup (C=1: B=2 -> 50/s; C=4: B=8 -> 40/s; C=64: B=128 -> 25/s)
+    for r in (r for r in rows if r["policy"] == "static:1"):
+        sps = {1: 50.0, 4: 40.0, 64: 25.0}[r["concurrency"]]
+        assert r["mean_verify"] == 1.0 and r["mean_batch_tokens"] == 2 * r["concurrency"]
+        assert r["throughput_tok_s"] == pytest.approx(r["tokens_per_step"] * r["concurrency"] * sps)
+    assert (tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_sweep_accepts_sglang_table_and_static_without_confidence(files):
@@ -64,6 +76,15 @@ def test_sweep_accepts_sglang_table_and_static_without_confidence(files):
                               "--sps-table", str(files / "sps_sglang.json"), "--policies", "static:2",
                               "--concurrency", "2", "--rounds", "50", "--json"])
     assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["pooled_rounds"] == 10 * 5 and doc["temperatures"] is None
+    (r,) = doc["rows"]
+    assert (r["policy"], r["concurrency"], r["steps"], r["request_rounds"]) == ("static:2", 2, 25, 50)
+    assert r["mean_verify"] == 2.0 and r["mean_batch_tokens"] == 6.0  # B = 2 requests × (1 + 2)
+    assert 1.0 <= r["tokens_per_step"] <= 3.0
+    # the SGLang table's probes 1, 4, 16 -> 50, 40, 35 steps/s: B = 6 reads the probe at 4 (floor, SGLang's
+    # lookup), so 25 steps take 25/40 s
+    assert r["throughput_tok_s"] == pytest.approx(r["tokens_per_step"] * 50 / (25 / 40.0))
 
 
 def test_audit_command(tmp_path):

@@ -27,8 +27,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
-import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -74,18 +74,6 @@ class ExtractResult:
     verified: bool = False
 
 
-def parse_size(text: str) -> int:
-    """'5GB' -> 5_000_000_000, '512MiB' -> 536_870_912, '1000' -> 1000."""
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?)[bB]?", text.strip())
-    if not m:
-        raise UsageError(f"--max-shard-size {text!r} is not a size", hint="use e.g. 5GB, 500MB or 2GiB")
-    base = 1024 if m.group(3) else 1000
-    size = int(float(m.group(1)) * base ** "_KMGT".index(m.group(2).upper() or "_"))
-    if size < 1:
-        raise UsageError(f"--max-shard-size {text!r} is less than one byte", hint="use e.g. 5GB, 500MB or 2GiB")
-    return size
-
-
 def plan(ckpt: Checkpoint, with_head: bool, dequantize: bool, max_shard: int) -> list[Planned]:
     """Output tensors in source order (shard, then offset), assigned to output shards."""
     names = ckpt.draft_names(with_head)
@@ -102,7 +90,8 @@ def plan(ckpt: Checkpoint, with_head: bool, dequantize: bool, max_shard: int) ->
             kind = quant_kind(info) if dequantize else None
             if kind:
                 shape = logical_shape(kind, info.shape)
-                items.append(Planned(info, "BF16", shape, 2 * _numel(shape), kind, ckpt.tensor(scale_name(info.name))))
+                scale = ckpt.tensor(scale_name(info.name))
+                items.append(Planned(info, "BF16", shape, 2 * math.prod(shape), kind, scale))
             else:
                 items.append(Planned(info, info.dtype, info.shape, info.nbytes))
     shard, size = 0, 0
@@ -432,9 +421,3 @@ def _revision_from_path(folder: Path | None) -> str | None:
         return folder.resolve().name
     return None
 
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

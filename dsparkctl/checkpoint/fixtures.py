@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from dsparkctl.checkpoint.safetensors_io import DTYPE_SIZE, encode_header
+from dsparkctl.checkpoint.source import INDEX, SINGLE
 
 Spec = tuple[str, str, tuple[int, ...]]  # (name, dtype, stored shape)
 
@@ -184,8 +185,7 @@ def write_fixture(folder: Path, layout: str = "v4.1-flash", dims: Dims | None = 
     rng = np.random.default_rng(seed)
     plan = shard_plan(layout, d)
     single = layout.startswith("deepspec")
-    names = ["model.safetensors"] if single else [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors"
-                                                  for i in range(len(plan))]
+    names = [SINGLE] if single else [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))]
     weight_map, total = {}, 0
     for file, specs in zip(names, plan):
         entries = [(n, dt, sh, int(np.prod(sh, dtype=np.int64)) * DTYPE_SIZE[dt]) for n, dt, sh in specs]
@@ -198,7 +198,7 @@ def write_fixture(folder: Path, layout: str = "v4.1-flash", dims: Dims | None = 
     (folder / "config.json").write_text(json.dumps(_config(layout, d), indent=2))
     if not single:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        (folder / INDEX).write_text(json.dumps(index, indent=2))
     (folder / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 4096}))
     return folder
 

@@ -51,15 +51,15 @@ def check_repo_id(repo: str) -> None:
 
 
 @contextlib.contextmanager
-def _hub_errors(repo: str) -> Iterator[None]:
-    """Map huggingface_hub/HTTP failures to one-line domain errors."""
+def hub_errors(repo: str) -> Iterator[None]:
+    """Map huggingface_hub/HTTP failures inside the block to one-line domain errors naming `repo`."""
     try:
         yield
     except RepositoryNotFoundError:
         raise InputError(f"{repo}: repository not found (or private)",
                          hint="check the repo id, or set HF_TOKEN for a private/gated repo") from None
     except RevisionNotFoundError:
-        raise InputError(f"{repo}: revision not found", hint="check --revision") from None
+        raise InputError(f"{repo}: revision not found", hint="check the revision (a branch, tag or commit)") from None
     except HfHubHTTPError as exc:
         raise CheckpointError(f"{repo}: hub request failed: {str(exc).splitlines()[0]}",
                               hint="check the network, HF_ENDPOINT and HF_TOKEN") from None
@@ -123,7 +123,7 @@ def open_remote(repo: str, revision: str | None = None, token: str | bool | None
     """A Checkpoint of a hub repo from config + index + shard headers only."""
     check_repo_id(repo)
     if constants.HF_HUB_OFFLINE:
-        with _hub_errors(repo):
+        with hub_errors(repo):
             try:
                 folder = huggingface_hub.snapshot_download(repo, revision=revision, local_files_only=True)
             except Exception:  # noqa: BLE001 - any cache miss
@@ -131,7 +131,7 @@ def open_remote(repo: str, revision: str | None = None, token: str | bool | None
                                       hint="unset HF_HUB_OFFLINE or run `dsparkctl download` first") from None
         return open_local(Path(folder))
     remote = _Remote(repo, revision, token)
-    with _hub_errors(repo):
+    with hub_errors(repo):
         cfg = remote.get("config.json")
         index = remote.get(INDEX)
         if index is not None:
@@ -174,7 +174,7 @@ def download(repo: str, revision: str | None = None, local_dir: Path | None = No
     sizes = {f: h.file_size for f, h in ckpt.headers.items()}
     result = DownloadResult(folder=Path(), revision=ckpt.revision)
     meta = ["config.json"] + ([INDEX] if len(ckpt.headers) > 1 or SINGLE not in ckpt.headers else [])
-    with _hub_errors(repo):
+    with hub_errors(repo):
         for file in meta + list(TOKENIZER_FILES) + wanted:
             if on_file:
                 on_file(file, sizes.get(file, 0))

@@ -63,10 +63,6 @@ class ShardHeader:
     tensors: dict[str, TensorInfo]
     metadata: dict[str, str] = field(default_factory=dict)
 
-    @property
-    def data_start(self) -> int:
-        return 8 + self.header_len
-
 
 def header_length(prefix: bytes, file: str, file_size: int) -> int:
     """Decode the 8-byte prefix and check the header fits in the file."""

@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 from rich.table import Table
 
 from dsparkctl.checkpoint import hub
-from dsparkctl.checkpoint.extract import extract, parse_size
+from dsparkctl.checkpoint.extract import extract
 from dsparkctl.checkpoint.inspect import inspect_report
 from dsparkctl.checkpoint.source import Checkpoint, open_local
-from dsparkctl.cli.common import JsonOpt, RevisionOpt, err, guarded, out, print_json, show_progress, styled
+from dsparkctl.cli.common import JsonOpt, RevisionOpt, err, guarded, out, print_json, progress_bar, styled
 from dsparkctl.cli.checks import Output, check_outputs
 from dsparkctl.errors import UsageError
 from dsparkctl.signals import terminate_as_interrupt
-from dsparkctl.strict_json import finite
 
 SourceArg = Annotated[str, typer.Argument(help="A local checkpoint folder or a hub repo id (org/name).")]
 WithHeadOpt = Annotated[bool, typer.Option("--with-head", help="Also take the target's embed/head the draft borrows.")]
@@ -35,19 +34,31 @@ def _open(source: str, revision: str | None) -> Checkpoint:
     raise UsageError(f"{source}: no such folder and not a repo id", hint="pass a folder or org/name")
 
 
+def parse_size(text: str, option: str = "--max-shard-size") -> int:
+    """'5GB' -> 5_000_000_000, '512MiB' -> 536_870_912, '1000' -> 1000."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?)[bB]?", text.strip())
+    if not m:
+        raise UsageError(f"{option} {text!r} is not a size", hint="use e.g. 5GB, 500MB or 2GiB")
+    base = 1024 if m.group(3) else 1000
+    size = int(float(m.group(1)) * base ** "_KMGT".index(m.group(2).upper() or "_"))
+    if size < 1:
+        raise UsageError(f"{option} {text!r} is less than one byte", hint="use e.g. 5GB, 500MB or 2GiB")
+    return size
+
+
 def _gb(n: int) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.3f} MB"
 
 
 @guarded
-def inspect_cmd(source: SourceArg, revision: RevisionOpt = None, json: JsonOpt = False) -> None:
+def inspect_cmd(source: SourceArg, revision: RevisionOpt = None, json_out: JsonOpt = False) -> None:
     """Show a checkpoint's draft: layout, components, shards to download, config and findings."""
     ckpt = _open(source, revision)
     report = inspect_report(ckpt)
     if ckpt.bytes_transferred:
         report["transferred_bytes"] = ckpt.bytes_transferred
-    if json:
-        print_json(finite(report))  # config values are the user's; strict JSON out
+    if json_out:
+        print_json(report)  # strict JSON: a NaN among the user's config values prints as null
         return
     _print_report(report)
 
@@ -90,7 +101,7 @@ def download_cmd(
     revision: RevisionOpt = None,
     local_dir: Annotated[Path | None, typer.Option("--local-dir", help="Download here instead of the HF cache.")] = None,
     with_head: WithHeadOpt = False,
-    json: JsonOpt = False,
+    json_out: JsonOpt = False,
 ) -> None:
     """Fetch config, index, tokenizer files and only the shards holding the draft (resumable)."""
     def on_file(file: str, size: int) -> None:
@@ -103,7 +114,7 @@ def download_cmd(
     doc = {"folder": res.folder, "revision": res.revision,
            "fetched": [{"file": f, "bytes": b} for f, b in res.fetched],
            "skipped": [{"file": f, "bytes": b} for f, b in res.skipped]}
-    if json:
+    if json_out:
         print_json(doc)
         return
     got, skip = sum(b for _, b in res.fetched), sum(b for _, b in res.skipped)
@@ -122,7 +133,7 @@ def extract_cmd(
     max_shard_size: Annotated[str, typer.Option("--max-shard-size", help="Largest output shard.")] = "5GB",
     with_head: WithHeadOpt = False,
     verify: Annotated[bool, typer.Option("--verify", help="Re-read the output and check every tensor.")] = False,
-    json: JsonOpt = False,
+    json_out: JsonOpt = False,
 ) -> None:
     """Stream the draft tensors (and scales) into a standalone checkpoint, atomically."""
     if dequantize not in (None, "bf16"):
@@ -135,7 +146,7 @@ def extract_cmd(
         res, layout = _extract(source, out_dir, revision, bool(dequantize), limit, with_head, verify)
     doc = {"out": res.out, "layout": layout, "tensors": res.tensors, "bytes": res.bytes_written,
            "shards": res.shards, "source_shards_sha256": res.source_shards, "verified": res.verified}
-    if json:
+    if json_out:
         print_json(doc)
         return
     out.print(f"wrote {res.tensors} tensors ({_gb(res.bytes_written)}) in {len(res.shards)} shard(s) to {res.out}"
@@ -150,17 +161,11 @@ def _extract(source: str, out_dir: Path, revision: str | None, dequantize: bool,
     else:
         ckpt = _open(source, revision)
     note = lambda m: err.print(styled(("note:", "yellow"), f" {m}"), highlight=False)  # noqa: E731
-    if show_progress():
-        with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                      TransferSpeedColumn(), console=err, transient=True) as bar:
-            files = {ckpt.weight_map[n] for n in ckpt.draft_names(with_head)}
-            total = sum(ckpt.headers[f].file_size for f in files if f in ckpt.headers)
-            task = bar.add_task("extract", total=total)
-            res = extract(ckpt, out_dir, dequantize=dequantize, with_head=with_head, max_shard_size=limit,
-                          verify=verify, on_bytes=lambda n: bar.advance(task, n), log=note)
-    else:
+    files = {ckpt.weight_map[n] for n in ckpt.draft_names(with_head)}
+    total = sum(ckpt.headers[f].file_size for f in files if f in ckpt.headers)
+    with progress_bar("extract", total, transfer=True) as update:
         res = extract(ckpt, out_dir, dequantize=dequantize, with_head=with_head, max_shard_size=limit,
-                      verify=verify, log=note)
+                      verify=verify, on_bytes=lambda n: update(advance=n), log=note)
     return res, ckpt.layout.key
 
 

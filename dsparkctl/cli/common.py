@@ -1,6 +1,9 @@
 """Shared CLI plumbing: typed options, output routing, and the one place errors become messages.
 
 Results go to stdout (a rich table, or JSON with `--json`); progress and logs go to stderr.
+Every command is a function decorated with `@guarded` where it is defined (errors -> one line,
+seed checked, signals unwind) and registered by its module's `register(app)`; the JSON flag is
+always the parameter `json_out: JsonOpt`.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from dsparkctl.errors import DsparkError
+from dsparkctl.errors import DsparkError, UsageError
 
 # Markup is off on both consoles: user text (paths, prompts, config values) is never parsed as
 # rich markup. Our own styling goes through `styled`, which builds Text objects.
@@ -68,9 +71,6 @@ TargetOpt = Annotated[str | None, typer.Option("--target", help="Target model: f
                                                "embedded SmolLM2-135M-Instruct).")]
 DraftOpt = Annotated[str | None, typer.Option("--draft", help="DeepSpec draft folder or hub id; 'random' for an "
                                               "untrained one (default: the shipped draft for the embedded target).")]
-OutPathOpt = Annotated[Path | None, typer.Option("--out", help="Write the result here (atomically).")]
-
-
 TargetParallelOpt = Annotated[str, typer.Option("--target-parallel", help="For a target too big for one device: "
                                                 "device-map (one process, layers over the visible GPUs) or tp "
                                                 "(under torchrun, each rank a shard; the ranks then share the work).")]
@@ -92,6 +92,17 @@ def with_preset(preset_name: str | None, temperature: float | None,
     t = temperature if temperature is not None else (preset.temperature if preset else 0.0)
     n = max_new_tokens if max_new_tokens is not None else (preset.max_new_tokens if preset else 128)
     return preset, t, n
+
+
+def int_list(text: str, option: str) -> list[int]:
+    """A comma-separated list of positive integers given to `option` (e.g. "--requests 1,2,4")."""
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"{option} must be comma-separated integers, got {text!r}", f"e.g. {option} 1,2,4") from None
+    if not vals or any(v < 1 for v in vals):
+        raise UsageError(f"{option} must be positive integers, got {text!r}", f"e.g. {option} 1,2,4")
+    return vals
 
 
 def print_json(obj: Any) -> None:
@@ -123,22 +134,29 @@ def show_progress() -> bool:
 
 
 @contextlib.contextmanager
-def progress_bar(label: str, total: int, unit: str = "", enabled: bool = True,
-                 describe: bool = False) -> Iterator[Callable[..., None]]:
+def progress_bar(label: str, total: int, unit: str = "", enabled: bool = True, describe: bool = False,
+                 transfer: bool = False) -> Iterator[Callable[..., None]]:
     """The one progress bar: on a terminal (stderr) a transient rich bar, elsewhere nothing.
 
-    Yields `update(completed, description="")`; `describe` adds a column for the description."""
+    Yields `update(completed=None, advance=0, description=None)` (safe to call from threads);
+    `describe` adds a column for the description, `transfer` counts bytes and shows the speed."""
     if not (enabled and show_progress()):
-        yield lambda completed, description="": None
+        yield lambda completed=None, advance=0, description=None: None
         return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn,
+                               TimeRemainingColumn, TransferSpeedColumn)
 
-    cols = [TextColumn(label), BarColumn(), MofNCompleteColumn(), TextColumn(unit), TimeRemainingColumn()]
+    cols = [TextColumn(label), BarColumn()]
+    cols += ([DownloadColumn(), TransferSpeedColumn()] if transfer
+             else [MofNCompleteColumn(), TextColumn(unit), TimeRemainingColumn()])
     if describe:
         cols.append(TextColumn("{task.description}", markup=False))
     with Progress(*cols, console=err, transient=True) as progress:
         task = progress.add_task("", total=total)
-        yield lambda completed, description="": progress.update(task, completed=completed, description=description)
+
+        def update(completed: float | None = None, advance: float = 0, description: str | None = None) -> None:
+            progress.update(task, completed=completed, advance=advance or None, description=description)
+        yield update
 
 
 def guarded(fn: F) -> F:

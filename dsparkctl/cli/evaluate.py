@@ -10,8 +10,9 @@ import typer
 from rich.table import Table
 
 from dsparkctl.cli.common import (DeviceOpt, DType, DTypeOpt, Device, JsonOpt, MaxNewTokensOpt, PresetOpt, RevisionOpt,
-                                  SeedOpt, TargetParallelOpt, TemperatureOpt, TrustRemoteCodeOpt, err, guarded, out, print_json,
-                                  with_preset)
+                                  SeedOpt, TargetOpt, TargetParallelOpt, TemperatureOpt, TrustRemoteCodeOpt, err,
+                                  guarded, out, print_json, with_preset)
+from dsparkctl.errors import UsageError
 
 
 class Mode(str, Enum):
@@ -58,7 +59,7 @@ def result_table(dataset: str, label: str, r: dict[str, Any]) -> Table:
 def eval_acceptance(
     draft: Annotated[Optional[list[str]], typer.Option("--draft", help="Draft folder or hub id; repeat to compare "
                                                        "side by side (default: the shipped draft).")] = None,
-    target: Annotated[Optional[str], typer.Option("--target", help="Target model (default: embedded SmolLM2-135M-Instruct).")] = None,
+    target: TargetOpt = None,
     dataset: Annotated[Optional[list[str]], typer.Option("--dataset", help="mt-bench, humaneval, sharegpt, a local file "
                                                          "or a hub id; repeat for several panels.")] = None,
     field: Annotated[Optional[str], typer.Option("--field", help="Prompt field for local files / hub datasets.")] = None,
@@ -82,21 +83,17 @@ def eval_acceptance(
     seed: SeedOpt = 0,
     json_out: JsonOpt = False,
 ) -> None:
-    from dsparkctl.data.prompts import encode_prompts, load_prompts
     from dsparkctl.cli.checks import Output, check_outputs
+    from dsparkctl.data.prompts import apply_preset_wrap, encode_prompts, load_prompts
+    from dsparkctl.distributed import world
     from dsparkctl.engine.session import open_target
-    from dsparkctl.errors import UsageError
-    from dsparkctl.evaluation.run import FORMAT, DraftUnderTest, evaluate_dataset
+    from dsparkctl.evaluation.run import EvalOptions, drafts_under_test, evaluate_acceptance
     from dsparkctl.fsutil import write_json
     from dsparkctl.math.sampling import SamplingParams
-    from dsparkctl.provenance import provenance
-
-    from dsparkctl.data.prompts import apply_preset_wrap
 
     preset, temperature, max_new_tokens = with_preset(preset, temperature, max_new_tokens)
     if max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-    params = SamplingParams(temperature=temperature)
     datasets = dataset or ["mt-bench"]
     if labels and len(labels) != len(draft or []):
         raise UsageError("--label must be given once per --draft")
@@ -104,48 +101,23 @@ def eval_acceptance(
                                Output(plot, "--plot", kind="figure") if plot else None,
                                Output(trace, "--trace") if trace else None) if o is not None])
     # prompts first: bad prompt files fail before any model loads
-    prompt_texts = {ds: apply_preset_wrap(preset, ds, load_prompts(ds, field, limit)) for ds in datasets}
+    texts = {ds: apply_preset_wrap(preset, ds, load_prompts(ds, field, limit)) for ds in datasets}
     sess = open_target(target, device.value, dtype.value, revision, trust_remote_code, log=lambda s: err.print(s),
                        parallel=target_parallel)
+    drafts, notes = drafts_under_test(sess, draft or [None], labels, revision, seed)
+    for n in notes:
+        err.print(f"note: {n}")
+    gamma = max(d.draft.block_size for d in drafts)
+    if mode != Mode.live and max_new_tokens <= gamma:
+        raise UsageError(f"--max-new-tokens {max_new_tokens} leaves no full block of γ={gamma} to score "
+                         "teacher-forced", f"use --max-new-tokens > {gamma}")
     lt = sess.target
-    drafts = []
-    for i, src in enumerate(draft or [None]):
-        d, name, notes = sess.load_draft(src, revision, seed)
-        for n in notes:
-            err.print(f"note: {n}")
-        label = labels[i] if labels else (Path(src).name or src if src else name)
-        drafts.append(DraftUnderTest(label=label, draft=d, source=name))
-    for d in drafts:
-        if mode != Mode.live and max_new_tokens <= d.draft.block_size:
-            raise UsageError(f"--max-new-tokens {max_new_tokens} leaves no full block of γ={d.draft.block_size} "
-                             "to score teacher-forced", f"use --max-new-tokens > {d.draft.block_size}")
-    stops = sess.stop_ids
-    several = len(datasets) * len(drafts) > 1
-
-    def trace_path_for(ds: str):
-        def f(label: str):
-            if trace is None or mode == Mode.teacher_forced:
-                return None
-            if not several:
-                return trace
-            safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in f"{Path(ds).stem}.{label}")
-            return trace.with_name(f"{trace.stem}.{safe}{trace.suffix or '.jsonl'}")
-        return f
-
-    results: dict[str, Any] = {"format": FORMAT, "mode": mode.value, "temperature": temperature,
-                               "preset": preset.name if preset else None,
-                               "max_new_tokens": max_new_tokens, "seed": seed, "target": lt.name, "datasets": {},
-                               "provenance": provenance(command="eval-acceptance", seed=seed)}
-    for ds in datasets:
-        ids = encode_prompts(lt.tokenizer, prompt_texts[ds], chat=chat)
-        err.print(f"{ds}: {len(ids)} prompts, mode {mode.value}, T={temperature}", highlight=False)
-        header = {"target": lt.name, "dataset": ds, "temperature": temperature, "seed": seed}
-        results["datasets"][ds] = evaluate_dataset(
-            lt.model, drafts, ids, mode=mode.value, params=params, max_new_tokens=max_new_tokens, stop_ids=stops,
-            seed=seed, batch_size=batch_size, trace_path=trace_path_for(ds), trace_header=header,
-            log=lambda s: err.print(f"  {s}", highlight=False))
-    from dsparkctl.distributed import world
-
+    prompts = {ds: encode_prompts(lt.tokenizer, texts[ds], chat=chat) for ds in datasets}
+    opts = EvalOptions(mode=mode.value, params=SamplingParams(temperature=temperature),
+                       max_new_tokens=max_new_tokens, seed=seed, batch_size=batch_size,
+                       trace=trace if mode != Mode.teacher_forced else None, preset=preset.name if preset else None)
+    results = evaluate_acceptance(lt.model, lt.name, drafts, prompts, opts, sess.stop_ids,
+                                  log=lambda s: err.print(s, highlight=False))
     if plot is not None:
         if world().main:
             from dsparkctl.evaluation.plot import plot_acceptance
@@ -156,11 +128,16 @@ def eval_acceptance(
     if json_out:
         print_json(results)
         return
+    print_results(results)
+    if plot is not None:
+        out.print(f"plot: {plot}")
+
+
+def print_results(results: dict[str, Any]) -> None:
+    """One table per dataset and draft, and how much faster teacher-forced scoring was than live."""
     for ds, dres in results["datasets"].items():
         for label, r in dres["drafts"].items():
             out.print(result_table(ds, label, r))
-            if "speed_ratio_live_over_tf" in r and r["speed_ratio_live_over_tf"]:
+            if r.get("speed_ratio_live_over_tf"):
                 out.print(f"  per evaluated position: live {r['live']['ms_per_position']:.3f} ms, teacher-forced "
                           f"{r['teacher_forced']['ms_per_position']:.3f} ms ({r['speed_ratio_live_over_tf']:.1f}x)")
-    if plot is not None:
-        out.print(f"plot: {plot}")

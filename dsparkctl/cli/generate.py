@@ -12,6 +12,7 @@ from dsparkctl.cli.common import (DeviceOpt, DraftOpt, DType, DTypeOpt, Device, 
                                   MaxNewTokensOpt, PresetOpt, TargetOpt, TargetParallelOpt, TemperatureOpt, TrustRemoteCodeOpt, err,
                                   guarded, out, print_json, progress_bar, show_progress, styled, with_preset)
 from dsparkctl.errors import UsageError
+from dsparkctl.math.policies import NEEDS_SPS, POLICY_SPECS
 
 
 def register(app: typer.Typer) -> None:
@@ -44,8 +45,11 @@ def generate(
     target: TargetOpt = None,
     draft: DraftOpt = None,
     revision: RevisionOpt = None,
-    policy: Annotated[Optional[str], typer.Option("--policy", help="Verify-length policy: static:K (default K = block size), threshold:t, survival:t, dspark, dspark-async, budget:B, retrospective (biased: for replay studies only).")] = None,
-    sps_table: Annotated[Optional[Path], typer.Option("--sps-table", help="SPS table for dspark/dspark-async/budget (from profile-sps).")] = None,
+    policy: Annotated[Optional[str], typer.Option("--policy", help=f"Verify-length policy: {POLICY_SPECS} (default "
+                                                  "static:γ, every draft; retrospective is biased: for replay "
+                                                  "studies only).")] = None,
+    sps_table: Annotated[Optional[Path], typer.Option("--sps-table", help=f"SPS table for {', '.join(NEEDS_SPS)} "
+                                                      "(from profile-sps).")] = None,
     calibration: Annotated[Optional[Path], typer.Option("--calibration", help="Per-position temperatures from `dsparkctl calibrate`.")] = None,
     temperature: TemperatureOpt = None,
     top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass in (0, 1].")] = 1.0,
@@ -66,13 +70,11 @@ def generate(
     target_parallel: TargetParallelOpt = "none",
 ) -> None:
     from dsparkctl.cli.checks import Output, check_outputs
-    from dsparkctl.data.prompts import encode_prompts, prompt_texts
+    from dsparkctl.data.prompts import apply_preset_wrap, encode_prompts, prompt_texts
     from dsparkctl.engine.generate import GenerateOptions, generate_report
     from dsparkctl.engine.session import open_session
     from dsparkctl.math.sampling import SamplingParams
     from dsparkctl.provenance import provenance
-
-    from dsparkctl.data.prompts import apply_preset_wrap
 
     preset, temperature, max_new_tokens = with_preset(preset, temperature, max_new_tokens)
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
@@ -80,6 +82,8 @@ def generate(
         raise UsageError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {batch_size}")
+    if policy and policy.partition(":")[0].strip() in NEEDS_SPS and sps_table is None:
+        raise UsageError(f"--policy {policy} needs an SPS table", "pass --sps-table (written by `dsparkctl profile-sps`)")
     if trace is not None:
         check_outputs([Output(trace, "--trace")])
     texts = apply_preset_wrap(preset, dataset, prompt_texts(prompts, prompts_file, dataset, field, limit,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import itertools
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
@@ -9,11 +11,11 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from dsparkctl.cli.checks import Output, check_outputs, check_seed
+from dsparkctl.cli.checks import Output, check_outputs
 from dsparkctl.cli.common import (DeviceOpt, DraftOpt, DType, DTypeOpt, Device, JsonOpt, RevisionOpt, SeedOpt,
-                                  TargetOpt, err, guarded, out, print_json, progress_bar, styled)
+                                  TargetOpt, err, guarded, int_list, out, print_json, progress_bar, styled)
 from dsparkctl.errors import UsageError
-from dsparkctl.strict_json import finite
+from dsparkctl.provenance import provenance
 
 
 class Measure(str, Enum):
@@ -27,35 +29,13 @@ def register(app: typer.Typer) -> None:
                 "SGLang's) and a PNG.")(profile_sps_cmd)
 
 
-def _int_list(text: str, name: str) -> list[int]:
-    try:
-        vals = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise UsageError(f"{name} must be comma-separated integers, got {text!r}", f"e.g. {name} 1,2,4") from None
-    if not vals or any(v < 1 for v in vals):
-        raise UsageError(f"{name} must be positive integers, got {text!r}", f"e.g. {name} 1,2,4")
-    return vals
-
-
-def plot_sps(bt: list[int], sps: list[float], path: Path, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from dsparkctl.fsutil import save_figure
-
-    fig, ax1 = plt.subplots(figsize=(7, 4))
-    ax1.plot(bt, sps, "o-", color="tab:blue", label="steps/s")
-    ax1.set_xlabel("batch tokens B (requests × tokens per request)")
-    ax1.set_ylabel("steps per second", color="tab:blue")
-    ax1.set_xscale("log", base=2)
-    ax2 = ax1.twinx()
-    ax2.plot(bt, [1000.0 / s for s in sps], "s--", color="tab:red", label="ms/step")
-    ax2.set_ylabel("ms per step", color="tab:red")
-    ax1.set_title(title)
-    ax1.grid(True, alpha=0.3)
-    save_figure(fig, path)
-    plt.close(fig)
+def check_grid(requests: list[int], tokens: list[int]) -> None:
+    """Refuse a grid with one batch-token count: SGLang reads a one-probe table as uninitialised."""
+    if len({r * t for r in requests for t in tokens}) < 2:
+        raise UsageError(f"the grid --requests {','.join(map(str, requests))} × --tokens-per-request "
+                         f"{','.join(map(str, tokens))} gives one batch-token count; SGLang treats a one-probe "
+                         "table as uninitialised (it verifies every draft)",
+                         "profile at least two batch-token counts, e.g. --tokens-per-request 1,2,4,6")
 
 
 @guarded
@@ -87,68 +67,57 @@ def profile_sps_cmd(
     from dsparkctl.math.policies import parse_policy
     from dsparkctl.math.sampling import SamplingParams
     from dsparkctl.math.sps import SPSTable
-    from dsparkctl.provenance import provenance
-
+    from dsparkctl.sps_io import save_sps_table
 
     measure = measure or Measure.whole_step
-    reqs = _int_list(requests, "--requests")
-    toks = _int_list(tokens, "--tokens-per-request") if tokens is not None else None
+    reqs = int_list(requests, "--requests")
+    toks = int_list(tokens, "--tokens-per-request") if tokens is not None else None
     if context_len < 1 or repeats < 1 or warmup < 0:
         raise UsageError("--context-len and --repeats must be >= 1, --warmup >= 0",
                          "e.g. --context-len 256 --repeats 5 --warmup 2")
-    check_seed(seed)
     check_outputs([Output(out_path, "--out")])  # first: the other names derive from it
     sg = sglang_out or out_path.with_name(out_path.stem + ".sglang.json")
     png = plot or out_path.with_suffix(".png")
     check_outputs([Output(out_path, "--out"), Output(sg, "--sglang-out"), Output(png, "--plot", "figure")])
-    def check_grid(grid: list[int]) -> None:
-        if len({r * t for r in reqs for t in grid}) < 2:
-            raise UsageError(f"the grid --requests {requests} × --tokens-per-request {grid} gives one batch-token "
-                             "count; SGLang treats a one-probe table as uninitialised (it verifies every draft)",
-                             "profile at least two batch-token counts, e.g. --tokens-per-request 1,2,4,6")
+    if toks is None and measure == Measure.target_forward:
+        toks = [1, 2, 3, 4, 6, 8]
     if toks is not None:
-        check_grid(toks)
+        check_grid(reqs, toks)  # before any model loads
     log = lambda m: err.print(styled((m, "dim")))  # noqa: E731
     if measure == Measure.whole_step:
         sess = open_session(target, draft, device.value, dtype.value, revision, seed=seed, log=log)
         engine = SpeculativeEngine(sess.adapter, sess.draft, parse_policy(f"static:{sess.draft.block_size}"),
                                    SamplingParams(0.0), stop_token_ids=sess.stop_ids)
-        toks = toks or list(range(1, sess.draft.block_size + 2))
-        check_grid(toks)
-        total = len(set(reqs)) * len(set(toks))
-        with progress_bar("profile-sps", total) as update:
-            counter = iter(range(1, total + 1))
-            points = profile_whole_step(engine, reqs, toks, context_len, repeats, warmup, seed,
-                                        on_point=lambda p: update(next(counter)))
+        if toks is None:
+            toks = list(range(1, sess.draft.block_size + 2))
+            check_grid(reqs, toks)
+        run = functools.partial(profile_whole_step, engine)
     else:
-        toks = toks or [1, 2, 3, 4, 6, 8]
-        check_grid(toks)
-        total = len(set(reqs)) * len(set(toks))
         sess = open_target(target, device.value, dtype.value, revision, log=log)
-        with progress_bar("profile-sps", total) as update:
-            counter = iter(range(1, total + 1))
-            points = profile_sps(sess.plain_adapter(), reqs, toks, context_len, repeats, warmup, seed,
-                                 on_point=lambda p: update(next(counter)))
-    tgt, dev, dt = sess.target, sess.device, sess.dtype
+        run = functools.partial(profile_sps, sess.plain_adapter())
+    done = itertools.count(1)
+    with progress_bar("profile-sps", len(set(reqs)) * len(set(toks))) as update:
+        points = run(reqs, toks, context_len, repeats, warmup, seed, on_point=lambda p: update(next(done)))
+    tgt, dev, dt = sess.target, sess.device, str(sess.dtype).replace("torch.", "")
     bt, sps = table_from_points(points)
     meta = provenance(target=tgt.name, measures=measure.value,
-                      draft=sess.draft_name if measure == Measure.whole_step else None,
-                      device=str(dev), dtype=str(dt).replace("torch.", ""),
+                      draft=sess.draft_name if measure == Measure.whole_step else None, device=str(dev), dtype=dt,
                       context_len=context_len, repeats=repeats, warmup=warmup,
                       grid={"requests": sorted(set(reqs)), "tokens_per_request": sorted(set(toks))},
                       points=[{"requests": p.requests, "tokens_per_request": p.tokens_per_request,
                                "batch_tokens": p.batch_tokens, "median_ms": round(p.median_ms, 4),
                                "ms": [round(x, 4) for x in p.ms]} for p in points])
     table = SPSTable(bt, sps, meta=meta)
-    plot_sps(bt, sps, png, f"{tgt.name} on {dev} ({str(dt).replace('torch.', '')}), context {context_len}, "
-             f"{measure.value}")
-    table.save(sg, fmt="sglang")
-    table.save(out_path, fmt="dsparkctl")  # ours last: its presence means all three were written
+    from dsparkctl.plots import plot_sps
+
+    plot_sps(bt, sps, png, f"{tgt.name} on {dev} ({dt}), context {context_len}, {measure.value}")
+    save_sps_table(table, sg, fmt="sglang")
+    save_sps_table(table, out_path, fmt="dsparkctl")  # ours last: its presence means all three were written
     result = {"table": str(out_path), "sglang_table": str(sg), "plot": str(png), "measures": measure.value,
               "batch_tokens": bt, "steps_per_sec": [round(s, 3) for s in sps],
               "ms_per_step": [round(1000 / s, 3) for s in sps]}
     if json_out:
-        print_json(finite(result))
+        print_json(result)
         return
     t = Table(title=f"SPS of {tgt.name}, {measure.value} ({dev}, context {context_len}, median of {repeats})",
               title_justify="left")

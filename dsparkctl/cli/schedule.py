@@ -8,13 +8,13 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from dsparkctl.cli.checks import Output, check_outputs, check_seed
-from dsparkctl.cli.common import JsonOpt, SeedOpt, err, error_line, guarded, out, print_json
+from dsparkctl.cli.checks import Output, check_outputs
+from dsparkctl.cli.common import JsonOpt, SeedOpt, err, error_line, guarded, int_list, out, print_json
 from dsparkctl.errors import UsageError
 from dsparkctl.fsutil import write_json
-from dsparkctl.strict_json import finite
+from dsparkctl.math.policies import POLICY_SPECS
 
-POLICY_HELP = "Policies: static:K, threshold:t, survival:t, dspark, dspark-async, budget:B, retrospective."
+POLICY_HELP = f"Policies: {POLICY_SPECS}."
 
 
 def _pct(x: float | None) -> str:
@@ -25,6 +25,7 @@ def _num(x: float | None, fmt: str = ".3f") -> str:
     return "—" if x is None or x != x else format(x, fmt)
 
 
+@guarded
 def calibrate(
     traces: Annotated[list[Path], typer.Argument(help="Trace files (JSON lines with confidence logits) and/or SGLang STS shards (.pt under SGLANG_DSPARK_STS_COLLECT_PATH; read with weights_only, never unpickled).")],
     holdout: Annotated[float, typer.Option("--holdout", help="Fraction of requests held out for evaluation.")] = 0.2,
@@ -33,26 +34,25 @@ def calibrate(
     sglang_out: Annotated[Path | None, typer.Option("--sglang-out", help="SGLang STS file (default: <out>.sglang-sts.json).")] = None,
     plot_dir: Annotated[Path | None, typer.Option("--plot-dir", help="Reliability PNGs (default: <out>_reliability/).")] = None,
     seed: SeedOpt = 0,
-    as_json: JsonOpt = False,
+    json_out: JsonOpt = False,
 ) -> None:
     """Fit STS temperatures on traces; report held-out ECE/AUROC/Brier per position before and after."""
     from dsparkctl.calibrate import run_calibration, sglang_sts, strip_diagrams
     from dsparkctl.plots import reliability_diagrams
 
-    check_seed(seed)
     check_outputs([Output(out_path, "--out")])  # first: the other names derive from it
     sglang_out = sglang_out or out_path.with_name(out_path.stem + ".sglang-sts.json")
     plot_dir = plot_dir or out_path.with_name(out_path.stem + "_reliability")
     check_outputs([Output(out_path, "--out"), Output(sglang_out, "--sglang-out"),
                    Output(plot_dir, "--plot-dir", "folder")], inputs=traces)
-    result = run_calibration(traces, holdout=holdout, bins=bins, seed=seed)
+    result = run_calibration(traces, holdout=holdout, bins=bins, seed=seed,
+                             names={"holdout": "--holdout", "bins": "--bins"})
     pngs = reliability_diagrams(result, plot_dir)
     result["outputs"] = {"sglang_sts": str(sglang_out), "reliability_pngs": pngs}
-    result = finite(result)  # empty bins and one-class AUROCs are NaN: null in strict JSON
     write_json(sglang_out, sglang_sts(result))
     write_json(out_path, result)
     err.print(f"wrote {out_path}, {sglang_out}, {len(pngs)} reliability PNGs in {plot_dir}", highlight=False)
-    if as_json:
+    if json_out:
         print_json(strip_diagrams(result))
         return
     t = Table(title=f"STS held-out survival metrics (â_k vs 'first k accepted'), "
@@ -67,6 +67,7 @@ def calibrate(
     out.print(t)
 
 
+@guarded
 def sweep_scheduler(
     trace: Annotated[list[Path], typer.Option("--trace", help="Full-verification trace(s); repeat the option.")],
     sps_table: Annotated[Path, typer.Option("--sps-table", help="SPS table (ours or SGLang's).")],
@@ -79,17 +80,18 @@ def sweep_scheduler(
     plot: Annotated[Path | None, typer.Option("--plot", help="Write the frontier PNG here.")] = None,
     out_path: Annotated[Path | None, typer.Option("--out", help="Write the sweep JSON here.")] = None,
     seed: SeedOpt = 0,
-    as_json: JsonOpt = False,
+    json_out: JsonOpt = False,
 ) -> None:
     """Replay recorded rounds under each policy and concurrency; report tokens/step, Θ and per-user speed."""
-    from dsparkctl.sweep import parse_concurrency, run_sweep
+    from dsparkctl.sweep import run_sweep
 
     specs = _policy_specs(policies)
-    check_seed(seed)
+    levels = int_list(concurrency, "--concurrency")
     inputs = [*trace, sps_table] + ([calibration] if calibration else [])
     check_outputs([Output(p, opt, kind) for p, opt, kind in ((plot, "--plot", "figure"), (out_path, "--out", "file"))
                    if p is not None], inputs=inputs)
-    result = finite(run_sweep(trace, sps_table, specs, parse_concurrency(concurrency), calibration, rounds, seed))
+    result = run_sweep(trace, sps_table, specs, levels, calibration, rounds, seed,
+                       names={"rounds": "--rounds", "concurrency": "--concurrency"})
     if plot:
         from dsparkctl.plots import frontier_plot
 
@@ -98,7 +100,7 @@ def sweep_scheduler(
     if out_path:
         write_json(out_path, result)
         err.print(f"wrote {out_path}", highlight=False)
-    if as_json:
+    if json_out:
         print_json(result)
         return
     t = Table(title=f"Scheduler sweep: {result['pooled_rounds']} recorded rounds, γ={result['block_size']}, "
@@ -112,6 +114,7 @@ def sweep_scheduler(
     out.print(t)
 
 
+@guarded
 def audit(
     policies: Annotated[str, typer.Option("--policies", help="Comma-separated. " + POLICY_HELP)] =
         "retrospective,dspark,dspark-async,static:1,static:2,threshold:0.6,survival:0.3,budget:2",
@@ -119,37 +122,22 @@ def audit(
     random_settings: Annotated[int, typer.Option("--random-settings", help="Randomised settings besides Appendix A.")] = 3,
     alpha: Annotated[float, typer.Option("--alpha", help="Chi-square significance level.")] = 1e-3,
     seed: SeedOpt = 0,
-    as_json: JsonOpt = False,
+    json_out: JsonOpt = False,
 ) -> None:
     """Losslessness audit: chi-square of the first (and first two) output tokens against the target."""
-    import torch
-
-    from dsparkctl.math.audit import appendix_a, audit_policy, random_setting
-    from dsparkctl.math.policies import parse_policy
-
-    from dsparkctl.math.audit import check_alpha
+    from dsparkctl.math.audit import audit_policies, check_alpha
 
     specs = _policy_specs(policies)
-    check_seed(seed)
-    check_alpha(alpha)
+    check_alpha(alpha, "--alpha")
     if rounds < 1000:
         raise UsageError(f"--rounds {rounds} is too few for a chi-square test", "use at least 1000 (default 200000)")
     if random_settings < 0:
         raise UsageError(f"--random-settings {random_settings} is negative", "use 0 for Appendix A only, e.g. 3")
-    settings = [appendix_a()]
-    sgen = torch.Generator().manual_seed(10_000 + seed)
-    settings += [random_setting(sgen) for _ in range(random_settings)]
-    for s in specs:
-        parse_policy(s, sps=settings[0].sps)  # unknown names fail before any work
-    results = []
-    for si, s in enumerate(settings):
-        for spec in specs:
-            gen = torch.Generator().manual_seed(seed * 7919 + si)
-            results.append(audit_policy(s, parse_policy(spec, sps=s.sps), rounds, gen, alpha))
+    results = audit_policies(specs, rounds, random_settings, alpha, seed)
     unexpected = [r for r in results if r.claimed_lossless and not r.passed]
-    if as_json:
-        print_json(finite({"alpha": alpha, "results": [r.to_json() for r in results],
-                           "unexpected_failures": len(unexpected)}))
+    if json_out:
+        print_json({"alpha": alpha, "results": [r.to_json() for r in results],
+                    "unexpected_failures": len(unexpected)})
     else:
         t = Table(title=f"Losslessness audit (chi-square vs target, α={alpha:g}); "
                         "P(tok0) = P(first token = A) in Appendix A")
@@ -176,6 +164,6 @@ def _policy_specs(text: str) -> list[str]:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("calibrate")(guarded(calibrate))
-    app.command("sweep-scheduler")(guarded(sweep_scheduler))
-    app.command("audit")(guarded(audit))
+    app.command("calibrate")(calibrate)
+    app.command("sweep-scheduler")(sweep_scheduler)
+    app.command("audit")(audit)

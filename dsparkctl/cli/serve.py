@@ -17,29 +17,6 @@ def register(app: typer.Typer) -> None:
                 "command with its environment and tuning files, and vLLM's --speculative-config.")(serve_config)
 
 
-def _sglang_file(path: Path, kind: str) -> Path:
-    """Our SPS table / calibration result -> the SGLang file written beside it; SGLang's files as they are."""
-    from dsparkctl.strict_json import read
-
-    d = read(path, "SPS table" if kind == "sps" else "calibration file",
-             "write it with `dsparkctl profile-sps`" if kind == "sps" else "write it with `dsparkctl calibrate`")
-    if not isinstance(d, dict):
-        raise InputError(f"{path}: expected a JSON object")
-    if kind == "sps" and str(d.get("format", "")).startswith("dsparkctl-sps"):
-        twin = path.with_name(path.stem + ".sglang.json")
-        if not twin.is_file():
-            raise InputError(f"{path} is our SPS table and {twin} (its SGLang twin) is missing",
-                             "pass the .sglang.json that profile-sps writes beside it")
-        return twin
-    if kind == "sts" and "temperatures" not in d:
-        twin = Path(str((d.get("outputs") or {}).get("sglang_sts", ""))) if isinstance(d.get("outputs"), dict) else None
-        if not twin or not twin.is_file():
-            raise InputError(f"{path}: not an SGLang STS file and names none that exists",
-                             "pass the .sglang-sts.json that calibrate writes")
-        return twin
-    return path
-
-
 @guarded
 def serve_config(
     draft: DraftOpt = None,
@@ -63,14 +40,14 @@ def serve_config(
     from dsparkctl.engine.session import open_session
     from dsparkctl.models.draft_io import check_draft_destination, save_draft
     from dsparkctl.serving import (check_sglang_sps, check_sts, expand_vocabulary, k_table_from_sweep,
-                                   sglang_command, shell_line, vllm_config)
+                                   sglang_command, sglang_file, shell_line, vllm_config)
     from dsparkctl.strict_json import read
 
     check_outputs([Output(out_path, "--out")] if out_path else [])
     if export_full_vocab is not None:
         check_draft_destination(export_full_vocab, overwrite=True)
-    sps_file = _sglang_file(sps_table, "sps") if sps_table else None
-    sts_file = _sglang_file(calibration, "sts") if calibration else None
+    sps_file = sglang_file(sps_table, "sps") if sps_table else None
+    sts_file = sglang_file(calibration, "sts") if calibration else None
     sweep_doc = read(sweep, "sweep result", "write one with `dsparkctl sweep-scheduler --out`") if sweep else None
     sess = open_session(target, draft, "cpu", "fp32", revision, log=lambda m: err.print(styled((m, "dim"))))
     d = sess.draft

@@ -22,13 +22,14 @@ from dsparkctl.math.sampling import SamplingParams
 def load_policy(spec: str | None, block_size: int, sps_table: Path | None, calibration: Path | None):
     """A verify-length policy from its spec, with the SPS table and STS temperatures it may need."""
     from dsparkctl.math.policies import parse_policy
-    from dsparkctl.math.sps import SPSTable
 
     temps = None
     if calibration is not None:
         from dsparkctl.calibrate import load_temperatures
         temps = load_temperatures(calibration, gamma=block_size)
-    sps = SPSTable.load(sps_table) if sps_table is not None else None
+    from dsparkctl.sps_io import load_sps_table
+
+    sps = load_sps_table(sps_table) if sps_table is not None else None
     return parse_policy(spec or f"static:{block_size}", sps=sps, temperatures=temps)
 
 

@@ -40,7 +40,7 @@ class RequestOutput:
 class RunReport:
     outputs: list[RequestOutput]
     stats: AcceptanceStats
-    times_ms: dict[str, float]  # prefill, draft, draft_backbone, markov, schedule, verify, accept, total
+    times_ms: dict[str, float]  # speculative: prefill, draft, schedule, verify, accept, total; plain: prefill, decode, total
     rounds: int  # batched rounds (engine steps)
 
     @property

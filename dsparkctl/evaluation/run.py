@@ -1,4 +1,7 @@
-"""`eval-acceptance` as a library call: per dataset and draft, teacher-forced and/or live."""
+"""`eval-acceptance` as a library call: per dataset and draft, teacher-forced and/or live.
+
+The command validates its options, loads the target and drafts, encodes the prompt sets, calls
+`evaluate_acceptance` once and prints (or writes) the document it returns."""
 
 from __future__ import annotations
 
@@ -15,16 +18,76 @@ from dsparkctl.evaluation.live import LiveResult, live_rollouts, target_continua
 from dsparkctl.evaluation.teacher_forced import evaluate_sequences
 from dsparkctl.math.sampling import SamplingParams
 from dsparkctl.models.draft import DSparkDraft
+from dsparkctl.provenance import provenance
 from dsparkctl.trace import TraceWriter
 
 FORMAT = "dsparkctl-eval-acceptance/1"
+MODES = ("teacher-forced", "live", "both")
 
 
 @dataclass
 class DraftUnderTest:
-    label: str
+    label: str  # display name, unique per run
     draft: DSparkDraft
-    source: str
+    source: str  # where it was loaded from
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    mode: str  # one of MODES
+    params: SamplingParams
+    max_new_tokens: int
+    seed: int = 0
+    batch_size: int = 8
+    trace: Path | None = None  # live round traces (see `trace_path`); None: no traces
+    preset: str | None = None  # recorded in the document
+
+
+def drafts_under_test(sess: Any, sources: Sequence[str | None], labels: Sequence[str] | None = None,
+                      revision: str | None = None, seed: int = 0) -> tuple[list[DraftUnderTest], list[str]]:
+    """Load each draft (a folder, a hub id, or None for the session's default) against the session's target:
+    (drafts, notes to tell the user). A draft's label is given, else its folder name or hub id."""
+    drafts, notes = [], []
+    for i, src in enumerate(sources):
+        d, name, n = sess.load_draft(src, revision, seed)
+        notes += n
+        label = labels[i] if labels else ((Path(src).name or src) if src else name)
+        drafts.append(DraftUnderTest(label=label, draft=d, source=name))
+    return drafts, notes
+
+
+def trace_path(trace: Path | None, dataset: str, label: str, several: bool) -> Path | None:
+    """Where the live rounds of one (dataset, draft) pair go: `trace` itself when the run has one
+    pair, else `<stem>.<dataset stem>_<label><suffix>` beside it (suffix default .jsonl; characters
+    other than letters, digits, '-' and '_' in the dataset stem and label become '_')."""
+    if trace is None:
+        return None
+    if not several:
+        return trace
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in f"{Path(dataset).stem}.{label}")
+    return trace.with_name(f"{trace.stem}.{safe}{trace.suffix or '.jsonl'}")
+
+
+def evaluate_acceptance(model: Any, target_name: str, drafts: Sequence[DraftUnderTest],
+                        prompts: dict[str, Sequence[Sequence[int]]], opts: EvalOptions, stop_ids: Sequence[int],
+                        log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """Every draft on every prompt set (dataset name -> prompt ids): the eval-acceptance document."""
+    if opts.mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {opts.mode!r}")
+    several = len(prompts) * len(drafts) > 1
+    t = opts.params.temperature
+    doc: dict[str, Any] = {"format": FORMAT, "mode": opts.mode, "temperature": t, "preset": opts.preset,
+                           "max_new_tokens": opts.max_new_tokens, "seed": opts.seed, "target": target_name,
+                           "datasets": {}, "provenance": provenance(command="eval-acceptance", seed=opts.seed)}
+    for ds, ids in prompts.items():
+        log(f"{ds}: {len(ids)} prompts, mode {opts.mode}, T={t}")
+        doc["datasets"][ds] = evaluate_dataset(
+            model, drafts, ids, mode=opts.mode, params=opts.params, max_new_tokens=opts.max_new_tokens,
+            stop_ids=stop_ids, seed=opts.seed, batch_size=opts.batch_size,
+            trace_path=lambda label, ds=ds: trace_path(opts.trace, ds, label, several),
+            trace_header={"target": target_name, "dataset": ds, "temperature": t, "seed": opts.seed},
+            log=lambda s: log(f"  {s}"))
+    return doc
 
 
 def live_json(res: LiveResult) -> dict[str, Any]:

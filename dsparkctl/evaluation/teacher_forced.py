@@ -110,17 +110,22 @@ class TeacherForcedStats:
         return None if surv[0] is None else 1.0 + float(sum(surv))
 
     @staticmethod
-    def _ratio_interval(num: np.ndarray, den: np.ndarray, z: float = 1.96) -> tuple[float, float] | None:
-        """Cluster-robust delta-method interval for Σnum/Σden (clusters = rows)."""
+    def _ratio_se(num: np.ndarray, den: np.ndarray) -> tuple[float, float]:
+        """Σnum/Σden and its cluster-robust delta-method standard error (clusters = rows; 0 for one row)."""
         C = len(num)
-        if C == 0 or den.sum() <= 0:
-            return None
         r = num.sum() / den.sum()
-        if C < 2:
+        se = math.sqrt(C / (C - 1) * ((num - r * den) ** 2).sum()) / den.sum() if C > 1 else 0.0
+        return float(r), float(se)
+
+    @classmethod
+    def _ratio_interval(cls, num: np.ndarray, den: np.ndarray, z: float = 1.96) -> tuple[float, float] | None:
+        """Interval for a rate Σnum/Σden, clipped to [0, 1]; (0, 1) from a single cluster."""
+        if len(num) == 0 or den.sum() <= 0:
+            return None
+        if len(num) < 2:
             return (0.0, 1.0)
-        resid = num - r * den
-        se = math.sqrt(C / (C - 1) * (resid ** 2).sum()) / den.sum()
-        return (float(max(0.0, r - z * se)), float(min(1.0, r + z * se)))
+        r, se = cls._ratio_se(num, den)
+        return (max(0.0, r - z * se), min(1.0, r + z * se))
 
     def conditional_interval(self, z: float = 1.96) -> list[tuple[float, float] | None]:
         if not self.counts:
@@ -135,18 +140,15 @@ class TeacherForcedStats:
         return [self._ratio_interval(S0[:, j + 1], n, z) for j in range(self.block_size)]
 
     def tau_interval(self, z: float = 1.96) -> tuple[float, float] | None:
+        """τ = 1 + Σ_a Σ_j s_j(a) / anchors; τ - 1 lies in [0, γ], so it is clipped there, not to [0, 1]."""
         if not self.counts:
             return None
         S0, n = self._arrays()
-        iv = self._ratio_interval(S0[:, 1:].sum(1), n, z=z)
-        if iv is None:
+        num = S0[:, 1:].sum(1)
+        if n.sum() <= 0:
             return None
-        # the ratio helper clips to [0, 1]; τ-1 lies in [0, γ], so recompute unclipped
-        num, den = S0[:, 1:].sum(1), n
-        r = num.sum() / den.sum()
-        C = len(num)
-        se = math.sqrt(C / (C - 1) * ((num - r * den) ** 2).sum()) / den.sum() if C > 1 else 0.0
-        return (float(1.0 + max(0.0, r - z * se)), float(1.0 + min(float(self.block_size), r + z * se)))
+        r, se = self._ratio_se(num, n)
+        return (1.0 + max(0.0, r - z * se), 1.0 + min(float(self.block_size), r + z * se))
 
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT, "block_size": self.block_size, "sequences": len(self.counts),

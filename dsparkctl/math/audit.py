@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
 from dsparkctl.errors import UsageError
-from dsparkctl.math.policies import Policy, survival_from_logits
+from dsparkctl.math.policies import Policy, parse_policy, survival_from_logits
 from dsparkctl.math.sps import SPSTable
+from dsparkctl.math.stats import wilson_interval
 
 
 @dataclass(frozen=True)
@@ -138,17 +140,6 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float,
     return stat, pval, dof
 
 
-def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
-    """95% Wilson score interval for a proportion."""
-    if n == 0:
-        return 0.0, 1.0
-    ph = k / n
-    den = 1 + z * z / n
-    mid = (ph + z * z / (2 * n)) / den
-    half = z * math.sqrt(ph * (1 - ph) / n + z * z / (4 * n * n)) / den
-    return mid - half, mid + half
-
-
 @dataclass
 class AuditResult:
     policy: str
@@ -181,11 +172,12 @@ class AuditResult:
         return d
 
 
-def check_alpha(alpha: float) -> None:
-    """The significance level must be in (0, 1): at α = 0 every p-value "passes", biased or not."""
+def check_alpha(alpha: float, name: str = "the significance level alpha") -> None:
+    """The significance level must be in (0, 1): at α = 0 every p-value "passes", biased or not.
+    `name` is what the caller calls it in the message (the CLI: its flag)."""
     if not 0.0 < alpha < 1.0:  # also refuses NaN
-        raise UsageError(f"--alpha {alpha} must be in (0, 1); at 0 even a biased policy passes",
-                         "use a small positive level, e.g. --alpha 0.001")
+        raise UsageError(f"{name} {alpha} must be in (0, 1); at 0 even a biased policy passes",
+                         "use a small positive level, e.g. 0.001")
 
 
 def audit_policy(s: MarkovSetting, policy: Policy, rounds: int, gen: torch.Generator,
@@ -214,5 +206,23 @@ def audit_policy(s: MarkovSetting, policy: Policy, rounds: int, gen: torch.Gener
     f_stat, f_p, f_dof = chi_square(first, s.first_token_target())
     p_stat, p_p, p_dof = chi_square(pair, s.two_token_target())
     k0 = int(first[0])
-    return AuditResult(policy.spec, s.name, n, f_stat, f_p, f_dof, p_stat, p_p, p_dof, k0 / n, wilson(k0, n),
+    return AuditResult(policy.spec, s.name, n, f_stat, f_p, f_dof, p_stat, p_p, p_dof, k0 / n, wilson_interval(k0, n),
                        float(s.first_token_target()[0]), ell_sum / n, policy.lossless, alpha)
+
+
+def audit_policies(specs: Sequence[str], rounds: int, random_settings: int = 3, alpha: float = 1e-3,
+                   seed: int = 0) -> list[AuditResult]:
+    """Every policy spec on Appendix A and on `random_settings` random settings (one result per pair,
+    settings outer). Unknown specs fail before any simulation; every run is seeded from `seed`."""
+    check_alpha(alpha)
+    settings = [appendix_a()]
+    sgen = torch.Generator().manual_seed(10_000 + seed)
+    settings += [random_setting(sgen) for _ in range(random_settings)]
+    for spec in specs:
+        parse_policy(spec, sps=settings[0].sps)
+    results = []
+    for si, s in enumerate(settings):
+        for spec in specs:
+            gen = torch.Generator().manual_seed(seed * 7919 + si)
+            results.append(audit_policy(s, parse_policy(spec, sps=s.sps), rounds, gen, alpha))
+    return results

@@ -23,16 +23,13 @@ engine-facing wrapper for one step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
 from dsparkctl.errors import InputError, UsageError
 from dsparkctl.math.sps import SPSTable
-
-POLICY_NAMES = ("static", "threshold", "survival", "dspark", "dspark-async", "budget", "retrospective")
-
 
 # ------------------------------------------------------------------------ shared pieces
 def check_temperatures(temperatures: torch.Tensor | Sequence[float] | None, gamma: int) -> torch.Tensor:
@@ -42,10 +39,10 @@ def check_temperatures(temperatures: torch.Tensor | Sequence[float] | None, gamm
     t = torch.as_tensor(temperatures, dtype=torch.float64).flatten()
     if t.numel() != gamma:
         raise UsageError(f"temperatures are for block size {t.numel()} but the drafts have block size {gamma}",
-                         "calibrate on traces with the same block size (dsparkctl calibrate)")
+                         "calibrate on traces with the same block size")
     if not bool(torch.isfinite(t).all()) or bool((t <= 0).any()):
         raise UsageError(f"temperatures must be positive finite numbers, got {t.tolist()}",
-                         "refit them with `dsparkctl calibrate`")
+                         "refit them on traces of this draft")
     return t
 
 
@@ -127,14 +124,15 @@ class PolicyState:
     """
 
     pending: list[int] = field(default_factory=list)
-    steps: int = 0
 
 
 class Policy:
     """A verify-length scheduler. `choose` is the engine hook; `choose_batched` runs many steps."""
 
     name = "policy"
+    arg: str | None = None  # the spec's argument, e.g. "K" in static:K; None when it takes none
     requires_confidence = True
+    needs_sps = False
     lossless = True
     why = ""
 
@@ -145,13 +143,10 @@ class Policy:
         self.temperatures = None if temperatures is None else torch.as_tensor(temperatures, dtype=torch.float64)
         self.state = self.new_state()
         if self.needs_sps and sps is None:
-            raise UsageError(f"policy {spec!r} needs an SPS table", "pass --sps-table")
+            raise UsageError(f"policy {spec!r} needs an SPS table", "give it the engine's steps-per-second table")
         if self.needs_sps and len(sps.batch_tokens) < 2:
             raise UsageError(f"policy {spec!r}: the SPS table has one probe, which SGLang treats as uninitialised "
-                             "(it then verifies every draft)",
-                             "profile at least two batch-token counts with `dsparkctl profile-sps`")
-
-    needs_sps = False
+                             "(it then verifies every draft)", "profile at least two batch-token counts")
 
     def new_state(self) -> PolicyState | None:
         return None
@@ -197,7 +192,7 @@ class Policy:
 
 
 class Static(Policy):
-    name, requires_confidence = "static", False
+    name, arg, requires_confidence = "static", "K", False
     why = "lossless: ℓ = K is fixed before any draft exists"
 
     def __init__(self, spec, k: int, **kw):
@@ -210,7 +205,7 @@ class Static(Policy):
 
 
 class Threshold(Policy):
-    name = "threshold"
+    name, arg = "threshold", "t"
     why = "lossless: verifying x_k depends on c_1..c_k, which see x_0..x_{k-1} only"
 
     def __init__(self, spec, t: float, **kw):
@@ -225,7 +220,7 @@ class Threshold(Policy):
 
 
 class Survival(Policy):
-    name = "survival"
+    name, arg = "survival", "t"
     why = "lossless: verifying x_k depends on a_k = Π_{i≤k} c_i, which does not see x_k"
 
     def __init__(self, spec, t: float, **kw):
@@ -236,30 +231,32 @@ class Survival(Policy):
         return torch.cumprod((survival >= self.t).to(torch.uint8), dim=-1).sum(-1).long()
 
 
-class DSpark(Policy):
-    name, needs_sps = "dspark", True
+class _ThetaSearch(Policy):
+    """Admit the top candidates by survival; how many is `count` of the Θ curve `[G, n+1]` → `[G]`."""
+
+    needs_sps = True
+    count: Callable[[torch.Tensor], torch.Tensor]  # early_stop_count or argmax_count
+
+    def choose_batched(self, survival, state=None):
+        G, R, _ = survival.shape
+        vals, req = sorted_candidates(survival)
+        return lengths_from_count(req, self.count(theta_curve(vals, R, self.sps)), R)
+
+
+class DSpark(_ThetaSearch):
+    name, count = "dspark", staticmethod(early_stop_count)
     why = ("lossless: Algorithm 1 breaks at the first candidate that does not raise Θ, so admitting "
            "(r,k) depends only on candidates ranked before it, never on x_k")
 
-    def choose_batched(self, survival, state=None):
-        G, R, _ = survival.shape
-        vals, req = sorted_candidates(survival)
-        return lengths_from_count(req, early_stop_count(theta_curve(vals, R, self.sps)), R)
 
-
-class Retrospective(Policy):
-    name, needs_sps, lossless = "retrospective", True, False
+class Retrospective(_ThetaSearch):
+    name, count, lossless = "retrospective", staticmethod(argmax_count), False
     why = ("BIASED: the argmax over all lengths looks at Θ after admitting (r,k+1), whose survival "
            "depends on x_k, so whether x_k is verified depends on x_k (paper Appendix A)")
 
-    def choose_batched(self, survival, state=None):
-        G, R, _ = survival.shape
-        vals, req = sorted_candidates(survival)
-        return lengths_from_count(req, argmax_count(theta_curve(vals, R, self.sps)), R)
-
 
 class Budget(Policy):
-    name = "budget"
+    name, arg = "budget", "B"
     why = "lossless: a fixed count B of top candidates; the rank of (r,k) never depends on x_k"
 
     def __init__(self, spec, b: int, **kw):
@@ -295,46 +292,40 @@ class DSparkAsync(Policy):
         cap = torch.cat([torch.tensor(prior, dtype=torch.long), own])[:G]  # step g uses own[g-2]
         if state is not None:
             state.pending = (prior + own.tolist())[-2:]
-            state.steps += G
         return lengths_from_count(req, cap.clamp(max=R * gamma), R)
+
+
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Static, Threshold, Survival, DSpark, DSparkAsync, Budget,
+                                                           Retrospective)}
+POLICY_NAMES = tuple(POLICIES)
+POLICY_SPECS = ", ".join(f"{n}:{p.arg}" if p.arg else n for n, p in POLICIES.items())  # "static:K, threshold:t, ..."
+NEEDS_SPS = tuple(n for n, p in POLICIES.items() if p.needs_sps)
+_ARG_RANGE = {"K": (int, 0, None), "B": (int, 0, None), "t": (float, 0.0, 1.0)}  # (type, lowest, highest)
 
 
 def parse_policy(spec: str, sps: SPSTable | None = None,
                  temperatures: torch.Tensor | Sequence[float] | None = None) -> Policy:
-    """`static:K`, `threshold:t`, `survival:t`, `dspark`, `dspark-async`, `budget:B`, `retrospective`."""
+    """A policy from its spec, one of POLICY_SPECS (`static:K`, `threshold:t`, ..., `retrospective`)."""
     name, _, arg = spec.strip().partition(":")
     kw = {"sps": sps, "temperatures": temperatures}
-    hint = "policies: static:K, threshold:t, survival:t, dspark, dspark-async, budget:B, retrospective"
-
-    def number(kind, lo, hi=None):
-        if not arg:
-            raise UsageError(f"policy {spec!r} needs an argument", hint)
-        try:
-            v = kind(arg)
-        except ValueError:
-            raise UsageError(f"policy {spec!r}: {arg!r} is not a valid {kind.__name__}", hint) from None
-        if v != v or v < lo or (hi is not None and v > hi):  # v != v: NaN, which passes both bounds
-            raise UsageError(f"policy {spec!r}: argument must be in [{lo}, {hi if hi is not None else '∞'}]", hint)
-        return v
-
-    if name == "static":
-        return Static(spec, number(int, 0), **kw)
-    if name == "threshold":
-        return Threshold(spec, number(float, 0.0, 1.0), **kw)
-    if name == "survival":
-        return Survival(spec, number(float, 0.0, 1.0), **kw)
-    if name == "budget":
-        return Budget(spec, number(int, 0), **kw)
-    if arg:
-        if name in ("dspark", "dspark-async", "retrospective"):
+    hint = f"policies: {POLICY_SPECS}"
+    cls = POLICIES.get(name)
+    if cls is None:
+        raise UsageError(f"unknown policy {spec!r}", hint)
+    if cls.arg is None:
+        if arg:
             raise UsageError(f"policy {name!r} takes no argument, got {spec!r}", hint)
-    if name == "dspark":
-        return DSpark(spec, **kw)
-    if name == "dspark-async":
-        return DSparkAsync(spec, **kw)
-    if name == "retrospective":
-        return Retrospective(spec, **kw)
-    raise UsageError(f"unknown policy {spec!r}", hint)
+        return cls(spec, **kw)
+    if not arg:
+        raise UsageError(f"policy {spec!r} needs an argument", hint)
+    kind, lo, hi = _ARG_RANGE[cls.arg]
+    try:
+        v = kind(arg)
+    except ValueError:
+        raise UsageError(f"policy {spec!r}: {arg!r} is not a valid {kind.__name__}", hint) from None
+    if v != v or v < lo or (hi is not None and v > hi):  # v != v: NaN, which passes both bounds
+        raise UsageError(f"policy {spec!r}: argument must be in [{lo}, {hi if hi is not None else '∞'}]", hint)
+    return cls(spec, v, **kw)
 
 
 def expected_throughput(survival: torch.Tensor, lengths: torch.Tensor, sps: SPSTable) -> torch.Tensor:

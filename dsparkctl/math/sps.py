@@ -16,36 +16,24 @@ Extrapolation policy (B beyond the last probe)
              between the last two probes (it would reach zero: SPS without bound).
     error    raise: the table does not cover this batch.
 
-Files
-    ours    {"format": "dsparkctl-sps/1", "batch_tokens": [...], "steps_per_sec": [...],
-             "max_batch_tokens": N, "lookup": "floor", "extrapolate": "clamp",
-             "provenance": {...}, ...extra keys preserved in `meta`}
-    SGLang  {"sample_batch_tokens": [...], "sample_steps_per_sec": [...], "max_batch_tokens": N}
-            (`--speculative-dspark-sps-table-path`; sglang dspark_components/dspark_sps.py
-            requires max_batch_tokens ≥ the last probe.)
-`SPSTable.load` detects the format from the keys and reads strict JSON (no NaN/Infinity, each key
-once). Probes are bounded: batch tokens ≤ MAX_BATCH_TOKENS, steps/s in [MIN_STEPS_PER_SEC,
+Probes are bounded: batch tokens ≤ MAX_BATCH_TOKENS, steps/s in [MIN_STEPS_PER_SEC,
 MAX_STEPS_PER_SEC], so every lookup and every Θ computed from a table is finite and positive.
+Reading and writing table files (ours and SGLang's) is `dsparkctl.sps_io`.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, Sequence
 
 import torch
 
 from dsparkctl.errors import InputError, UsageError
-from dsparkctl.fsutil import write_json
-from dsparkctl.provenance import provenance
 
-SPS_FORMAT = "dsparkctl-sps/1"
 LOOKUP_MODES = ("floor", "linear")
 EXTRAPOLATION = ("clamp", "linear", "error")
 MAX_BATCH_TOKENS = 2 ** 31 - 1  # tokens in one forward step; far beyond any engine
 MIN_STEPS_PER_SEC, MAX_STEPS_PER_SEC = 1e-6, 1e9  # a step of 11 days or under a nanosecond is a unit error
-_PROFILE_HINT = "profile one with `dsparkctl profile-sps`"
 
 
 class SPSTable:
@@ -65,7 +53,7 @@ class SPSTable:
                  source: str = "SPS table"):
         bt, sps = list(batch_tokens), list(steps_per_sec)
         if not bt:
-            raise InputError(f"{source}: has no probes", _PROFILE_HINT)
+            raise InputError(f"{source}: has no probes", "a table needs at least one (batch tokens, steps/s) probe")
         if len(bt) != len(sps):
             raise InputError(f"{source}: {len(bt)} batch_tokens but {len(sps)} steps_per_sec values",
                              "every probe needs one batch size and one steps/s value")
@@ -123,8 +111,8 @@ class SPSTable:
         if self.extrapolate == "error" and b.numel() and float(b.max()) > x[-1]:
             raise InputError(f"{self.source}: batch of {float(b.max()):g} tokens is beyond the table's last probe "
                              f"({self.batch_tokens[-1]})",
-                             "profile larger batches (profile-sps --requests/--tokens-per-request), or set "
-                             "\"extrapolate\": \"clamp\" or \"linear\" in the table file")
+                             "profile larger batches, or set \"extrapolate\": \"clamp\" or \"linear\" in the "
+                             "table file")
         idx = torch.searchsorted(x, b, right=True) - 1  # floor probe index, -1 below the first
         lo = idx.clamp(0, len(x) - 1)
         if mode == "floor":
@@ -154,83 +142,10 @@ class SPSTable:
     def __call__(self, batch_tokens: torch.Tensor) -> torch.Tensor:
         return self.sps(batch_tokens)
 
-    def with_options(self, mode: str | None = None, extrapolate: str | None = None) -> "SPSTable":
-        """A copy with another lookup mode / extrapolation policy."""
-        return SPSTable(self.batch_tokens, self.steps_per_sec, self.meta, mode=mode or self.mode,
-                        extrapolate=extrapolate or self.extrapolate,
-                        max_batch_tokens=self.max_batch_tokens, source=self.source)
-
-    def is_unimodal_friendly(self) -> bool:
-        """True when B·SPS(B) (tokens/s of plain decoding) never decreases between probes."""
-        prod = self._x * self._y
-        return bool((prod[1:] >= prod[:-1]).all())
-
     def __repr__(self) -> str:
         return (f"SPSTable({len(self.batch_tokens)} probes, B={self.batch_tokens[0]}..{self.batch_tokens[-1]}, "
                 f"mode={self.mode}, extrapolate={self.extrapolate})")
 
-    # ------------------------------------------------------------------ files
-    def to_json(self, fmt: str = "dsparkctl") -> dict[str, Any]:
-        if fmt == "sglang":
-            return {"sample_batch_tokens": list(self.batch_tokens),
-                    "sample_steps_per_sec": list(self.steps_per_sec),
-                    "max_batch_tokens": int(self.max_batch_tokens)}
-        if fmt != "dsparkctl":
-            raise UsageError(f"unknown SPS table format {fmt!r}", "use dsparkctl or sglang")
-        meta = dict(self.meta)
-        prov = meta.pop("provenance", None) or provenance()
-        return {"format": SPS_FORMAT, "batch_tokens": list(self.batch_tokens),
-                "steps_per_sec": list(self.steps_per_sec),
-                "max_batch_tokens": int(self.max_batch_tokens), "lookup": self.mode,
-                "extrapolate": self.extrapolate, **meta, "provenance": prov}
-
-    def save(self, path: str | os.PathLike, fmt: str = "dsparkctl") -> None:
-        """Write atomically, in our format (with provenance) or SGLang's."""
-        write_json(path, self.to_json(fmt))
-
-    @classmethod
-    def from_json(cls, obj: Any, source: str = "SPS table", mode: str | None = None,
-                  extrapolate: str | None = None) -> "SPSTable":
-        if not isinstance(obj, dict):
-            raise InputError(f"{source}: expected a JSON object", "pass an SPS table JSON file")
-        if obj.get("format") == SPS_FORMAT:
-            known = {"format", "batch_tokens", "steps_per_sec", "max_batch_tokens", "lookup", "extrapolate"}
-            for k in ("batch_tokens", "steps_per_sec"):
-                if not isinstance(obj.get(k), list):
-                    raise InputError(f"{source}: field {k!r} missing or not a list",
-                                     "write tables with `dsparkctl profile-sps`")
-            for k, choices in (("lookup", LOOKUP_MODES), ("extrapolate", EXTRAPOLATION)):
-                if k in obj and obj[k] not in choices:
-                    raise InputError(f"{source}: field {k!r} is {obj[k]!r}, not one of {', '.join(choices)}",
-                                     f"set \"{k}\": \"{choices[0]}\"")
-            return cls(obj["batch_tokens"], obj["steps_per_sec"],
-                       meta={k: v for k, v in obj.items() if k not in known},
-                       mode=mode or obj.get("lookup", "floor"),
-                       extrapolate=extrapolate or obj.get("extrapolate", "clamp"),
-                       max_batch_tokens=obj.get("max_batch_tokens"), source=source)
-        if "sample_batch_tokens" in obj or "sample_steps_per_sec" in obj:
-            for k in ("sample_batch_tokens", "sample_steps_per_sec"):
-                if not isinstance(obj.get(k), list):
-                    raise InputError(f"{source}: SGLang field {k!r} missing or not a list",
-                                     "an SGLang table has sample_batch_tokens and sample_steps_per_sec")
-            mbt = obj.get("max_batch_tokens")
-            return cls(obj["sample_batch_tokens"], obj["sample_steps_per_sec"],
-                       meta={"imported_from": "sglang"}, mode=mode or "floor",
-                       extrapolate=extrapolate or "clamp", max_batch_tokens=mbt, source=source)
-        if "bias_seconds" in obj:
-            raise InputError(f"{source}: SGLang additive step-time tables are not supported",
-                             "profile a plain SPS table (sample_batch_tokens / sample_steps_per_sec)")
-        raise InputError(f"{source}: not an SPS table (no 'format': '{SPS_FORMAT}' and no "
-                         "'sample_batch_tokens')", "pass a file written by `dsparkctl profile-sps`")
-
-    @classmethod
-    def load(cls, path: str | os.PathLike, mode: str | None = None,
-             extrapolate: str | None = None) -> "SPSTable":
-        """Read our JSON or SGLang's (auto-detected). Errors name the file."""
-        from dsparkctl.strict_json import read
-
-        obj = read(path, "SPS table", _PROFILE_HINT)
-        return cls.from_json(obj, source=str(path), mode=mode, extrapolate=extrapolate)
 
 
 def _whole(v: Any) -> bool:

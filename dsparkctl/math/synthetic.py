@@ -5,18 +5,16 @@ Each round of each request draws a true conditional-acceptance logit per positio
 `σ(z_k)` and the true survival `Π_{i≤k} σ(z_i)`. The simulated confidence head reports
 `overconfidence_k · z_k + bias_k`: over-confident when the scale is > 1. STS with
 `T_k = overconfidence_k` (bias 0) recovers the true probabilities exactly.
-Rounds are verified fully (`static:γ`) unless `verify` says otherwise, so the traces also feed
-`sweep-scheduler`.
+Rounds are verified fully (`static:γ`) unless `verify_length` says otherwise, so the traces also
+feed `sweep-scheduler`. Writing them as a trace file is `dsparkctl.trace.write_synthetic_trace`.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Sequence
+from dataclasses import dataclass
+
 
 import torch
-
-from dsparkctl.trace import TraceRound, TraceWriter
 
 
 @dataclass(frozen=True)
@@ -47,32 +45,3 @@ def sample_rounds(model: SyntheticModel, n: int, gen: torch.Generator,
     return {"logits": reported, "true_logits": z, "verify_length": ell, "accepted": acc}
 
 
-def write_synthetic_trace(path, model: SyntheticModel, requests: int, rounds_per_request: int,
-                          seed: int = 0, batch_size: int = 8, verify_length: int | None = None,
-                          with_confidence: bool = True, extra_header: dict | None = None) -> int:
-    """Write a trace file; returns the number of rounds written."""
-    gen = torch.Generator().manual_seed(seed)
-    n = requests * rounds_per_request
-    s = sample_rounds(model, n, gen, verify_length)
-    ell = verify_length if verify_length is not None else model.gamma
-    header = {"source": "synthetic", "synthetic_model": asdict(model), "seed": seed,
-              "block_size": model.gamma, "policy": f"static:{ell}", "temperature": 1.0,
-              **(extra_header or {})}
-    logits = s["logits"].tolist()
-    acc = s["accepted"].tolist()
-    vl = s["verify_length"].tolist()
-    with TraceWriter(path, header) as w:
-        w.write(TraceRound(request=i // rounds_per_request, round=i % rounds_per_request,
-                           block_size=model.gamma,
-                           confidence_logits=[round(x, 6) for x in logits[i]] if with_confidence else None,
-                           verify_length=vl[i], accepted=acc[i],
-                           batch_tokens=batch_size * (1 + vl[i]), draft_ms=1.0, verify_ms=5.0)
-                for i in range(n))
-    return n
-
-
-def true_metrics_reference(model: SyntheticModel) -> Sequence[float]:
-    """Mean true survival per position (Monte Carlo free: exact only in expectation; for docs)."""
-    gen = torch.Generator().manual_seed(0)
-    z = torch.tensor(model.mean_logit) + model.spread * torch.randn(200_000, model.gamma, generator=gen)
-    return torch.cumprod(torch.sigmoid(z), 1).mean(0).tolist()

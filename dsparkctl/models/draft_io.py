@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from dsparkctl.checkpoint.source import INDEX, SINGLE, parse_index
 from dsparkctl.errors import CheckpointError, InputError, ModelMismatchError
 from dsparkctl.fsutil import atomic_dir, temp_dir
 from dsparkctl.strict_json import finite
@@ -21,7 +22,6 @@ from dsparkctl.models.draft import DSparkDraft
 from dsparkctl.models.draft_config import DraftConfig
 
 BORROWED = ("embed_tokens.weight", "lm_head.weight")
-INDEX_NAME = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja", "tokenizer.model")  # frozen copies of the target's; borrowed when absent
 
@@ -39,7 +39,9 @@ def resolve_folder(source: str | os.PathLike, revision: str | None = None) -> Pa
     import huggingface_hub
     from huggingface_hub.errors import EntryNotFoundError
 
-    from dsparkctl.checkpoint.hub import _hub_errors, endpoint
+    from dsparkctl.checkpoint.hub import check_repo_id, endpoint, hub_errors
+
+    check_repo_id(s)  # an invalid id is invalid, not "missing from the cache"
 
     def fetch(name: str, optional: bool = False) -> Path | None:
         try:
@@ -49,45 +51,40 @@ def resolve_folder(source: str | os.PathLike, revision: str | None = None) -> Pa
                 return None
             raise InputError(f"{s}: the repo has no {name}", "is it a transformers model or DeepSpec draft?") from None
 
-    with _hub_errors(s):
+    with hub_errors(s):
         config = fetch("config.json")
-        index = fetch(INDEX_NAME, optional=True)
+        index = fetch(INDEX, optional=True)
         if index is not None:
-            for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
-                if not isinstance(shard, str) or os.path.isabs(shard) or ".." in Path(shard).parts:
-                    raise CheckpointError(f"{s}: index entry {shard!r} points outside the repo")
+            for shard in sorted(set(parse_index(index.read_bytes(), f"{s}: {INDEX}").values())):
                 fetch(shard)
         else:
-            fetch("model.safetensors")
+            fetch(SINGLE)
         for name in TOKENIZER_FILES:
             fetch(name, optional=True)
     return config.parent
 
 
 def _weight_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
+    """The draft's safetensors files: the shards its index names (each checked to stay inside the
+    folder by the checkpoint readers' own rule, `checkpoint.source.check_shard_name`), or the
+    single file."""
+    index = folder / INDEX
     if index.is_file():
-        try:
-            wm = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError):
-            raise CheckpointError(f"{index}: not a valid safetensors index") from None
         files = []
         root = folder.resolve()
-        for name in sorted(set(wm.values())):
-            if not isinstance(name, str) or os.path.isabs(name) or ".." in Path(name).parts:
-                raise CheckpointError(f"{index}: entry {name!r} points outside the checkpoint folder")
+        for name in sorted(set(parse_index(index.read_bytes(), str(index)).values())):
             f = (folder / name).resolve()
-            if root not in f.parents:
+            if root not in f.parents:  # a symlinked shard may still lead out
                 raise CheckpointError(f"{index}: entry {name!r} points outside the checkpoint folder")
             if not f.is_file():
-                raise CheckpointError(f"{index}: shard {name} is missing", "re-download the checkpoint")
+                raise CheckpointError(f"{index}: shard {name} is missing or not a regular file",
+                                      "re-download the checkpoint")
             files.append(f)
         return files
-    single = folder / "model.safetensors"
+    single = folder / SINGLE
     if single.is_file():
         return [single]
-    raise CheckpointError(f"{folder}: no model.safetensors or model.safetensors.index.json",
-                          "point --draft at a DeepSpec draft folder")
+    raise CheckpointError(f"{folder}: no {SINGLE} or {INDEX}", "a DeepSpec draft folder holds config.json and weights")
 
 
 def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
@@ -194,7 +191,7 @@ def load_draft(source: str | os.PathLike, target: Any | None = None, revision: s
     return draft.to(device=device or "cpu", dtype=dtype or torch.float32).eval()
 
 
-DRAFT_FILES = {"config.json", "model.safetensors", INDEX_NAME}
+DRAFT_FILES = {"config.json", SINGLE, INDEX}
 
 
 def is_our_draft(folder: Path) -> bool:
@@ -246,12 +243,12 @@ def save_draft(draft: DSparkDraft, out: str | os.PathLike, *, dtype: torch.dtype
         cfg.update(extra_config)
     if not out.exists():
         with atomic_dir(out) as tmp:
-            save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            save_file(sd, str(tmp / SINGLE), metadata={"format": "pt"})
             (tmp / "config.json").write_text(json.dumps(finite(cfg), indent=2, allow_nan=False) + "\n")
         return out
     new, old = temp_dir(out.parent, out.name), temp_dir(out.parent, out.name, ".old")
     try:
-        save_file(sd, str(new / "model.safetensors"), metadata={"format": "pt"})
+        save_file(sd, str(new / SINGLE), metadata={"format": "pt"})
         (new / "config.json").write_text(json.dumps(finite(cfg), indent=2, allow_nan=False) + "\n")
         for f in new.iterdir():
             with open(f, "rb") as fh:

