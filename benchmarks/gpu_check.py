@@ -154,6 +154,7 @@ def real_shape(name: str):
     if DRY:  # same family, a few layers, small width: the code path, not the speed
         cfg.update(num_hidden_layers=4, hidden_size=128, intermediate_size=256, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=32, vocab_size=min(cfg["vocab_size"], 4096))
+        cfg.update({k: min(v, cfg["vocab_size"] - 1) for k, v in cfg.items() if k.endswith("token_id") and v})
     config = AutoConfig.for_model(**cfg)
     with torch.device(DEV):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if DRY else torch.bfloat16)
