@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 from typing import IO, Any, Iterator
@@ -37,8 +38,10 @@ def atomic_open(path: str | os.PathLike, mode: str = "w") -> Iterator[IO[Any]]:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        _lock(fd)  # held until the file is renamed or removed: a temp file nobody locks is stale
         honour_umask(tmp)
         with os.fdopen(fd, mode) as fh:
             yield fh
@@ -49,6 +52,53 @@ def atomic_open(path: str | os.PathLike, mode: str = "w") -> Iterator[IO[Any]]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def _lock(fd: int) -> bool:
+    """Take an exclusive, non-blocking lock on an open file; False when someone holds it."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX: no locks, and no stale-file cleanup
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+
+
+def remove_stale_temps(path: Path) -> list[Path]:
+    """Remove temporary files of ours that a killed writer left beside `path`.
+
+    Ours: named `.<name>.<8 mkstemp characters>.tmp`, a regular file owned by this user.
+    Stale: nobody holds its lock (every live writer locks its temp file; the kernel drops the lock
+    when the writer dies, even by SIGKILL). Anything else is left alone."""
+    import re
+
+    name = re.escape(path.name)
+    pattern = re.compile(rf"\.{name}\.[a-z0-9_]{{8}}\.tmp")
+    removed = []
+    try:
+        candidates = [p for p in path.parent.iterdir() if pattern.fullmatch(p.name)]
+    except OSError:
+        return removed
+    for p in candidates:
+        try:
+            st = p.lstat()
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            if _lock(fd):
+                p.unlink()
+                removed.append(p)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:

@@ -13,7 +13,7 @@ PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
 
 
 def test_cached_equals_fresh_and_keys_on_settings(tmp_path, monkeypatch):
-    monkeypatch.setenv("DSPARKCTL_CACHE", str(tmp_path))
+    monkeypatch.setenv("DSPARKCTL_CONTINUATIONS_CACHE", str(tmp_path))
     model = tiny_target("qwen3")
     g = SamplingParams(0.0)
     first, hit = cached_continuations(model, PROMPTS, g, 10, [1])
@@ -30,7 +30,7 @@ def test_cached_equals_fresh_and_keys_on_settings(tmp_path, monkeypatch):
 
 
 def test_a_corrupt_cache_file_is_recomputed(tmp_path, monkeypatch):
-    monkeypatch.setenv("DSPARKCTL_CACHE", str(tmp_path))
+    monkeypatch.setenv("DSPARKCTL_CONTINUATIONS_CACHE", str(tmp_path))
     model = tiny_target("llama")
     first, _ = cached_continuations(model, PROMPTS, SamplingParams(0.0), 8, [1])
     (f,) = cache_dir().glob("*.json")

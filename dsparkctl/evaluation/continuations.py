@@ -26,6 +26,9 @@ FORMAT = "dsparkctl-continuations/1"
 
 
 def cache_dir() -> Path:
+    """`$DSPARKCTL_CONTINUATIONS_CACHE`, else `$DSPARKCTL_CACHE/continuations` (~/.cache/dsparkctl)."""
+    if os.environ.get("DSPARKCTL_CONTINUATIONS_CACHE"):
+        return Path(os.environ["DSPARKCTL_CONTINUATIONS_CACHE"])
     return Path(os.environ.get("DSPARKCTL_CACHE", Path.home() / ".cache" / "dsparkctl")) / "continuations"
 
 

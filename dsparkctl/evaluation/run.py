@@ -14,7 +14,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from dsparkctl.distributed import world
-from dsparkctl.evaluation.live import LiveResult, live_rollouts, target_continuations
+from dsparkctl.evaluation.continuations import cached_continuations
+from dsparkctl.evaluation.live import LiveResult, live_rollouts
 from dsparkctl.evaluation.teacher_forced import evaluate_sequences
 from dsparkctl.math.sampling import SamplingParams
 from dsparkctl.models.draft import DSparkDraft
@@ -124,8 +125,10 @@ def evaluate_dataset(model: Any, drafts: Sequence[DraftUnderTest], prompts: Sequ
             if conts is None:
                 if shared is None:
                     t = time.perf_counter()
-                    shared = target_continuations(model, prompts, params, max_new_tokens, stop_ids, seed, batch_size)
+                    shared, cached = cached_continuations(model, prompts, params, max_new_tokens, stop_ids, seed,
+                                                          batch_size)  # the target's answers: computed once
                     out["continuation_seconds"] = round(time.perf_counter() - t, 3)
+                    out["continuations_from_cache"] = cached
                 conts = shared
             seqs = [list(p) + list(c) for p, c in zip(prompts, conts)]
             t = time.perf_counter()

@@ -1,0 +1,13 @@
+"""Tests never write into the user's caches (the embedded target's conversion is shared on purpose)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_continuations_cache(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("DSPARKCTL_CONTINUATIONS_CACHE", str(tmp_path_factory.mktemp("continuations")))
+    yield
+    mp.undo()
