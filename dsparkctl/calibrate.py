@@ -52,6 +52,9 @@ def calibration_data(traces: Sequence[Trace]) -> tuple[CalibrationData, torch.Te
             torch.tensor(keys))
 
 
+MAX_SHARD_GAMMA = 256
+
+
 def read_sglang_shard(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor]:
     """One shard SGLang writes under SGLANG_DSPARK_STS_COLLECT_PATH (`<stem>.<n>.pt`, sglang
     `dspark_sts.py` StsDataRecorder): {"logits": [N, γ] raw confidence logits, "prefix_mask":
@@ -64,7 +67,7 @@ def read_sglang_shard(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tens
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - weights_only's unpickler raises many kinds on hostile bytes
-        first = (str(exc).strip().splitlines() or ["unreadable"])[0][:120]
+        first = " ".join(str(exc).split())[:300] or type(exc).__name__
         raise InputError(f"{path}: not a tensors-only torch file, refused without unpickling ({first})",
                          "pass SGLang's STS shards (logits, prefix_mask) or dsparkctl traces") from None
     if not isinstance(obj, dict) or not {"logits", "prefix_mask"} <= set(obj):
@@ -76,21 +79,37 @@ def read_sglang_shard(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tens
             raise InputError(f"{path}: {name} must be a 2-D float tensor [N, γ]")
     if logits.shape != mask.shape or logits.shape[1] < 1:
         raise InputError(f"{path}: logits {list(logits.shape)} and prefix_mask {list(mask.shape)} differ")
+    if logits.shape[1] > MAX_SHARD_GAMMA:
+        raise InputError(f"{path}: {logits.shape[1]} positions per row; no DSpark block is that long "
+                         f"(at most {MAX_SHARD_GAMMA})", "pass SGLang's STS shards [N, γ]")
     if not bool(torch.isfinite(logits).all()):
         raise InputError(f"{path}: logits hold NaN or infinite values")
     m = mask.to(torch.float64)
     if not bool(((m == 0) | (m == 1)).all()) or bool((m[:, 1:] > m[:, :-1]).any()):
         raise InputError(f"{path}: prefix_mask must be 0/1 and non-increasing along positions (a prefix)")
     keep = torch.ones(m.shape[0], dtype=torch.bool)
-    if "observed_mask" in obj and torch.is_tensor(obj["observed_mask"]):
-        keep = obj["observed_mask"].to(torch.float64).reshape(m.shape).min(dim=1).values > 0  # fully observed rows
+    if "observed_mask" in obj:
+        obs = obj["observed_mask"]
+        if not torch.is_tensor(obs) or obs.shape != m.shape:
+            raise InputError(f"{path}: observed_mask must be a tensor shaped like logits {list(m.shape)}")
+        keep = obs.to(torch.float64).min(dim=1).values > 0  # fully observed rows
     return logits.to(torch.float64)[keep], m[keep].sum(dim=1).long()
 
 
 def _load_inputs(paths: Sequence[str | os.PathLike]) -> tuple[CalibrationData, torch.Tensor, list[Trace]]:
     """Traces (JSON lines) and SGLang shards (.pt) pooled: (data, request keys, traces)."""
-    shards = [p for p in paths if Path(p).suffix == ".pt"]
-    traces = read_traces([p for p in paths if Path(p).suffix != ".pt"]) if len(shards) < len(paths) else []
+    seen: dict[tuple[int, int], Path] = {}
+    for p in map(Path, paths):
+        if p.is_file():
+            st = p.stat()
+            if (st.st_dev, st.st_ino) in seen:  # the same rounds twice would count twice
+                raise InputError(f"{p} is given twice (also as {seen[(st.st_dev, st.st_ino)]})",
+                                 "pass each trace or shard once")
+            seen[(st.st_dev, st.st_ino)] = p
+    is_shard = [Path(p).suffix.lower() == ".pt" for p in paths]
+    shards = [p for p, s in zip(paths, is_shard) if s]
+    rest = [p for p, s in zip(paths, is_shard) if not s]
+    traces = read_traces(rest) if rest else []
     parts, keys = [], []
     if traces:
         data, k = calibration_data(traces)

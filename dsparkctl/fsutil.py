@@ -129,8 +129,11 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     tmp = temp_dir(path.parent, path.name)
     try:
         yield tmp
-        for root, _dirs, files in os.walk(tmp):
-            for name in files:
+        for root, dirs, files in os.walk(tmp):
+            for name in dirs:
+                honour_umask(os.path.join(root, name), directory=True)
+            for name in files:  # some writers (safetensors) create files 0600 whatever the umask
+                honour_umask(os.path.join(root, name))
                 with open(os.path.join(root, name), "rb") as fh:
                     os.fsync(fh.fileno())
         os.replace(tmp, path)

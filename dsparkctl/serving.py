@@ -33,10 +33,10 @@ from dsparkctl.errors import InputError
 RAGGED_ENV = "SGLANG_RAGGED_VERIFY_MODE"
 
 
-def k_table_from_sweep(sweep: dict[str, Any], block_size: int, max_batch_size: int | None = None) -> list[list[int]]:
+def k_table_from_sweep(sweep: Any, block_size: int, max_batch_size: int | None = None) -> list[list[int]]:
     """vLLM's num_speculative_tokens_per_batch_size from a sweep: the best static:K per
     concurrency (by total throughput), as inclusive [start, end, K] batch-size ranges."""
-    rows = sweep.get("rows")
+    rows = sweep.get("rows") if isinstance(sweep, dict) else None
     if not isinstance(rows, list) or not rows:
         raise InputError("the sweep result has no rows", "write one with `dsparkctl sweep-scheduler --out`")
     best: dict[int, tuple[float, int]] = {}
@@ -51,6 +51,9 @@ def k_table_from_sweep(sweep: dict[str, Any], block_size: int, max_batch_size: i
         if not 0 <= k <= block_size:
             raise InputError(f"the sweep's static:{k} exceeds the draft's block size {block_size}",
                              "sweep with the same draft")
+        if c < 1 or not thr >= 0:
+            raise InputError(f"sweep row {r!r} has a concurrency < 1 or a negative throughput",
+                             "use a file written by sweep-scheduler")
         if c not in best or thr > best[c][0]:
             best[c] = (thr, k)
     if not best:
@@ -99,13 +102,16 @@ def shell_line(env: dict[str, str], argv: list[str]) -> str:
 
 
 def check_sglang_sps(path: Path) -> dict[str, Any]:
-    """An SGLang SPS table SGLang will use: ≥ 2 probes (one probe = uninitialised: verify all)."""
+    """An SGLang SPS table SGLang will use: a valid table (increasing probes, finite positive
+    rates, max_batch_tokens ≥ the last probe) with ≥ 2 probes (one probe = uninitialised)."""
+    from dsparkctl.sps_io import load_sps_table
     from dsparkctl.strict_json import read
 
     d = read(path, "SPS table", "write one with `dsparkctl profile-sps`")
     if not isinstance(d, dict) or "sample_batch_tokens" not in d or "sample_steps_per_sec" not in d:
         raise InputError(f"{path}: not an SGLang SPS table (sample_batch_tokens, sample_steps_per_sec)",
                          "pass the <out>.sglang.json that profile-sps writes")
+    load_sps_table(path)  # the same checks as every other reader: one-line InputError naming the file
     if len(d["sample_batch_tokens"]) < 2:
         raise InputError(f"{path}: one probe; SGLang treats it as uninitialised and verifies every draft",
                          "profile at least two batch-token counts")
@@ -125,7 +131,49 @@ def check_sts(path: Path, block_size: int) -> dict[str, Any]:
     if len(temps) != block_size:
         raise InputError(f"{path}: {len(temps)} temperatures for a draft with block size {block_size}",
                          "calibrate traces of this draft")
+    if "dataset" in d and not isinstance(d["dataset"], str):
+        raise InputError(f"{path}: 'dataset' must be a string", "pass the file calibrate writes")
     return d
+
+
+def sps_provenance_notes(path: Path, draft_name: str) -> list[str]:
+    """What our SPS table says about itself that matters to SGLang's planner.
+
+    A target-forward table is refused: it leaves out the draft and the schedule, so it overstates
+    steps/s and the planner would verify too much. A table from another draft is a note."""
+    from dsparkctl.strict_json import read
+
+    d = read(path, "SPS table", "write one with `dsparkctl profile-sps`")
+    if not isinstance(d, dict):
+        return []
+    measures, drafted = d.get("measures"), d.get("draft")
+    if measures == "target-forward":
+        raise InputError(f"{path} times the target's forward alone; SGLang's planner needs whole-step costs "
+                         "(draft + schedule + verify)", "profile with `dsparkctl profile-sps` (whole-step is the "
+                         "default) and the draft you serve")
+    if isinstance(drafted, str) and drafted and draft_name and drafted != draft_name:
+        return [f"the SPS table was profiled with draft {drafted!r}, not {draft_name!r}; profile the one you serve"]
+    return []
+
+
+SCRIPT_HEADER = "#!/usr/bin/env bash\n# written by dsparkctl serve-config\n"
+
+
+def check_script_destination(path: Path) -> None:
+    """`--out` may replace a script serve-config wrote, never another file."""
+    if path.is_file():
+        with open(path, "rb") as fh:
+            head = fh.read(len(SCRIPT_HEADER))
+        if head != SCRIPT_HEADER.encode():
+            raise InputError(f"{path} exists and is not a script serve-config wrote; refusing to overwrite it",
+                             "choose a new file for --out")
+
+
+def check_target_id(tid: str) -> None:
+    """A target name the server can take: a hub id or a path, one line, no spaces."""
+    if not tid.strip() or any(c.isspace() or not c.isprintable() for c in tid):
+        raise InputError(f"--target-id {tid!r} must be a non-empty hub id or path without spaces or control "
+                         "characters", "e.g. --target-id Qwen/Qwen3-8B")
 
 
 def sglang_file(path: Path, kind: str) -> Path:
@@ -144,8 +192,11 @@ def sglang_file(path: Path, kind: str) -> Path:
                              "pass the .sglang.json that profile-sps writes beside it")
         return twin
     if kind == "sts" and "temperatures" not in d:
-        twin = Path(str((d.get("outputs") or {}).get("sglang_sts", ""))) if isinstance(d.get("outputs"), dict) else None
-        if not twin or not twin.is_file():
+        named = (d.get("outputs") or {}).get("sglang_sts") if isinstance(d.get("outputs"), dict) else None
+        twin = None
+        if isinstance(named, str) and named:  # as written (relative to where calibrate ran), or beside the file
+            twin = next((p for p in (Path(named), path.parent / Path(named).name) if p.is_file()), None)
+        if twin is None:
             raise InputError(f"{path}: not an SGLang STS file and names none that exists",
                              "pass the .sglang-sts.json that calibrate writes")
         return twin

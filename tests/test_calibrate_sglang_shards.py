@@ -98,3 +98,29 @@ def test_cli_writes_sglang_sts_from_shards(tmp_path):
     assert res.exit_code == 0, res.output
     sts = json.loads((tmp_path / "calib.sglang-sts.json").read_text())
     assert len(sts["temperatures"]) == 4 and all(t > 0 for t in sts["temperatures"])
+
+
+def test_shard_given_twice_is_refused(tmp_path):
+    a, _ = shard(tmp_path / "raw.0.pt")
+    link = tmp_path / "same.pt"
+    link.hardlink_to(a)
+    for paths in ([a, a], [a, link]):
+        with pytest.raises(InputError, match="given twice"):
+            run_calibration(paths, holdout=0.25, bins=10)
+
+
+def test_upper_case_suffix_is_a_shard(tmp_path):
+    a, _ = shard(tmp_path / "RAW.0.PT")
+    res = run_calibration([a], holdout=0.25, bins=10)
+    assert len(res["temperatures"]) == 4
+
+
+@pytest.mark.parametrize("obj,needle", [
+    ({"logits": torch.zeros(3, 300), "prefix_mask": torch.zeros(3, 300)}, "at most 256"),
+    ({"logits": torch.zeros(3, 4), "prefix_mask": torch.zeros(3, 4), "observed_mask": torch.ones(2, 4)},
+     "observed_mask must be a tensor shaped like logits"),
+])
+def test_bad_shards(obj, needle, tmp_path):
+    torch.save(obj, tmp_path / "bad.0.pt")
+    with pytest.raises(InputError, match=needle):
+        read_sglang_shard(tmp_path / "bad.0.pt")

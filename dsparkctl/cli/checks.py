@@ -48,6 +48,9 @@ def check_outputs(outputs: Sequence[Output], inputs: Sequence[Path] = ()) -> Non
             if key == i.resolve() or (o.path.exists() and i.exists() and os.path.samefile(o.path, i)):
                 raise UsageError(f"{o.option} {o.path} is one of the inputs and would be overwritten",
                                  hint="write the output somewhere else")
+            if i.is_dir() and key.is_relative_to(i.resolve()):
+                raise UsageError(f"{o.option} {o.path} is inside the input folder {i}; writing there could "
+                                 "overwrite or corrupt the model", hint="write the output somewhere else")
 
 
 def _check_one(o: Output) -> None:
@@ -74,6 +77,18 @@ def _check_one(o: Output) -> None:
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UsageError(f"{o.option} {p} cannot be created: no permission to write in {parent}",
                          hint="choose a folder you can write to")
+
+
+def local_inputs(*specs: str | Path | None) -> list[Path]:
+    """The model/data arguments that name local files or folders (hub ids and keywords drop out)."""
+    paths = []
+    for spec in specs:
+        if spec is None or str(spec) in ("", "embedded", "random"):
+            continue
+        p = Path(spec).expanduser()
+        if p.exists():
+            paths.append(p)
+    return paths
 
 
 SEED_LIMIT = 2 ** 32  # derived seeds (seed · 1_000_003 + cell) stay inside torch's 64-bit range

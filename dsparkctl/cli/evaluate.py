@@ -83,7 +83,7 @@ def eval_acceptance(
     seed: SeedOpt = 0,
     json_out: JsonOpt = False,
 ) -> None:
-    from dsparkctl.cli.checks import Output, check_outputs
+    from dsparkctl.cli.checks import Output, check_outputs, local_inputs
     from dsparkctl.data.prompts import apply_preset_wrap, encode_prompts, load_prompts
     from dsparkctl.distributed import world
     from dsparkctl.engine.session import open_target
@@ -99,7 +99,8 @@ def eval_acceptance(
         raise UsageError("--label must be given once per --draft")
     check_outputs([o for o in (Output(out_path, "--out") if out_path else None,
                                Output(plot, "--plot", kind="figure") if plot else None,
-                               Output(trace, "--trace") if trace else None) if o is not None])
+                               Output(trace, "--trace") if trace else None) if o is not None],
+                  local_inputs(target, *(draft or []), *datasets))
     # prompts first: bad prompt files fail before any model loads
     texts = {ds: apply_preset_wrap(preset, ds, load_prompts(ds, field, limit)) for ds in datasets}
     sess = open_target(target, device.value, dtype.value, revision, trust_remote_code, log=lambda s: err.print(s),

@@ -69,7 +69,7 @@ def generate(
     trust_remote_code: TrustRemoteCodeOpt = False,
     target_parallel: TargetParallelOpt = "none",
 ) -> None:
-    from dsparkctl.cli.checks import Output, check_outputs
+    from dsparkctl.cli.checks import Output, check_outputs, local_inputs
     from dsparkctl.data.prompts import apply_preset_wrap, encode_prompts, prompt_texts
     from dsparkctl.engine.generate import GenerateOptions, generate_report
     from dsparkctl.engine.session import open_session
@@ -85,7 +85,7 @@ def generate(
     if policy and policy.partition(":")[0].strip() in NEEDS_SPS and sps_table is None:
         raise UsageError(f"--policy {policy} needs an SPS table", "pass --sps-table (written by `dsparkctl profile-sps`)")
     if trace is not None:
-        check_outputs([Output(trace, "--trace")])
+        check_outputs([Output(trace, "--trace")], local_inputs(target, draft))
     texts = apply_preset_wrap(preset, dataset, prompt_texts(prompts, prompts_file, dataset, field, limit,
                                                             default="Write a short poem about speculative decoding."))
     log = (lambda m: err.print(styled((m, "dim")))) if not json_out or show_progress() else (lambda m: None)

@@ -44,8 +44,49 @@ for _module in (checkpoint, generate, evaluate, schedule, profile, train, serve)
     _module.register(app)
 
 
+def _click_exceptions() -> list:
+    """The exception modules of the click in use: recent typer vendors its own copy."""
+    mods = []
+    try:
+        import typer._click.exceptions as vendored  # typer >= 0.2x
+
+        mods.append(vendored)
+    except ImportError:
+        pass
+    import click.exceptions
+
+    return [*mods, click.exceptions]
+
+
 def main() -> None:
-    app()
+    """Run the app; a command-line mistake (unknown option, bad value) is one line on stderr, exit 2."""
+    import sys
+
+    mods = _click_exceptions()
+    no_args = tuple(m.NoArgsIsHelpError for m in mods if hasattr(m, "NoArgsIsHelpError"))
+    usage = tuple(m.UsageError for m in mods)
+    import typer.exceptions
+
+    aborted = tuple(getattr(m, "Abort") for m in (*mods, typer.exceptions) if hasattr(m, "Abort"))
+    try:
+        code = app(standalone_mode=False)
+    except no_args as exc:
+        text = exc.ctx.get_help() if exc.ctx else None  # typer's rich help prints itself, returns ""
+        if text:
+            sys.stdout.write(text + "\n")
+        sys.exit(0)
+    except usage as exc:
+        where = exc.ctx.command_path if exc.ctx else "dsparkctl"
+        msg = " ".join(exc.format_message().split())
+        sys.stderr.write(f"error: {msg} (see '{where} --help')\n")
+        sys.exit(exc.exit_code)
+    except aborted or ():
+        sys.stderr.write("aborted\n")
+        sys.exit(130)
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from dsparkctl.cli.checks import Output, check_outputs
+from dsparkctl.cli.checks import Output, check_outputs, local_inputs
 from dsparkctl.cli.common import (DeviceOpt, DraftOpt, DType, DTypeOpt, Device, JsonOpt, RevisionOpt, SeedOpt,
                                   TargetOpt, err, guarded, int_list, out, print_json, progress_bar, styled)
 from dsparkctl.errors import UsageError
@@ -75,10 +75,11 @@ def profile_sps_cmd(
     if context_len < 1 or repeats < 1 or warmup < 0:
         raise UsageError("--context-len and --repeats must be >= 1, --warmup >= 0",
                          "e.g. --context-len 256 --repeats 5 --warmup 2")
-    check_outputs([Output(out_path, "--out")])  # first: the other names derive from it
+    inputs = local_inputs(target, draft)
+    check_outputs([Output(out_path, "--out")], inputs)  # first: the other names derive from it
     sg = sglang_out or out_path.with_name(out_path.stem + ".sglang.json")
     png = plot or out_path.with_suffix(".png")
-    check_outputs([Output(out_path, "--out"), Output(sg, "--sglang-out"), Output(png, "--plot", "figure")])
+    check_outputs([Output(out_path, "--out"), Output(sg, "--sglang-out"), Output(png, "--plot", "figure")], inputs)
     if toks is None and measure == Measure.target_forward:
         toks = [1, 2, 3, 4, 6, 8]
     if toks is not None:

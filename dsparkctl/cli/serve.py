@@ -36,14 +36,25 @@ def serve_config(
     out_path: Annotated[Optional[Path], typer.Option("--out", help="Also write a shell script with both commands.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    from dsparkctl.cli.checks import Output, check_outputs
+    from dsparkctl.cli.checks import Output, check_outputs, local_inputs
     from dsparkctl.engine.session import open_session
     from dsparkctl.models.draft_io import check_draft_destination, save_draft
-    from dsparkctl.serving import (check_sglang_sps, check_sts, expand_vocabulary, k_table_from_sweep,
-                                   sglang_command, sglang_file, shell_line, vllm_config)
+    from dsparkctl.serving import (check_script_destination, check_sglang_sps, check_sts, check_target_id,
+                                   expand_vocabulary, k_table_from_sweep, sglang_command, sglang_file, shell_line,
+                                   sps_provenance_notes, vllm_config, SCRIPT_HEADER)
     from dsparkctl.strict_json import read
 
-    check_outputs([Output(out_path, "--out")] if out_path else [])
+    inputs = local_inputs(target, draft, sps_table, calibration, sweep)
+    check_outputs([o for o in (Output(out_path, "--out") if out_path else None,
+                               Output(export_full_vocab, "--export-full-vocab", "folder")
+                               if export_full_vocab else None) if o is not None], inputs)
+    if draft == "random":
+        raise UsageError("--draft random is an untrained draft: there is nothing to serve",
+                         "pass a trained draft folder or hub id (or omit --draft for the shipped one)")
+    if target_id is not None:
+        check_target_id(target_id)
+    if out_path is not None:
+        check_script_destination(out_path)
     if export_full_vocab is not None:
         check_draft_destination(export_full_vocab, overwrite=True)
     sps_file = sglang_file(sps_table, "sps") if sps_table else None
@@ -52,15 +63,19 @@ def serve_config(
     sess = open_session(target, draft, "cpu", "fp32", revision, log=lambda m: err.print(styled((m, "dim"))))
     d = sess.draft
     gamma = d.block_size
+    notes: list[str] = []
     if sps_file:
         check_sglang_sps(sps_file)
+        if sps_file != sps_table:  # ours: it says what it measured and with which draft
+            notes += sps_provenance_notes(sps_table, sess.draft_name)
     if sts_file:
         check_sts(sts_file, gamma)
         if not d.cfg.enable_confidence_head:
             raise InputError("the draft has no confidence head, so SGLang ignores an STS file",
                              "drop --calibration, or serve a draft with a confidence head")
-    draft_path = str(draft) if draft not in (None, "", "default", "random") else None
-    notes: list[str] = []
+    draft_path = draft if draft not in (None, "", "default") else None
+    if draft_path is not None and Path(draft_path).expanduser().exists():
+        draft_path = str(Path(draft_path).expanduser().resolve())  # the script may run from anywhere
     if d.draft_vocab_ids is not None:
         if export_full_vocab is None:
             raise UsageError(f"{sess.draft_name} has a reduced vocabulary ({d.cfg.draft_vocab_size} ids), which "
@@ -69,7 +84,7 @@ def serve_config(
         full = expand_vocabulary(d, sess.adapter)
         save_draft(full, export_full_vocab, overwrite=True, extra_config={"dsparkctl": {
             "expanded_from": sess.draft_name, "note": "full-vocabulary copy of a reduced-vocabulary draft"}})
-        draft_path = str(export_full_vocab)
+        draft_path = str(export_full_vocab.resolve())
         notes.append(f"wrote the full-vocabulary copy {export_full_vocab}; measure it with "
                      f"`dsparkctl eval-acceptance --draft {export_full_vocab}` (tokens outside the subset now "
                      "get draft mass)")
@@ -77,12 +92,17 @@ def serve_config(
         raise UsageError("--export-full-vocab is for reduced-vocabulary drafts; this one covers the full vocabulary")
     if draft_path is None:
         from dsparkctl.models.loading import default_draft_dir
-        draft_path = str(default_draft_dir()) if sess.draft_name.startswith("shipped") else "DRAFT"
+        draft_path = str(default_draft_dir())
     tid = target_id or target or ("HuggingFaceTB/SmolLM2-135M-Instruct" if sess.embedded_target else "TARGET")
+    if target_id is None and target and Path(target).expanduser().exists():
+        tid = str(Path(target).expanduser().resolve())
     dspark = d.cfg.markov_rank > 0
-    env, argv = sglang_command(tid, draft_path, gamma, dspark, str(sps_file) if sps_file else None,
-                               str(sts_file) if sts_file else None)
+    env, argv = sglang_command(tid, draft_path, gamma, dspark, str(sps_file.resolve()) if sps_file else None,
+                               str(sts_file.resolve()) if sts_file else None)
     k_table = k_table_from_sweep(sweep_doc, gamma) if sweep_doc is not None else None
+    if k_table:
+        notes.append(f"vLLM's length table: batch sizes above the largest swept concurrency "
+                     f"({k_table[-1][0]}..{k_table[-1][1]}) reuse its length; sweep higher loads to measure them")
     vllm = vllm_config(draft_path, gamma, k_table)
     vllm_argv = ["vllm", "serve", tid, "--speculative-config", json.dumps(vllm, separators=(",", ":"))]
     if not dspark:
@@ -102,7 +122,7 @@ def serve_config(
     if out_path is not None:
         from dsparkctl.fsutil import atomic_open
         with atomic_open(out_path, "w") as fh:
-            fh.write("#!/usr/bin/env bash\n# written by dsparkctl serve-config\n# SGLang:\n")
+            fh.write(SCRIPT_HEADER + "# SGLang:\n")
             fh.write(result["sglang"]["command"] + "\n# vLLM:\n# " + result["vllm"]["command"] + "\n")
         result["script"] = str(out_path)
     if json_out:

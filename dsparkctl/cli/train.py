@@ -85,6 +85,12 @@ def train(
     rec = load_recipe(recipe, set_ or [])
     if (with_embeddings or export_step is not None) and out_dir is None:
         raise UsageError("--with-embeddings and --export-step need --out FOLDER", "e.g. --out my-draft")
+    if max_minutes is not None and not max_minutes < float("inf"):
+        raise UsageError(f"--max-minutes must be a finite number, got {max_minutes}", "e.g. --max-minutes 30")
+    if out_dir is not None:
+        from dsparkctl.models.draft_io import check_draft_destination
+
+        check_draft_destination(out_dir, overwrite=True)  # before the target loads
     if rec.optim.threads:
         torch.set_num_threads(rec.optim.threads)
     sess = open_target(None if rec.target.model == "embedded" else rec.target.model, device.value, rec.target.dtype,

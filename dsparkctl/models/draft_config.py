@@ -10,6 +10,8 @@ the number of DRAFT layers and these extra fields: `block_size`, `mask_token_id`
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,39 +98,68 @@ class DraftConfig:
         if missing:
             raise CheckpointError(f"{source}: not a DSpark/DFlash draft config, missing {', '.join(missing)}",
                                   "point --draft at a DeepSpec draft folder (config.json + model.safetensors)")
-        heads = int(d["num_attention_heads"])
+        def get(key: str, kind: type, default: Any = None, minimum: float | None = None) -> Any:
+            """d[key] typed strictly: ints are JSON integers, floats finite numbers, flags true/false."""
+            val = d.get(key, default)
+            if val is None:
+                val = default
+            if val is None:
+                return None
+            ok = (isinstance(val, bool) if kind is bool else
+                  isinstance(val, int) and not isinstance(val, bool) if kind is int else
+                  isinstance(val, (int, float)) and not isinstance(val, bool) and math.isfinite(val)
+                  if kind is float else isinstance(val, kind))
+            if not ok:
+                what = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string"}[kind]
+                raise CheckpointError(f"{source}: {key} must be {what}, got {json.dumps(val)[:40]}",
+                                      "fix config.json (it is not the draft this tool or DeepSpec writes)")
+            if minimum is not None and val < minimum:
+                raise CheckpointError(f"{source}: {key} must be >= {minimum}, got {val}", "fix config.json")
+            return kind(val)
+
+        hidden = get("hidden_size", int, minimum=1)
+        heads = get("num_attention_heads", int, minimum=1)
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
         if rope_type not in ("default", None):
             raise CheckpointError(f"{source}: RoPE type {rope_type!r} is not supported by the draft",
                                   "drafts with default RoPE (Qwen3, Llama without scaling) are supported")
-        theta = d.get("rope_theta", rope.get("rope_theta") if isinstance(rope, dict) else None) or 10000.0
-        markov_rank = int(d.get("markov_rank", 0) or 0)
-        enable_conf = bool(d.get("enable_confidence_head", False))
+        if "rope_theta" not in d and isinstance(rope, dict) and rope.get("rope_theta") is not None:
+            d = {**d, "rope_theta": rope["rope_theta"]}
+        ids = d["target_layer_ids"]
+        if not isinstance(ids, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+            raise CheckpointError(f"{source}: target_layer_ids must be a list of integers", "fix config.json")
+        enable_conf = get("enable_confidence_head", bool, False)
+        head_type = get("markov_head_type", str, "vanilla") or "vanilla"
+        if head_type not in ("vanilla", "gated", "rnn"):
+            raise CheckpointError(f"{source}: markov_head_type {head_type!r} is unknown", "use vanilla, gated or rnn")
         cfg = cls(
-            vocab_size=int(d["vocab_size"]),
-            hidden_size=int(d["hidden_size"]),
-            intermediate_size=int(d.get("intermediate_size", 4 * int(d["hidden_size"]))),
-            num_hidden_layers=int(d["num_hidden_layers"]),
+            vocab_size=get("vocab_size", int, minimum=1),
+            hidden_size=hidden,
+            intermediate_size=get("intermediate_size", int, 4 * hidden, minimum=1),
+            num_hidden_layers=get("num_hidden_layers", int, minimum=1),
             num_attention_heads=heads,
-            num_key_value_heads=int(d.get("num_key_value_heads", heads)),
-            head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads),
-            block_size=int(d["block_size"]),
-            mask_token_id=int(d["mask_token_id"]),
-            target_layer_ids=tuple(int(i) for i in d["target_layer_ids"]),
-            num_target_layers=int(d.get("num_target_layers", 0) or 0),
-            markov_rank=markov_rank,
-            markov_head_type=str(d.get("markov_head_type", "vanilla") or "vanilla"),
+            num_key_value_heads=get("num_key_value_heads", int, heads, minimum=1),
+            head_dim=get("head_dim", int, hidden // heads, minimum=1) or hidden // heads,
+            block_size=get("block_size", int),
+            mask_token_id=get("mask_token_id", int),
+            target_layer_ids=tuple(ids),
+            num_target_layers=get("num_target_layers", int, 0, minimum=0),
+            markov_rank=get("markov_rank", int, 0, minimum=0),
+            markov_head_type=head_type,
             enable_confidence_head=enable_conf,
-            confidence_head_with_markov=bool(d.get("confidence_head_with_markov", False)) and enable_conf,
-            num_anchors=int(d.get("num_anchors", 512) or 512),
-            draft_vocab_size=int(d.get("draft_vocab_size", 0) or 0),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
-            attention_bias=bool(d.get("attention_bias", False)),
-            qk_norm=bool(d.get("qk_norm", True)),
+            confidence_head_with_markov=get("confidence_head_with_markov", bool, False) and enable_conf,
+            num_anchors=get("num_anchors", int, 512, minimum=0) or 512,
+            draft_vocab_size=get("draft_vocab_size", int, 0),
+            rms_norm_eps=get("rms_norm_eps", float, 1e-6),
+            rope_theta=get("rope_theta", float, 10000.0),
+            attention_bias=get("attention_bias", bool, False),
+            qk_norm=get("qk_norm", bool, True),
             extra={k: v for k, v in d.items()},
         )
+        if not (cfg.rms_norm_eps > 0 and cfg.rope_theta > 0):
+            raise CheckpointError(f"{source}: rms_norm_eps and rope_theta must be > 0 "
+                                  f"(got {cfg.rms_norm_eps}, {cfg.rope_theta})", "fix config.json")
         cfg.validate(source)
         return cfg
 

@@ -16,8 +16,9 @@ import torch
 
 from dsparkctl.checkpoint.source import INDEX, SINGLE, parse_index
 from dsparkctl.errors import CheckpointError, InputError, ModelMismatchError
-from dsparkctl.fsutil import atomic_dir, temp_dir
+from dsparkctl.fsutil import atomic_dir, honour_umask, temp_dir
 from dsparkctl.strict_json import finite
+from dsparkctl.strict_json import loads as strict_loads
 from dsparkctl.models.draft import DSparkDraft
 from dsparkctl.models.draft_config import DraftConfig
 
@@ -124,7 +125,7 @@ def check_compatible(cfg: DraftConfig, target: Any, source: str) -> None:
 
 def check_draft_vocab(ids: torch.Tensor, cfg: DraftConfig, source: str) -> None:
     """A reduced vocabulary's index map: [K] integer target ids, in range, strictly increasing."""
-    if ids.dtype not in (torch.int64, torch.int32) or ids.dim() != 1:
+    if ids.dtype != torch.int64 or ids.dim() != 1:
         raise CheckpointError(f"{source}: draft_vocab_ids must be a 1-D int64 tensor, got {ids.dtype} "
                               f"{list(ids.shape)}", "re-export the draft with dsparkctl train")
     if ids.numel() != cfg.draft_vocab_size:
@@ -146,8 +147,8 @@ def load_draft(source: str | os.PathLike, target: Any | None = None, revision: s
     if not cfg_path.is_file():
         raise CheckpointError(f"{folder}: no config.json", "a DeepSpec draft folder holds config.json")
     try:
-        raw = json.loads(cfg_path.read_text())
-    except ValueError as exc:
+        raw = strict_loads(cfg_path.read_bytes())
+    except (ValueError, UnicodeDecodeError) as exc:  # StrictJSONError is a ValueError
         raise CheckpointError(f"{cfg_path}: not valid JSON ({exc})") from None
     cfg = DraftConfig.from_dict(raw, str(cfg_path))
     state = read_state_dict(folder)
@@ -209,8 +210,18 @@ def is_our_draft(folder: Path) -> bool:
 def check_draft_destination(out: str | os.PathLike, overwrite: bool) -> Path:
     """Validate an output folder before any work: absent, or (with overwrite) a previous draft of ours."""
     out = Path(out)
+    if str(out) in ("", "."):
+        raise InputError("the draft folder is empty or '.'", "name a new folder for the draft")
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise InputError(f"{out} exists and is not a folder", "choose a new folder for the draft")
+    parent = out.absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise InputError(f"{out} cannot be created: {parent} is not a folder", "fix the path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InputError(f"{out} cannot be created: no permission to write in {parent}",
+                         "choose a folder you can write to")
     if out.exists():
         if not overwrite:
             raise InputError(f"{out} already exists", "choose another folder or remove it")
@@ -251,6 +262,7 @@ def save_draft(draft: DSparkDraft, out: str | os.PathLike, *, dtype: torch.dtype
         save_file(sd, str(new / SINGLE), metadata={"format": "pt"})
         (new / "config.json").write_text(json.dumps(finite(cfg), indent=2, allow_nan=False) + "\n")
         for f in new.iterdir():
+            honour_umask(f)  # safetensors writes 0600 whatever the umask
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
         os.replace(out, old / "draft")  # the previous draft steps aside, the new one takes its name

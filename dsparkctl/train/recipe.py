@@ -234,6 +234,15 @@ def validate(r: Recipe, source: str) -> None:
         bad(f"data.topk must be in [1, 1024], got {da.topk}")
     if len(o.loss_weights) != 3 or any(not (w >= 0 and w < float("inf")) for w in o.loss_weights):
         bad(f"optim.loss_weights must be three finite weights >= 0 (CE, L1, BCE), got {list(o.loss_weights)}")
+    if sum(o.loss_weights) <= 0:
+        bad("optim.loss_weights are all zero: nothing would be trained", "the paper's are [0.1, 0.9, 1.0]")
+    if r.eval.every < 0:
+        bad(f"eval.every must be >= 0 (0 = only at the end), got {r.eval.every}")
+    if o.init_from:
+        p = Path(o.init_from).expanduser()
+        if not p.is_dir() or not (p / "config.json").is_file():
+            bad(f"optim.init_from {o.init_from!r} is not a draft folder (no config.json there; relative paths are "
+                "read from the current folder)", "give the folder a previous `dsparkctl train --out` wrote")
     if r.target.dtype not in ("fp32", "bf16", "fp16"):
         bad(f"target.dtype {r.target.dtype!r}", "use fp32, bf16 or fp16")
 

@@ -259,6 +259,17 @@ def prepare(recipe: Recipe, model: Any, tokenizer: Any, stop_ids: list[int], cac
     return adapter, train_seqs, held, draft, scale
 
 
+def check_against_target(recipe: Recipe, model: Any) -> None:
+    """What the recipe asks of the target, checked before any data is built."""
+    vocab = model.get_input_embeddings().weight.shape[0]
+    if recipe.draft.vocab_size > vocab:
+        raise InputError(f"draft.vocab_size {recipe.draft.vocab_size} exceeds the target's vocabulary ({vocab})",
+                         "use a smaller K, or 0 for the full vocabulary")
+    if recipe.draft.mask_token_id is not None and not 0 <= recipe.draft.mask_token_id < vocab:
+        raise InputError(f"draft.mask_token_id {recipe.draft.mask_token_id} is outside the target's vocabulary "
+                         f"({vocab})", "use a special token id of the target's tokenizer")
+
+
 def run_training(recipe: Recipe, *, model: Any, tokenizer: Any, stop_ids: list[int], resume: bool,
                  cache_dir: Path | None = None, runs_dir: Path | None = None, out: Path | None = None,
                  log: Callable[[str], None] = print, on_data: Callable[[int, int], None] | None = None,
@@ -272,6 +283,7 @@ def run_training(recipe: Recipe, *, model: Any, tokenizer: Any, stop_ids: list[i
     if out is not None:
         check_draft_destination(out, overwrite=True)  # fail now, not after the training
         check_embeddings_export(recipe.draft.vocab_size, with_embeddings)
+    check_against_target(recipe, model)
     if (run_dir / "latest.json").is_file() and not resume:
         raise InputError(f"{run_dir} already holds checkpoints of this recipe",
                          "pass --resume to continue it, or delete the folder to start over")
@@ -322,6 +334,7 @@ def export_checkpoint(recipe: Recipe, step: int, *, model: Any, tokenizer: Any, 
     run_dir = run_dir_for(recipe, cache_dir, runs_dir)
     check_draft_destination(out, overwrite=True)
     check_embeddings_export(recipe.draft.vocab_size, with_embeddings)
+    check_against_target(recipe, model)
     path = run_dir / "checkpoints" / f"step_{step:06d}" / "draft.safetensors"
     if not path.is_file():
         kept = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) if run_dir.is_dir() else []

@@ -1,0 +1,212 @@
+"""What a hostile review of the finished commands found (issue 12): outputs that overwrite inputs,
+loose draft configs, serve-config's unchecked files, late recipe checks, files written 0600, and
+command-line mistakes printed as a multi-line box. Each case: exit ≠ 0, one `error:` line, and
+the user's files as they were."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from dsparkctl.cli import common
+from dsparkctl.cli.main import app
+from dsparkctl.errors import CheckpointError
+from dsparkctl.models.draft_config import DraftConfig
+from dsparkctl.models.draft_io import load_draft, random_draft, save_draft
+from dsparkctl.models.target import TargetAdapter
+from tests.helpers import snapshot
+from tests.tiny_models import save_tiny_target, tiny_target, write_deepspec_draft
+
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def _one_line(monkeypatch):
+    monkeypatch.setattr(common.err, "soft_wrap", True)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("review")
+    target = save_tiny_target(root / "target", "llama", vocab=64, layers=4)
+    draft = write_deepspec_draft(root / "draft", block_size=4)
+    ours = root / "sps.json"  # our table with its SGLang twin, as profile-sps writes them
+    base = {"batch_tokens": [1, 2, 4, 8], "steps_per_sec": [50.0, 48.0, 40.0, 30.0], "max_batch_tokens": 8}
+    ours.write_text(json.dumps({"format": "dsparkctl-sps/1", **base, "measures": "target-forward",
+                                "target": "tiny"}))
+    (root / "sps.sglang.json").write_text(json.dumps({"sample_batch_tokens": base["batch_tokens"],
+                                                      "sample_steps_per_sec": base["steps_per_sec"],
+                                                      "max_batch_tokens": 8}))
+    bad = {"decreasing.json": {"sample_batch_tokens": [4, 2], "sample_steps_per_sec": [1.0, 2.0],
+                               "max_batch_tokens": 4},
+           "short-max.json": {"sample_batch_tokens": [1, 8], "sample_steps_per_sec": [5.0, 4.0],
+                              "max_batch_tokens": 2},
+           "zero-rate.json": {"sample_batch_tokens": [1, 8], "sample_steps_per_sec": [5.0, 0.0],
+                              "max_batch_tokens": 8},
+           "list-sweep.json": [1, 2, 3],
+           "neg-sweep.json": {"rows": [{"policy": "static:1", "concurrency": -4, "throughput_tok_s": 10.0}]},
+           "sts-dataset.json": {"temperatures": [1.0, 1.0, 1.0, 1.0], "dataset": 7}}
+    for name, doc in bad.items():
+        (root / name).write_text(json.dumps(doc))
+    (root / "notes.txt").write_text("the user's notes\n")
+    return {"root": root, "target": target, "draft": draft}
+
+
+TRAIN = ["train", str(Path(__file__).resolve().parents[1] / "recipes" / "smollm2-135m-dspark.toml")]
+SERVE = ["serve-config", "--target", "{t}", "--draft", "{d}"]
+CASES = [
+    # outputs inside an input folder would overwrite or corrupt the model
+    ("profile --out the draft's config", ["profile-sps", "--target", "{t}", "--draft", "{d}", "--out",
+                                          "{d}/config.json"], "inside the input folder"),
+    ("profile --sglang-out into the target", ["profile-sps", "--target", "{t}", "--out", "{r}/new.json",
+                                              "--sglang-out", "{t}/model.safetensors"], "inside the input folder"),
+    ("generate --trace into the draft", ["generate", "--target", "{t}", "--draft", "{d}", "--trace",
+                                         "{d}/t.jsonl", "hi"], "inside the input folder"),
+    ("eval --out into the target", ["eval-acceptance", "--target", "{t}", "--out", "{t}/e.json"],
+     "inside the input folder"),
+    # serve-config's files are read as strictly as everywhere else
+    ("serve decreasing SPS", [*SERVE, "--sps-table", "{r}/decreasing.json"], "decreasing.json"),
+    ("serve max_batch_tokens < last probe", [*SERVE, "--sps-table", "{r}/short-max.json"], "short-max.json"),
+    ("serve zero steps/s", [*SERVE, "--sps-table", "{r}/zero-rate.json"], "zero-rate.json"),
+    ("serve target-forward table", [*SERVE, "--sps-table", "{r}/sps.json"], "times the target's forward alone"),
+    ("serve sweep is a list", [*SERVE, "--sweep", "{r}/list-sweep.json"], "the sweep result has no rows"),
+    ("serve negative concurrency", [*SERVE, "--sweep", "{r}/neg-sweep.json"], "concurrency < 1"),
+    ("serve STS dataset not a string", [*SERVE, "--calibration", "{r}/sts-dataset.json"], "'dataset' must be"),
+    ("serve random draft", ["serve-config", "--target", "{t}", "--draft", "random"], "nothing to serve"),
+    ("serve target id with a newline", [*SERVE, "--target-id", "a\nb"], "--target-id"),
+    ("serve target id empty", [*SERVE, "--target-id", ""], "--target-id"),
+    ("serve --out over the user's notes", [*SERVE, "--out", "{r}/notes.txt"], "not a script serve-config wrote"),
+    # train: the output folder is checked before the target loads
+    ("train --out below a file", [*TRAIN, "--out", "{r}/notes.txt/x"], "notes.txt is not a folder"),
+    ("train --out a file", [*TRAIN, "--out", "{r}/notes.txt"], "exists and is not a folder"),
+    ("train --max-minutes inf", [*TRAIN, "--max-minutes", "inf"], "--max-minutes must be a finite number"),
+    ("train all-zero loss weights", [*TRAIN, "--set", "optim.loss_weights=[0, 0, 0]"], "loss_weights are all zero"),
+    ("train eval.every -1", [*TRAIN, "--set", "eval.every=-1"], "eval.every must be >= 0"),
+    ("train init_from a file", [*TRAIN, "--set", "optim.init_from={r}/notes.txt"], "is not a draft folder"),
+]
+
+
+@pytest.mark.parametrize("case,argv,needle", CASES, ids=[c[0] for c in CASES])
+def test_refused(case, argv, needle, world, monkeypatch):
+    r, t, d = world["root"], world["target"], world["draft"]
+    monkeypatch.chdir(r)
+    before = snapshot(r)
+    res = runner.invoke(app, [a.format(r=r, t=t, d=d) for a in argv])
+    assert res.exit_code not in (0, None), f"{case}: exit 0\n{res.output}"
+    errors = [m for m in res.stderr.splitlines() if m.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in res.output, res.output
+    assert needle.format(r=r) in errors[0], f"{case}: {needle!r} not in {errors[0]!r}"
+    assert snapshot(r) == before, f"{case}: files left or changed"
+
+
+def test_serve_config_notes_another_draft_and_writes_absolute_paths(world, tmp_path, monkeypatch):
+    r = world["root"]
+    ours = tmp_path / "ws.json"
+    ours.write_text(json.dumps({"format": "dsparkctl-sps/1", "batch_tokens": [1, 8], "steps_per_sec": [9.0, 7.0],
+                                "max_batch_tokens": 8, "measures": "whole-step", "draft": "someone-else"}))
+    (tmp_path / "ws.sglang.json").write_text(json.dumps({"sample_batch_tokens": [1, 8],
+                                                         "sample_steps_per_sec": [9.0, 7.0], "max_batch_tokens": 8}))
+    monkeypatch.chdir(r)
+    res = runner.invoke(app, ["serve-config", "--target", "target", "--draft", "draft", "--sps-table", str(ours),
+                              "--out", str(tmp_path / "serve.sh"), "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert any("someone-else" in n for n in doc["notes"])
+    argv = doc["sglang"]["argv"]
+    assert argv[argv.index("--model-path") + 1] == str(world["target"].resolve())
+    assert argv[argv.index("--speculative-draft-model-path") + 1] == str(world["draft"].resolve())
+    assert argv[argv.index("--speculative-dspark-sps-table-path") + 1] == str((tmp_path / "ws.sglang.json").resolve())
+    # the script it wrote may be replaced by the next run, and is written with the umask's mode
+    again = runner.invoke(app, ["serve-config", "--target", "target", "--draft", "draft",
+                                "--out", str(tmp_path / "serve.sh")])
+    assert again.exit_code == 0, again.output
+
+
+def _config(tmp_path: Path, **changes) -> Path:
+    folder = write_deepspec_draft(tmp_path / "d", block_size=4)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(changes)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+CONFIGS = [
+    ("block_size a string", {"block_size": "4"}, "block_size must be an integer"),
+    ("block_size a float", {"block_size": 4.0}, "block_size must be an integer"),
+    ("block_size true", {"block_size": True}, "block_size must be an integer"),
+    ("hidden_size 0", {"hidden_size": 0}, "hidden_size must be >= 1"),
+    ("rms_norm_eps a string", {"rms_norm_eps": "1e-6"}, "rms_norm_eps must be a finite number"),
+    ("rms_norm_eps negative", {"rms_norm_eps": -1e-6}, "must be > 0"),
+    ("confidence flag a string", {"enable_confidence_head": "yes"}, "enable_confidence_head must be true or false"),
+    ("layer ids strings", {"target_layer_ids": ["0", "1"]}, "target_layer_ids must be a list of integers"),
+    ("unknown markov head", {"markov_head_type": "fancy"}, "markov_head_type 'fancy'"),
+]
+
+
+@pytest.mark.parametrize("case,changes,needle", CONFIGS, ids=[c[0] for c in CONFIGS])
+def test_draft_config_is_typed(case, changes, needle, tmp_path):
+    folder = _config(tmp_path, **changes)
+    with pytest.raises(CheckpointError, match=needle.replace("(", r"\(")):
+        load_draft(folder)
+
+
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_draft_config_rejects_non_finite_json(constant, tmp_path):
+    folder = write_deepspec_draft(tmp_path / "d", block_size=4)
+    text = (folder / "config.json").read_text().replace('"rms_norm_eps": 1e-06', f'"rms_norm_eps": {constant}')
+    assert constant in text
+    (folder / "config.json").write_text(text)
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        load_draft(folder)
+
+
+def test_int32_index_map_is_refused(tmp_path):
+    adapter = TargetAdapter(tiny_target("llama", vocab=64, layers=4))
+    draft = random_draft(adapter, num_layers=1, block_size=4, draft_vocab_size=16)
+    out = save_draft(draft, tmp_path / "reduced")
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(out / "model.safetensors"))
+    sd["draft_vocab_ids"] = sd["draft_vocab_ids"].to(torch.int32)
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="1-D int64"):
+        load_draft(out, target=adapter)
+
+
+def test_saved_draft_honours_the_umask(tmp_path):
+    adapter = TargetAdapter(tiny_target("llama", vocab=64, layers=4))
+    old = os.umask(0o022)
+    try:
+        ours = {"dsparkctl": {"note": "test"}}  # what marks a folder as ours, so it may be replaced
+        out = save_draft(random_draft(adapter, num_layers=1, block_size=4), tmp_path / "d", extra_config=ours)
+        first = {f.name: stat.S_IMODE(f.stat().st_mode) for f in out.iterdir()}
+        again = save_draft(random_draft(adapter, num_layers=1, block_size=4), out, overwrite=True,
+                           extra_config=ours)
+    finally:
+        os.umask(old)
+    assert first == {"model.safetensors": 0o644, "config.json": 0o644}
+    for f in (again / "model.safetensors", again / "config.json"):
+        assert stat.S_IMODE(f.stat().st_mode) == 0o644, f
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["train", "--max-minutes", "nan"], "Invalid value for '--max-minutes'"),
+    (["profile-sps", "--measure", "bogus"], "Invalid value for '--measure'"),
+    (["train", "--no-such-option"], "No such option: --no-such-option"),
+    (["no-such-command"], "No such command"),
+])
+def test_command_line_mistakes_are_one_line(argv, needle):
+    """Through the real entry point: typer's boxed usage errors become one line, exit 2."""
+    res = subprocess.run([sys.executable, "-m", "dsparkctl", *argv], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], res.stderr
+    assert "╭" not in res.stderr and res.stdout == ""
