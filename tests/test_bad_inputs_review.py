@@ -210,3 +210,10 @@ def test_command_line_mistakes_are_one_line(argv, needle):
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], res.stderr
     assert "╭" not in res.stderr and res.stdout == ""
+
+
+@pytest.mark.parametrize("revision", ["../x", "a b", "", "main/", "x..y", "-rf", "a\nb"])
+def test_bad_revision_is_refused_before_any_lookup(revision, monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # were it looked up, the error would be the network
+    res = runner.invoke(app, ["inspect", "org/name", "--revision", revision])
+    assert res.exit_code == 2 and "Invalid value for '--revision'" in res.output, res.output

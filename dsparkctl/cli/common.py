@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import re
 import sys
 from enum import Enum
 from pathlib import Path
@@ -64,7 +65,19 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JS
 SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed (all randomness is seeded).")]
 DeviceOpt = Annotated[Device, typer.Option("--device", help="Where to run the models.")]
 DTypeOpt = Annotated[DType, typer.Option("--dtype", help="Model dtype (auto: bf16 on CUDA, fp32 on CPU).")]
-RevisionOpt = Annotated[str | None, typer.Option("--revision", help="Hub revision (branch, tag or commit).")]
+_REVISION = re.compile(r"^(?!.*\.\.)(?!.*//)[A-Za-z0-9_][\w.\-/]{0,254}$")
+
+
+def _check_revision(value: str | None) -> str | None:
+    """A git ref or commit the hub could hold: refused here, not after retries against the hub."""
+    if value is not None and (not _REVISION.match(value) or value.endswith(("/", ".", ".lock"))):
+        raise typer.BadParameter(f"{value!r} is not a branch, tag or commit (e.g. main, v1.0, refs/pr/1, or a "
+                                 "40-hex commit)")
+    return value
+
+
+RevisionOpt = Annotated[str | None, typer.Option("--revision", help="Hub revision (branch, tag or commit).",
+                                                 callback=_check_revision)]
 TrustRemoteCodeOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow model repos to run their own "
                                                   "code (off by default).")]
 TargetOpt = Annotated[str | None, typer.Option("--target", help="Target model: folder or hub id (default: the "
