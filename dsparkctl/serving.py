@@ -24,11 +24,13 @@ vocabulary again, W2 rows outside the subset are zero.
 
 from __future__ import annotations
 
+import json
 import shlex
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from dsparkctl.errors import InputError
+from dsparkctl.errors import InputError, UsageError
 
 RAGGED_ENV = "SGLANG_RAGGED_VERIFY_MODE"
 
@@ -226,3 +228,100 @@ def expand_vocabulary(draft: Any, target: Any) -> Any:
     full.share_target_embeddings(target.embed_tokens(), target.lm_head())
     p = next(draft.fc.parameters())
     return full.to(device=p.device, dtype=p.dtype).eval()
+
+
+@dataclass(frozen=True)
+class ServeInputs:
+    """The tuning files serve-config names, read and resolved before any model loads."""
+    sps_given: Path | None = None  # what the user passed (ours or SGLang's)
+    sps_file: Path | None = None  # the SGLang table the server reads
+    sts_file: Path | None = None
+    sweep: Any = None  # the parsed sweep document
+
+
+def read_serve_inputs(sps_table: Path | None, calibration: Path | None, sweep: Path | None) -> ServeInputs:
+    from dsparkctl.strict_json import read
+
+    sps_file = sglang_file(sps_table, "sps") if sps_table else None
+    if sps_file:
+        check_sglang_sps(sps_file)
+    return ServeInputs(sps_given=sps_table, sps_file=sps_file,
+                       sts_file=sglang_file(calibration, "sts") if calibration else None,
+                       sweep=read(sweep, "sweep result", "write one with `dsparkctl sweep-scheduler --out`")
+                       if sweep else None)
+
+
+def _local(path: str) -> str:
+    """A local path made absolute (the commands may run from anywhere); a hub id as it is."""
+    p = Path(path).expanduser()
+    return str(p.resolve()) if p.exists() else path
+
+
+def plan_serving(sess: Any, draft: str | None, target: str | None, target_id: str | None, files: ServeInputs,
+                 export_full_vocab: Path | None) -> dict[str, Any]:
+    """The SGLang command (with its environment and files) and vLLM's speculative config for the
+    session's draft, plus the notes a user must read. Writes the full-vocabulary export if asked."""
+    from dsparkctl.models.draft_io import save_draft
+    from dsparkctl.models.loading import default_draft_dir
+
+    d = sess.draft
+    gamma = d.block_size
+    notes: list[str] = []
+    if files.sps_file and files.sps_file != files.sps_given:  # ours: it says what it measured, with which draft
+        notes += sps_provenance_notes(files.sps_given, sess.draft_name)
+    if files.sts_file:
+        check_sts(files.sts_file, gamma)
+        if not d.cfg.enable_confidence_head:
+            raise InputError("the draft has no confidence head, so SGLang ignores an STS file",
+                             "drop --calibration, or serve a draft with a confidence head")
+    draft_path = _local(draft) if draft not in (None, "", "default") else str(default_draft_dir())
+    if d.draft_vocab_ids is not None:
+        if export_full_vocab is None:
+            raise UsageError(f"{sess.draft_name} has a reduced vocabulary ({d.cfg.draft_vocab_size} ids), which "
+                             "SGLang and vLLM do not read", "add --export-full-vocab DIR to write a full-vocabulary "
+                             "copy that they load")
+        save_draft(expand_vocabulary(d, sess.adapter), export_full_vocab, overwrite=True, extra_config={
+            "dsparkctl": {"expanded_from": sess.draft_name,
+                          "note": "full-vocabulary copy of a reduced-vocabulary draft"}})
+        draft_path = str(export_full_vocab.resolve())
+        notes.append(f"wrote the full-vocabulary copy {export_full_vocab}; measure it with "
+                     f"`dsparkctl eval-acceptance --draft {export_full_vocab}` (tokens outside the subset now "
+                     "get draft mass)")
+    elif export_full_vocab is not None:
+        raise UsageError("--export-full-vocab is for reduced-vocabulary drafts; this one covers the full vocabulary")
+    tid = target_id or (_local(target) if target else None) or (
+        "HuggingFaceTB/SmolLM2-135M-Instruct" if sess.embedded_target else "TARGET")
+    dspark = d.cfg.markov_rank > 0
+    env, argv = sglang_command(tid, draft_path, gamma, dspark,
+                               str(files.sps_file.resolve()) if files.sps_file else None,
+                               str(files.sts_file.resolve()) if files.sts_file else None)
+    k_table = k_table_from_sweep(files.sweep, gamma) if files.sweep is not None else None
+    if k_table:
+        notes.append(f"vLLM's length table: batch sizes above the largest swept concurrency "
+                     f"({k_table[-1][0]}..{k_table[-1][1]}) reuse its length; sweep higher loads to measure them")
+    vllm = vllm_config(draft_path, gamma, k_table)
+    vllm_argv = ["vllm", "serve", tid, "--speculative-config", json.dumps(vllm, separators=(",", ":"))]
+    if not dspark:
+        notes.append("the draft has no Markov head (DFlash): SGLang serves it with DFLASH; vLLM's dspark method "
+                     "expects a DSpark draft")
+    if dspark and not (files.sps_file or files.sts_file):
+        notes.append(f"without --sps-table/--calibration SGLang runs {env.get(RAGGED_ENV, 'static')} "
+                     "verification (every draft verified)")
+    return {
+        "draft": draft_path, "target": tid, "block_size": gamma, "kind": d.cfg.kind,
+        "sglang": {"env": env, "argv": argv, "command": shell_line(env, argv),
+                   "files": {"sps_table": str(files.sps_file.resolve()) if files.sps_file else None,
+                             "sts": str(files.sts_file.resolve()) if files.sts_file else None}},
+        "vllm": {"speculative_config": vllm, "argv": vllm_argv, "command": shell_line({}, vllm_argv)},
+        "notes": notes,
+    }
+
+
+def write_script(path: Path, result: dict[str, Any]) -> None:
+    """Both commands as a shell script (SGLang's runs; vLLM's is commented), written atomically."""
+    from dsparkctl.fsutil import atomic_open
+
+    with atomic_open(path, "w") as fh:
+        fh.write(SCRIPT_HEADER + "# SGLang:\n")
+        fh.write(result["sglang"]["command"] + "\n# vLLM:\n# " + result["vllm"]["command"] + "\n")
+    result["script"] = str(path)

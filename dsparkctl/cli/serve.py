@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Optional
 
 import typer
 
 from dsparkctl.cli.common import DraftOpt, JsonOpt, RevisionOpt, TargetOpt, err, guarded, out, print_json, styled
-from dsparkctl.errors import InputError, UsageError
+from dsparkctl.errors import UsageError
 
 
 def register(app: typer.Typer) -> None:
@@ -38,16 +37,14 @@ def serve_config(
 ) -> None:
     from dsparkctl.cli.checks import Output, check_outputs, local_inputs
     from dsparkctl.engine.session import open_session
-    from dsparkctl.models.draft_io import check_draft_destination, save_draft
-    from dsparkctl.serving import (check_script_destination, check_sglang_sps, check_sts, check_target_id,
-                                   expand_vocabulary, k_table_from_sweep, sglang_command, sglang_file, shell_line,
-                                   sps_provenance_notes, vllm_config, SCRIPT_HEADER)
-    from dsparkctl.strict_json import read
+    from dsparkctl.models.draft_io import check_draft_destination
+    from dsparkctl.serving import (check_script_destination, check_target_id, plan_serving,
+                                   read_serve_inputs, write_script)
 
-    inputs = local_inputs(target, draft, sps_table, calibration, sweep)
     check_outputs([o for o in (Output(out_path, "--out") if out_path else None,
                                Output(export_full_vocab, "--export-full-vocab", "folder")
-                               if export_full_vocab else None) if o is not None], inputs)
+                               if export_full_vocab else None) if o is not None],
+                  local_inputs(target, draft, sps_table, calibration, sweep))
     if draft == "random":
         raise UsageError("--draft random is an untrained draft: there is nothing to serve",
                          "pass a trained draft folder or hub id (or omit --draft for the shipped one)")
@@ -57,74 +54,11 @@ def serve_config(
         check_script_destination(out_path)
     if export_full_vocab is not None:
         check_draft_destination(export_full_vocab, overwrite=True)
-    sps_file = sglang_file(sps_table, "sps") if sps_table else None
-    sts_file = sglang_file(calibration, "sts") if calibration else None
-    sweep_doc = read(sweep, "sweep result", "write one with `dsparkctl sweep-scheduler --out`") if sweep else None
+    files = read_serve_inputs(sps_table, calibration, sweep)  # before the models load
     sess = open_session(target, draft, "cpu", "fp32", revision, log=lambda m: err.print(styled((m, "dim"))))
-    d = sess.draft
-    gamma = d.block_size
-    notes: list[str] = []
-    if sps_file:
-        check_sglang_sps(sps_file)
-        if sps_file != sps_table:  # ours: it says what it measured and with which draft
-            notes += sps_provenance_notes(sps_table, sess.draft_name)
-    if sts_file:
-        check_sts(sts_file, gamma)
-        if not d.cfg.enable_confidence_head:
-            raise InputError("the draft has no confidence head, so SGLang ignores an STS file",
-                             "drop --calibration, or serve a draft with a confidence head")
-    draft_path = draft if draft not in (None, "", "default") else None
-    if draft_path is not None and Path(draft_path).expanduser().exists():
-        draft_path = str(Path(draft_path).expanduser().resolve())  # the script may run from anywhere
-    if d.draft_vocab_ids is not None:
-        if export_full_vocab is None:
-            raise UsageError(f"{sess.draft_name} has a reduced vocabulary ({d.cfg.draft_vocab_size} ids), which "
-                             "SGLang and vLLM do not read", "add --export-full-vocab DIR to write a full-vocabulary "
-                             "copy that they load")
-        full = expand_vocabulary(d, sess.adapter)
-        save_draft(full, export_full_vocab, overwrite=True, extra_config={"dsparkctl": {
-            "expanded_from": sess.draft_name, "note": "full-vocabulary copy of a reduced-vocabulary draft"}})
-        draft_path = str(export_full_vocab.resolve())
-        notes.append(f"wrote the full-vocabulary copy {export_full_vocab}; measure it with "
-                     f"`dsparkctl eval-acceptance --draft {export_full_vocab}` (tokens outside the subset now "
-                     "get draft mass)")
-    elif export_full_vocab is not None:
-        raise UsageError("--export-full-vocab is for reduced-vocabulary drafts; this one covers the full vocabulary")
-    if draft_path is None:
-        from dsparkctl.models.loading import default_draft_dir
-        draft_path = str(default_draft_dir())
-    tid = target_id or target or ("HuggingFaceTB/SmolLM2-135M-Instruct" if sess.embedded_target else "TARGET")
-    if target_id is None and target and Path(target).expanduser().exists():
-        tid = str(Path(target).expanduser().resolve())
-    dspark = d.cfg.markov_rank > 0
-    env, argv = sglang_command(tid, draft_path, gamma, dspark, str(sps_file.resolve()) if sps_file else None,
-                               str(sts_file.resolve()) if sts_file else None)
-    k_table = k_table_from_sweep(sweep_doc, gamma) if sweep_doc is not None else None
-    if k_table:
-        notes.append(f"vLLM's length table: batch sizes above the largest swept concurrency "
-                     f"({k_table[-1][0]}..{k_table[-1][1]}) reuse its length; sweep higher loads to measure them")
-    vllm = vllm_config(draft_path, gamma, k_table)
-    vllm_argv = ["vllm", "serve", tid, "--speculative-config", json.dumps(vllm, separators=(",", ":"))]
-    if not dspark:
-        notes.append("the draft has no Markov head (DFlash): SGLang serves it with DFLASH; vLLM's dspark method "
-                     "expects a DSpark draft")
-    if dspark and not (sps_file or sts_file):
-        notes.append(f"without --sps-table/--calibration SGLang runs {env.get('SGLANG_RAGGED_VERIFY_MODE', 'static')} "
-                     "verification (every draft verified)")
-    result: dict[str, Any] = {
-        "draft": draft_path, "target": tid, "block_size": gamma, "kind": d.cfg.kind,
-        "sglang": {"env": env, "argv": argv, "command": shell_line(env, argv),
-                   "files": {"sps_table": str(sps_file) if sps_file else None,
-                             "sts": str(sts_file) if sts_file else None}},
-        "vllm": {"speculative_config": vllm, "argv": vllm_argv, "command": shell_line({}, vllm_argv)},
-        "notes": notes,
-    }
+    result = plan_serving(sess, draft, target, target_id, files, export_full_vocab)
     if out_path is not None:
-        from dsparkctl.fsutil import atomic_open
-        with atomic_open(out_path, "w") as fh:
-            fh.write(SCRIPT_HEADER + "# SGLang:\n")
-            fh.write(result["sglang"]["command"] + "\n# vLLM:\n# " + result["vllm"]["command"] + "\n")
-        result["script"] = str(out_path)
+        write_script(out_path, result)
     if json_out:
         print_json(result)
         return
@@ -132,5 +66,5 @@ def serve_config(
     out.print(result["sglang"]["command"], highlight=False, soft_wrap=True)
     out.print(styled(("vLLM", "bold")))
     out.print(result["vllm"]["command"], highlight=False, soft_wrap=True)
-    for n in notes:
+    for n in result["notes"]:
         err.print(styled(("note:", "yellow"), f" {n}"))

@@ -41,6 +41,34 @@ def resolve_nested(d: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+_KIND_NAMES = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string"}
+
+
+def typed_field(d: dict[str, Any], key: str, kind: type, default: Any = None, minimum: float | None = None,
+                source: str = "config.json") -> Any:
+    """d[key] typed strictly (null or absent: `default`): ints are JSON integers (not 4.0, "4" or
+    true), floats finite numbers, flags true/false; CheckpointError naming the field otherwise."""
+    val = d.get(key)
+    if val is None:
+        val = default
+    if val is None:
+        return None
+    if kind is bool:
+        ok = isinstance(val, bool)
+    elif kind is int:
+        ok = isinstance(val, int) and not isinstance(val, bool)
+    elif kind is float:
+        ok = isinstance(val, (int, float)) and not isinstance(val, bool) and math.isfinite(val)
+    else:
+        ok = isinstance(val, kind)
+    if not ok:
+        raise CheckpointError(f"{source}: {key} must be {_KIND_NAMES[kind]}, got {json.dumps(val)[:40]}",
+                              "fix config.json (it is not the draft this tool or DeepSpec writes)")
+    if minimum is not None and val < minimum:
+        raise CheckpointError(f"{source}: {key} must be >= {minimum}, got {val}", "fix config.json")
+    return kind(val)
+
+
 @dataclass(frozen=True)
 class DraftConfig:
     vocab_size: int  # shared with the target
@@ -99,23 +127,7 @@ class DraftConfig:
             raise CheckpointError(f"{source}: not a DSpark/DFlash draft config, missing {', '.join(missing)}",
                                   "point --draft at a DeepSpec draft folder (config.json + model.safetensors)")
         def get(key: str, kind: type, default: Any = None, minimum: float | None = None) -> Any:
-            """d[key] typed strictly: ints are JSON integers, floats finite numbers, flags true/false."""
-            val = d.get(key, default)
-            if val is None:
-                val = default
-            if val is None:
-                return None
-            ok = (isinstance(val, bool) if kind is bool else
-                  isinstance(val, int) and not isinstance(val, bool) if kind is int else
-                  isinstance(val, (int, float)) and not isinstance(val, bool) and math.isfinite(val)
-                  if kind is float else isinstance(val, kind))
-            if not ok:
-                what = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string"}[kind]
-                raise CheckpointError(f"{source}: {key} must be {what}, got {json.dumps(val)[:40]}",
-                                      "fix config.json (it is not the draft this tool or DeepSpec writes)")
-            if minimum is not None and val < minimum:
-                raise CheckpointError(f"{source}: {key} must be >= {minimum}, got {val}", "fix config.json")
-            return kind(val)
+            return typed_field(d, key, kind, default, minimum, source)
 
         hidden = get("hidden_size", int, minimum=1)
         heads = get("num_attention_heads", int, minimum=1)
