@@ -67,15 +67,15 @@ def read_sglang_shard(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tens
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - weights_only's unpickler raises many kinds on hostile bytes
-        first = " ".join(str(exc).split())[:300] or type(exc).__name__
-        raise InputError(f"{path}: not a tensors-only torch file, refused without unpickling ({first})",
+        raise InputError(f"{path}: not a tensors-only torch file, refused without unpickling "
+                         f"({type(exc).__name__})",
                          "pass SGLang's STS shards (logits, prefix_mask) or dsparkctl traces") from None
     if not isinstance(obj, dict) or not {"logits", "prefix_mask"} <= set(obj):
         raise InputError(f"{path}: expected a dict with 'logits' and 'prefix_mask' tensors",
                          "pass the .pt shards SGLang writes under SGLANG_DSPARK_STS_COLLECT_PATH")
     logits, mask = obj["logits"], obj["prefix_mask"]
     for name, t in (("logits", logits), ("prefix_mask", mask)):
-        if not torch.is_tensor(t) or t.dim() != 2 or not t.is_floating_point():
+        if not torch.is_tensor(t) or t.layout != torch.strided or t.dim() != 2 or not t.is_floating_point():
             raise InputError(f"{path}: {name} must be a 2-D float tensor [N, γ]")
     if logits.shape != mask.shape or logits.shape[1] < 1:
         raise InputError(f"{path}: logits {list(logits.shape)} and prefix_mask {list(mask.shape)} differ")
@@ -90,8 +90,10 @@ def read_sglang_shard(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tens
     keep = torch.ones(m.shape[0], dtype=torch.bool)
     if "observed_mask" in obj:
         obs = obj["observed_mask"]
-        if not torch.is_tensor(obs) or obs.shape != m.shape:
+        if not torch.is_tensor(obs) or obs.layout != torch.strided or obs.shape != m.shape:
             raise InputError(f"{path}: observed_mask must be a tensor shaped like logits {list(m.shape)}")
+        if not bool(((obs == 0) | (obs == 1)).all()):
+            raise InputError(f"{path}: observed_mask must hold 0/1 only")
         keep = obs.to(torch.float64).min(dim=1).values > 0  # fully observed rows
     return logits.to(torch.float64)[keep], m[keep].sum(dim=1).long()
 

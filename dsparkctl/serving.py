@@ -43,13 +43,20 @@ def k_table_from_sweep(sweep: Any, block_size: int, max_batch_size: int | None =
         raise InputError("the sweep result has no rows", "write one with `dsparkctl sweep-scheduler --out`")
     best: dict[int, tuple[float, int]] = {}
     for r in rows:
+        if not isinstance(r, dict):
+            raise InputError(f"sweep row {json.dumps(r)[:60]} is not an object", "use a file written by sweep-scheduler")
         pol = str(r.get("policy", ""))
         if not pol.startswith("static:"):
             continue
+        c, thr = r.get("concurrency"), r.get("throughput_tok_s")
         try:
-            k, c, thr = int(pol.split(":", 1)[1]), int(r["concurrency"]), float(r["throughput_tok_s"])
-        except (KeyError, TypeError, ValueError):
-            raise InputError(f"sweep row {r!r} is malformed", "use a file written by sweep-scheduler") from None
+            k = int(pol.split(":", 1)[1])
+        except ValueError:
+            k = -1
+        if (k < 0 or isinstance(c, bool) or not isinstance(c, int) or isinstance(thr, bool)
+                or not isinstance(thr, (int, float))):
+            raise InputError(f"sweep row {json.dumps(r)[:80]} is malformed (policy static:K, integer concurrency, "
+                             "numeric throughput_tok_s)", "use a file written by sweep-scheduler")
         if not 0 <= k <= block_size:
             raise InputError(f"the sweep's static:{k} exceeds the draft's block size {block_size}",
                              "sweep with the same draft")
@@ -138,24 +145,37 @@ def check_sts(path: Path, block_size: int) -> dict[str, Any]:
     return d
 
 
-def sps_provenance_notes(path: Path, draft_name: str) -> list[str]:
-    """What our SPS table says about itself that matters to SGLang's planner.
+def check_our_sps(path: Path) -> str | None:
+    """Our SPS table, read strictly and against its SGLang twin; returns the draft it was profiled with.
 
-    A target-forward table is refused: it leaves out the draft and the schedule, so it overstates
-    steps/s and the planner would verify too much. A table from another draft is a note."""
+    Only a whole-step table is accepted: a target-forward one leaves out the draft and the
+    schedule, so it overstates steps/s and the planner would verify too much."""
+    from dsparkctl.sps_io import load_sps_table
     from dsparkctl.strict_json import read
 
+    ours = load_sps_table(path)  # strictly, like its SGLang twin
+    twin = load_sps_table(twin_path(path))
+    if (list(ours.batch_tokens), list(ours.steps_per_sec)) != (list(twin.batch_tokens), list(twin.steps_per_sec)):
+        raise InputError(f"{path} and its SGLang twin {twin_path(path)} hold different tables",
+                         "profile again; the two files are written together")
     d = read(path, "SPS table", "write one with `dsparkctl profile-sps`")
-    if not isinstance(d, dict):
-        return []
     measures, drafted = d.get("measures"), d.get("draft")
-    if measures == "target-forward":
-        raise InputError(f"{path} times the target's forward alone; SGLang's planner needs whole-step costs "
-                         "(draft + schedule + verify)", "profile with `dsparkctl profile-sps` (whole-step is the "
-                         "default) and the draft you serve")
-    if isinstance(drafted, str) and drafted and draft_name and drafted != draft_name:
-        return [f"the SPS table was profiled with draft {drafted!r}, not {draft_name!r}; profile the one you serve"]
-    return []
+    if measures != "whole-step":  # older tables (no `measures`) timed the target's forward alone
+        raise InputError(f"{path} does not time the whole speculative step (measures: {json.dumps(measures)}); "
+                         "SGLang's planner needs whole-step costs (draft + schedule + verify)",
+                         "profile with `dsparkctl profile-sps` (whole-step is the default) and the draft you serve")
+    return drafted if isinstance(drafted, str) and drafted else None
+
+
+def _same_draft(a: str, b: str) -> bool:
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    if pa.exists() and pb.exists():
+        return pa.resolve() == pb.resolve()
+    return a == b
+
+
+def twin_path(path: Path) -> Path:
+    return path.with_name(path.stem + ".sglang.json")
 
 
 SCRIPT_HEADER = "#!/usr/bin/env bash\n# written by dsparkctl serve-config\n"
@@ -180,6 +200,7 @@ def check_target_id(tid: str) -> None:
 
 def sglang_file(path: Path, kind: str) -> Path:
     """Our SPS table / calibration result -> the SGLang file written beside it; SGLang's files as they are."""
+    from dsparkctl.calibrate import CALIBRATION_FORMAT
     from dsparkctl.sps_io import SPS_FORMAT
     from dsparkctl.strict_json import read
 
@@ -188,12 +209,12 @@ def sglang_file(path: Path, kind: str) -> Path:
     if not isinstance(d, dict):
         raise InputError(f"{path}: expected a JSON object")
     if kind == "sps" and d.get("format") == SPS_FORMAT:
-        twin = path.with_name(path.stem + ".sglang.json")
+        twin = twin_path(path)
         if not twin.is_file():
             raise InputError(f"{path} is our SPS table and {twin} (its SGLang twin) is missing",
                              "pass the .sglang.json that profile-sps writes beside it")
         return twin
-    if kind == "sts" and "temperatures" not in d:
+    if kind == "sts" and ("temperatures" not in d or d.get("format") == CALIBRATION_FORMAT):
         named = (d.get("outputs") or {}).get("sglang_sts") if isinstance(d.get("outputs"), dict) else None
         twin = None
         if isinstance(named, str) and named:  # as written (relative to where calibrate ran), or beside the file
@@ -233,8 +254,8 @@ def expand_vocabulary(draft: Any, target: Any) -> Any:
 @dataclass(frozen=True)
 class ServeInputs:
     """The tuning files serve-config names, read and resolved before any model loads."""
-    sps_given: Path | None = None  # what the user passed (ours or SGLang's)
     sps_file: Path | None = None  # the SGLang table the server reads
+    sps_draft: str | None = None  # the draft our table was profiled with (None: SGLang's own file)
     sts_file: Path | None = None
     sweep: Any = None  # the parsed sweep document
 
@@ -245,7 +266,8 @@ def read_serve_inputs(sps_table: Path | None, calibration: Path | None, sweep: P
     sps_file = sglang_file(sps_table, "sps") if sps_table else None
     if sps_file:
         check_sglang_sps(sps_file)
-    return ServeInputs(sps_given=sps_table, sps_file=sps_file,
+    sps_draft = check_our_sps(sps_table) if sps_table and sps_file != sps_table else None
+    return ServeInputs(sps_file=sps_file, sps_draft=sps_draft,
                        sts_file=sglang_file(calibration, "sts") if calibration else None,
                        sweep=read(sweep, "sweep result", "write one with `dsparkctl sweep-scheduler --out`")
                        if sweep else None)
@@ -267,8 +289,9 @@ def plan_serving(sess: Any, draft: str | None, target: str | None, target_id: st
     d = sess.draft
     gamma = d.block_size
     notes: list[str] = []
-    if files.sps_file and files.sps_file != files.sps_given:  # ours: it says what it measured, with which draft
-        notes += sps_provenance_notes(files.sps_given, sess.draft_name)
+    if files.sps_draft and sess.draft_name and not _same_draft(files.sps_draft, sess.draft_name):
+        notes.append(f"the SPS table was profiled with draft {files.sps_draft!r}, not {sess.draft_name!r}; "
+                     "profile the one you serve")
     if files.sts_file:
         check_sts(files.sts_file, gamma)
         if not d.cfg.enable_confidence_head:
@@ -289,7 +312,7 @@ def plan_serving(sess: Any, draft: str | None, target: str | None, target_id: st
                      "get draft mass)")
     elif export_full_vocab is not None:
         raise UsageError("--export-full-vocab is for reduced-vocabulary drafts; this one covers the full vocabulary")
-    tid = target_id or (_local(target) if target else None) or (
+    tid = target_id or (_local(target) if target not in (None, "", "embedded") else None) or (
         "HuggingFaceTB/SmolLM2-135M-Instruct" if sess.embedded_target else "TARGET")
     dspark = d.cfg.markov_rank > 0
     env, argv = sglang_command(tid, draft_path, gamma, dspark,

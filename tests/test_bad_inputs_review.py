@@ -6,6 +6,7 @@ the user's files as they were."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import stat
 import subprocess
@@ -53,10 +54,16 @@ def world(tmp_path_factory) -> dict[str, Path]:
                               "max_batch_tokens": 8},
            "list-sweep.json": [1, 2, 3],
            "neg-sweep.json": {"rows": [{"policy": "static:1", "concurrency": -4, "throughput_tok_s": 10.0}]},
+           "row-sweep.json": {"rows": [1]},
+           "float-sweep.json": {"rows": [{"policy": "static:1", "concurrency": 2.7, "throughput_tok_s": 10.0}]},
            "sts-dataset.json": {"temperatures": [1.0, 1.0, 1.0, 1.0], "dataset": 7}}
     for name, doc in bad.items():
         (root / name).write_text(json.dumps(doc))
     (root / "notes.txt").write_text("the user's notes\n")
+    (root / "ws-differs.json").write_text(json.dumps({"format": "dsparkctl-sps/1", **base, "measures": "whole-step"}))
+    (root / "ws-differs.sglang.json").write_text(json.dumps({"sample_batch_tokens": [1, 2, 4, 8],
+                                                             "sample_steps_per_sec": [50.0, 48.0, 40.0, 29.0],
+                                                             "max_batch_tokens": 8}))
     return {"root": root, "target": target, "draft": draft}
 
 
@@ -76,10 +83,14 @@ CASES = [
     ("serve decreasing SPS", [*SERVE, "--sps-table", "{r}/decreasing.json"], "decreasing.json"),
     ("serve max_batch_tokens < last probe", [*SERVE, "--sps-table", "{r}/short-max.json"], "short-max.json"),
     ("serve zero steps/s", [*SERVE, "--sps-table", "{r}/zero-rate.json"], "zero-rate.json"),
-    ("serve target-forward table", [*SERVE, "--sps-table", "{r}/sps.json"], "times the target's forward alone"),
+    ("serve target-forward table", [*SERVE, "--sps-table", "{r}/sps.json"], "does not time the whole speculative step"),
     ("serve sweep is a list", [*SERVE, "--sweep", "{r}/list-sweep.json"], "the sweep result has no rows"),
     ("serve negative concurrency", [*SERVE, "--sweep", "{r}/neg-sweep.json"], "concurrency < 1"),
+    ("serve sweep row not an object", [*SERVE, "--sweep", "{r}/row-sweep.json"], "is not an object"),
+    ("serve sweep concurrency a float", [*SERVE, "--sweep", "{r}/float-sweep.json"], "is malformed"),
     ("serve STS dataset not a string", [*SERVE, "--calibration", "{r}/sts-dataset.json"], "'dataset' must be"),
+    ("serve no draft for a custom target", ["serve-config", "--target", "{t}"], "needs --draft"),
+    ("serve our table whose twin differs", [*SERVE, "--sps-table", "{r}/ws-differs.json"], "hold different tables"),
     ("serve random draft", ["serve-config", "--target", "{t}", "--draft", "random"], "nothing to serve"),
     ("serve target id with a newline", [*SERVE, "--target-id", "a\nb"], "--target-id"),
     ("serve target id empty", [*SERVE, "--target-id", ""], "--target-id"),
@@ -88,9 +99,18 @@ CASES = [
     ("train --out below a file", [*TRAIN, "--out", "{r}/notes.txt/x"], "notes.txt is not a folder"),
     ("train --out a file", [*TRAIN, "--out", "{r}/notes.txt"], "exists and is not a folder"),
     ("train --max-minutes inf", [*TRAIN, "--max-minutes", "inf"], "--max-minutes must be a finite number"),
-    ("train all-zero loss weights", [*TRAIN, "--set", "optim.loss_weights=[0, 0, 0]"], "loss_weights are all zero"),
+    ("train all-zero loss weights", [*TRAIN, "--set", "optim.loss_weights=[0, 0, 0]"], "loss_weights are all (nearly) zero"),
     ("train eval.every -1", [*TRAIN, "--set", "eval.every=-1"], "eval.every must be >= 0"),
     ("train init_from a file", [*TRAIN, "--set", "optim.init_from={r}/notes.txt"], "is not a draft folder"),
+    ("train init_from a target", [*TRAIN, "--set", "optim.init_from={r}/target"], "unknown draft architectures"),
+    ("train --out inside init_from", [*TRAIN, "--set", "optim.init_from={r}/draft", "--out", "{r}/draft/x"],
+     "inside the input folder"),
+    ("train temperature nan", [*TRAIN, "--set", "data.temperature=nan"], "expected float"),
+    ("train layer ids rounded", [*TRAIN, "--set", "draft.layer_ids=[0.9, 1.9]"], "expected tuple"),
+    ("train loss weights strings", [*TRAIN, "--set", 'optim.loss_weights=["1", "2", "3"]'], "expected tuple"),
+    ("train loss weights denormal", [*TRAIN, "--set", "optim.loss_weights=[1e-320, 0, 0]"], "nearly) zero"),
+    ("train seed huge", [*TRAIN, "--set", "optim.seed=99999999999999999999"], "seed"),
+    ("train mask token a string", [*TRAIN, "--set", 'draft.mask_token_id="abc"'], "expected"),
 ]
 
 
@@ -131,7 +151,7 @@ def test_serve_config_notes_another_draft_and_writes_absolute_paths(world, tmp_p
 
 
 def _config(tmp_path: Path, **changes) -> Path:
-    folder = write_deepspec_draft(tmp_path / "d", block_size=4)
+    folder = write_deepspec_draft(tmp_path / "d", block_size=4, with_embeddings=True)
     cfg = json.loads((folder / "config.json").read_text())
     cfg.update(changes)
     (folder / "config.json").write_text(json.dumps(cfg))
@@ -148,13 +168,20 @@ CONFIGS = [
     ("confidence flag a string", {"enable_confidence_head": "yes"}, "enable_confidence_head must be true or false"),
     ("layer ids strings", {"target_layer_ids": ["0", "1"]}, "target_layer_ids must be a list of integers"),
     ("unknown markov head", {"markov_head_type": "fancy"}, "markov_head_type 'fancy'"),
+    ("mask_token_id null", {"mask_token_id": None}, "missing mask_token_id"),
+    ("text_config a string", {"hidden_size": None, "text_config": "x"}, "text_config must be an object"),
+    ("architectures an object", {"architectures": {"a": 1}}, "architectures must be a list"),
+    ("block_size 10**9", {"block_size": 10 ** 9}, "block_size must be in"),
+    ("rope_theta 1e-300", {"rope_theta": 1e-300}, "rope_theta >= 1"),
+    # checked against the file's shapes before anything is allocated (a 10**12-wide MLP would not fit)
+    ("intermediate_size 10**12", {"intermediate_size": 10 ** 12}, "expected (1000000000000, 32) from config"),
 ]
 
 
 @pytest.mark.parametrize("case,changes,needle", CONFIGS, ids=[c[0] for c in CONFIGS])
 def test_draft_config_is_typed(case, changes, needle, tmp_path):
     folder = _config(tmp_path, **changes)
-    with pytest.raises(CheckpointError, match=needle.replace("(", r"\(")):
+    with pytest.raises(CheckpointError, match=re.escape(needle)):
         load_draft(folder)
 
 
@@ -212,7 +239,7 @@ def test_command_line_mistakes_are_one_line(argv, needle):
     assert "╭" not in res.stderr and res.stdout == ""
 
 
-@pytest.mark.parametrize("revision", ["../x", "a b", "", "main/", "x..y", "-rf", "a\nb"])
+@pytest.mark.parametrize("revision", ["../x", "a b", "", "main/", "x..y", "-rf", "a\nb", "a/.b", "mäin"])
 def test_bad_revision_is_refused_before_any_lookup(revision, monkeypatch):
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # were it looked up, the error would be the network
     res = runner.invoke(app, ["inspect", "org/name", "--revision", revision])

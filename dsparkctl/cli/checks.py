@@ -79,11 +79,22 @@ def _check_one(o: Output) -> None:
                          hint="choose a folder you can write to")
 
 
-def local_inputs(*specs: str | Path | None) -> list[Path]:
-    """The model/data arguments that name local files or folders (hub ids and keywords drop out)."""
+def local_inputs(*specs: str | Path | None, target: str | None | bool = False,
+                 drafts: Sequence[str | None] = ()) -> list[Path]:
+    """The arguments that name local files or folders, plus the folders the defaults stand for:
+    `target` None/"embedded" is the embedded target's converted folder, a draft None/"default" the
+    shipped draft. (Hub ids drop out: their cache is the hub library's.)"""
+    from dsparkctl.models.embedded import EMBEDDED_NAME, cache_root
+    from dsparkctl.models.loading import default_draft_dir
+
+    named: list[str | Path | None] = list(specs)
+    if target is not False:
+        named.append(cache_root() / EMBEDDED_NAME if target in (None, "", "embedded") else target)
+    for d in drafts:
+        named.append(default_draft_dir() if d in (None, "", "default") else d)
     paths = []
-    for spec in specs:
-        if spec is None or str(spec) in ("", "embedded", "random"):
+    for spec in named:
+        if spec is None or str(spec) in ("", "embedded", "random", "default"):
             continue
         p = Path(spec).expanduser()
         if p.exists():

@@ -65,7 +65,7 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JS
 SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed (all randomness is seeded).")]
 DeviceOpt = Annotated[Device, typer.Option("--device", help="Where to run the models.")]
 DTypeOpt = Annotated[DType, typer.Option("--dtype", help="Model dtype (auto: bf16 on CUDA, fp32 on CPU).")]
-_REVISION = re.compile(r"^(?!.*\.\.)(?!.*//)[A-Za-z0-9_][\w.\-/]{0,254}$")
+_REVISION = re.compile(r"^(?!.*\.\.)(?!.*//)(?!.*/\.)[A-Za-z0-9_][A-Za-z0-9_.\-/]{0,254}$")
 
 
 def _check_revision(value: str | None) -> str | None:

@@ -87,7 +87,7 @@ def eval_acceptance(
     from dsparkctl.data.prompts import apply_preset_wrap, encode_prompts, load_prompts
     from dsparkctl.distributed import world
     from dsparkctl.engine.session import open_target
-    from dsparkctl.evaluation.run import EvalOptions, drafts_under_test, evaluate_acceptance
+    from dsparkctl.evaluation.run import EvalOptions, drafts_under_test, evaluate_acceptance, trace_paths
     from dsparkctl.fsutil import write_json
     from dsparkctl.math.sampling import SamplingParams
 
@@ -100,12 +100,15 @@ def eval_acceptance(
     check_outputs([o for o in (Output(out_path, "--out") if out_path else None,
                                Output(plot, "--plot", kind="figure") if plot else None,
                                Output(trace, "--trace") if trace else None) if o is not None],
-                  local_inputs(target, *(draft or []), *datasets))
+                  local_inputs(*datasets, target=target, drafts=draft or [None]))
     # prompts first: bad prompt files fail before any model loads
     texts = {ds: apply_preset_wrap(preset, ds, load_prompts(ds, field, limit)) for ds in datasets}
     sess = open_target(target, device.value, dtype.value, revision, trust_remote_code, log=lambda s: err.print(s),
                        parallel=target_parallel)
     drafts, notes = drafts_under_test(sess, draft or [None], labels, revision, seed)
+    if trace is not None and mode != Mode.teacher_forced:  # the per-pair files, checked like --trace
+        check_outputs([Output(p, "--trace") for p in trace_paths(trace, datasets, [d.label for d in drafts]).values()],
+                      local_inputs(*datasets, target=target, drafts=draft or [None]))
     for n in notes:
         err.print(f"note: {n}")
     gamma = max(d.draft.block_size for d in drafts)

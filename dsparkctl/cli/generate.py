@@ -85,7 +85,8 @@ def generate(
     if policy and policy.partition(":")[0].strip() in NEEDS_SPS and sps_table is None:
         raise UsageError(f"--policy {policy} needs an SPS table", "pass --sps-table (written by `dsparkctl profile-sps`)")
     if trace is not None:
-        check_outputs([Output(trace, "--trace")], local_inputs(target, draft))
+        check_outputs([Output(trace, "--trace")], local_inputs(prompts_file, sps_table, calibration, dataset,
+                                                               target=target, drafts=[draft]))
     texts = apply_preset_wrap(preset, dataset, prompt_texts(prompts, prompts_file, dataset, field, limit,
                                                             default="Write a short poem about speculative decoding."))
     log = (lambda m: err.print(styled((m, "dim")))) if not json_out or show_progress() else (lambda m: None)

@@ -75,7 +75,7 @@ def profile_sps_cmd(
     if context_len < 1 or repeats < 1 or warmup < 0:
         raise UsageError("--context-len and --repeats must be >= 1, --warmup >= 0",
                          "e.g. --context-len 256 --repeats 5 --warmup 2")
-    inputs = local_inputs(target, draft)
+    inputs = local_inputs(target=target, drafts=[draft])
     check_outputs([Output(out_path, "--out")], inputs)  # first: the other names derive from it
     sg = sglang_out or out_path.with_name(out_path.stem + ".sglang.json")
     png = plot or out_path.with_suffix(".png")
@@ -102,7 +102,8 @@ def profile_sps_cmd(
     tgt, dev, dt = sess.target, sess.device, str(sess.dtype).replace("torch.", "")
     bt, sps = table_from_points(points)
     meta = provenance(target=tgt.name, measures=measure.value,
-                      draft=sess.draft_name if measure == Measure.whole_step else None, device=str(dev), dtype=dt,
+                      draft=(str(Path(draft).resolve()) if draft and Path(draft).exists() else sess.draft_name)
+                      if measure == Measure.whole_step else None, device=str(dev), dtype=dt,
                       context_len=context_len, repeats=repeats, warmup=warmup,
                       grid={"requests": sorted(set(reqs)), "tokens_per_request": sorted(set(toks))},
                       points=[{"requests": p.requests, "tokens_per_request": p.tokens_per_request,

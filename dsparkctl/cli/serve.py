@@ -44,10 +44,13 @@ def serve_config(
     check_outputs([o for o in (Output(out_path, "--out") if out_path else None,
                                Output(export_full_vocab, "--export-full-vocab", "folder")
                                if export_full_vocab else None) if o is not None],
-                  local_inputs(target, draft, sps_table, calibration, sweep))
+                  local_inputs(sps_table, calibration, sweep, target=target, drafts=[draft]))
     if draft == "random":
         raise UsageError("--draft random is an untrained draft: there is nothing to serve",
                          "pass a trained draft folder or hub id (or omit --draft for the shipped one)")
+    if draft in (None, "", "default") and target not in (None, "", "embedded"):
+        raise UsageError("serve-config needs --draft for this target: the shipped draft is the embedded target's",
+                         "pass the draft folder or hub id you will serve")
     if target_id is not None:
         check_target_id(target_id)
     if out_path is not None:

@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from dsparkctl.distributed import world
+from dsparkctl.errors import UsageError
 from dsparkctl.evaluation.continuations import cached_continuations
 from dsparkctl.evaluation.live import LiveResult, live_rollouts
 from dsparkctl.evaluation.teacher_forced import evaluate_sequences
@@ -54,6 +55,10 @@ def drafts_under_test(sess: Any, sources: Sequence[str | None], labels: Sequence
         notes += n
         label = labels[i] if labels else ((Path(src).name or src) if src else name)
         drafts.append(DraftUnderTest(label=label, draft=d, source=name))
+    seen = [d.label for d in drafts]
+    twice = sorted({x for x in seen if seen.count(x) > 1})
+    if twice:
+        raise UsageError(f"two drafts would both be reported as {twice[0]!r}", "name each with --label")
     return drafts, notes
 
 
@@ -69,13 +74,34 @@ def trace_path(trace: Path | None, dataset: str, label: str, several: bool) -> P
     return trace.with_name(f"{trace.stem}.{safe}{trace.suffix or '.jsonl'}")
 
 
+def trace_paths(trace: Path | None, datasets: Sequence[str], labels: Sequence[str]) -> dict[tuple[str, str], Path]:
+    """`trace_path` for every (dataset, label) pair, made unique: two pairs whose names fold to the
+    same file (p.txt in two folders, labels a.b and a_b) get -2, -3, … rather than one overwriting
+    the other."""
+    if trace is None:
+        return {}
+    several = len(datasets) * len(labels) > 1
+    out: dict[tuple[str, str], Path] = {}
+    taken: set[Path] = set()
+    for ds in datasets:
+        for label in labels:
+            p = base = trace_path(trace, ds, label, several)
+            n = 1
+            while p in taken:
+                n += 1
+                p = base.with_name(f"{base.stem}-{n}{base.suffix}")
+            taken.add(p)
+            out[(ds, label)] = p
+    return out
+
+
 def evaluate_acceptance(model: Any, target_name: str, drafts: Sequence[DraftUnderTest],
                         prompts: dict[str, Sequence[Sequence[int]]], opts: EvalOptions, stop_ids: Sequence[int],
                         log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Every draft on every prompt set (dataset name -> prompt ids): the eval-acceptance document."""
     if opts.mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {opts.mode!r}")
-    several = len(prompts) * len(drafts) > 1
+    paths = trace_paths(opts.trace, list(prompts), [d.label for d in drafts])
     t = opts.params.temperature
     doc: dict[str, Any] = {"format": FORMAT, "mode": opts.mode, "temperature": t, "preset": opts.preset,
                            "max_new_tokens": opts.max_new_tokens, "seed": opts.seed, "target": target_name,
@@ -85,7 +111,7 @@ def evaluate_acceptance(model: Any, target_name: str, drafts: Sequence[DraftUnde
         doc["datasets"][ds] = evaluate_dataset(
             model, drafts, ids, mode=opts.mode, params=opts.params, max_new_tokens=opts.max_new_tokens,
             stop_ids=stop_ids, seed=opts.seed, batch_size=opts.batch_size,
-            trace_path=lambda label, ds=ds: trace_path(opts.trace, ds, label, several),
+            trace_path=lambda label, ds=ds: paths.get((ds, label)),
             trace_header={"target": target_name, "dataset": ds, "temperature": t, "seed": opts.seed},
             log=lambda s: log(f"  {s}"))
     return doc

@@ -41,6 +41,8 @@ def resolve_nested(d: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+MAX_BLOCK_SIZE = 256  # γ: drafts per round; published drafts use 4–16
+
 _KIND_NAMES = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string"}
 
 
@@ -109,6 +111,8 @@ class DraftConfig:
             raise CheckpointError(f"{source}: expected a JSON object")
         arch = d.get("architectures")
         if arch is not None:
+            if not (isinstance(arch, str) or isinstance(arch, list) and all(isinstance(a, str) for a in arch)):
+                raise CheckpointError(f"{source}: architectures must be a list of class names", "fix config.json")
             names = arch if isinstance(arch, list) else [arch]
             unknown = [str(a) for a in names if a not in KNOWN_ARCHITECTURES]
             if any("Gemma4" in a for a in unknown):
@@ -117,12 +121,14 @@ class DraftConfig:
             if unknown:
                 raise CheckpointError(f"{source}: unknown draft architectures {unknown}",
                                       f"dsparkctl loads {', '.join(sorted(KNOWN_ARCHITECTURES))} drafts")
-        if "text_config" in d and "hidden_size" not in d:
+        if "text_config" in d and d.get("hidden_size") is None:
+            if not isinstance(d["text_config"], dict):
+                raise CheckpointError(f"{source}: text_config must be an object", "fix config.json")
             d = {**d["text_config"], **{k: v for k, v in d.items() if k != "text_config"}}
         d = resolve_nested(d)
         required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                     "block_size", "mask_token_id", "target_layer_ids")
-        missing = [k for k in required if k not in d]
+        missing = [k for k in required if d.get(k) is None]
         if missing:
             raise CheckpointError(f"{source}: not a DSpark/DFlash draft config, missing {', '.join(missing)}",
                                   "point --draft at a DeepSpec draft folder (config.json + model.safetensors)")
@@ -169,8 +175,8 @@ class DraftConfig:
             qk_norm=get("qk_norm", bool, True),
             extra={k: v for k, v in d.items()},
         )
-        if not (cfg.rms_norm_eps > 0 and cfg.rope_theta > 0):
-            raise CheckpointError(f"{source}: rms_norm_eps and rope_theta must be > 0 "
+        if not (cfg.rms_norm_eps > 0 and cfg.rope_theta >= 1):
+            raise CheckpointError(f"{source}: rms_norm_eps must be > 0 and rope_theta >= 1 "
                                   f"(got {cfg.rms_norm_eps}, {cfg.rope_theta})", "fix config.json")
         cfg.validate(source)
         return cfg
@@ -178,8 +184,8 @@ class DraftConfig:
     def validate(self, source: str = "config") -> None:
         def bad(msg: str, hint: str | None = None) -> None:
             raise CheckpointError(f"{source}: {msg}", hint)
-        if self.block_size < 1:
-            bad(f"block_size must be >= 1, got {self.block_size}")
+        if not 1 <= self.block_size <= MAX_BLOCK_SIZE:
+            bad(f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {self.block_size}")
         if not 0 <= self.mask_token_id < self.vocab_size:
             bad(f"mask_token_id {self.mask_token_id} is outside the vocabulary (size {self.vocab_size})")
         if not self.target_layer_ids:

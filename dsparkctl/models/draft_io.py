@@ -163,8 +163,8 @@ def load_draft(source: str | os.PathLike, target: Any | None = None, revision: s
         cfg = cfg.replace(qk_norm=False)
     if target is not None:
         check_compatible(cfg, target, str(folder))
-    draft = DSparkDraft(cfg)
-    expected = draft.state_dict()
+    with torch.device("meta"):  # shapes only: nothing is allocated before the file is known to match
+        expected = DSparkDraft(cfg).state_dict()
     unexpected = sorted(set(state) - set(expected))
     if unexpected:
         raise CheckpointError(f"{folder}: unexpected tensor {unexpected[0]} ({len(unexpected)} in all)",
@@ -182,6 +182,7 @@ def load_draft(source: str | os.PathLike, target: Any | None = None, revision: s
     if "draft_vocab_ids" in state:
         check_draft_vocab(state["draft_vocab_ids"], cfg, str(folder))
     missing_ok = [k for k in BORROWED if k not in state]
+    draft = DSparkDraft(cfg)
     draft.load_state_dict({k: v for k, v in state.items()}, strict=False)
     if target is not None:
         draft.share_target_embeddings(target.embed_tokens(), target.lm_head())

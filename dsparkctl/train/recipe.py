@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import re
 import sys
 from dataclasses import dataclass
@@ -133,7 +134,7 @@ def _coerce(value: Any, default: Any, where: str) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif isinstance(default, float):
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
             return float(value)
     elif isinstance(default, str):
         if isinstance(value, str):
@@ -141,12 +142,12 @@ def _coerce(value: Any, default: Any, where: str) -> Any:
     elif isinstance(default, tuple):
         if isinstance(value, (list, tuple)):
             kind = type(default[0]) if default else int
-            try:
+            ok = all(not isinstance(v, bool) and (isinstance(v, int) if kind is int else
+                                                  isinstance(v, (int, float)) and math.isfinite(v)) for v in value)
+            if ok:  # no silent rounding of 0.9 to 0, no "1" read as 1
                 return tuple(kind(v) for v in value)
-            except (TypeError, ValueError):
-                pass
-    elif default is None:  # optional fields: int or str
-        if isinstance(value, (int, str)) and not isinstance(value, bool):
+    elif default is None:  # optional fields (mask_token_id, intermediate_size): an integer
+        if isinstance(value, int) and not isinstance(value, bool):
             return value
     raise InputError(f"{where}: expected {type(default).__name__ if default is not None else 'a value'}, "
                      f"got {value!r}", "fix the value's type in the recipe")
@@ -234,8 +235,14 @@ def validate(r: Recipe, source: str) -> None:
         bad(f"data.topk must be in [1, 1024], got {da.topk}")
     if len(o.loss_weights) != 3 or any(not (w >= 0 and w < float("inf")) for w in o.loss_weights):
         bad(f"optim.loss_weights must be three finite weights >= 0 (CE, L1, BCE), got {list(o.loss_weights)}")
-    if sum(o.loss_weights) <= 0:
-        bad("optim.loss_weights are all zero: nothing would be trained", "the paper's are [0.1, 0.9, 1.0]")
+    if max(o.loss_weights, default=0) < 1e-6:
+        bad("optim.loss_weights are all (nearly) zero: nothing would be trained", "the paper's are [0.1, 0.9, 1.0]")
+    if not (0 <= o.seed < 2 ** 32 and 0 <= da.seed < 2 ** 32):
+        bad(f"optim.seed and data.seed must be in [0, 2**32), got {o.seed}, {da.seed}")
+    if d.intermediate_size is not None and d.intermediate_size < 1:
+        bad(f"draft.intermediate_size must be >= 1, got {d.intermediate_size}")
+    if d.mask_token_id is not None and d.mask_token_id < 0:
+        bad(f"draft.mask_token_id must be >= 0, got {d.mask_token_id}")
     if r.eval.every < 0:
         bad(f"eval.every must be >= 0 (0 = only at the end), got {r.eval.every}")
     if o.init_from:
@@ -243,6 +250,16 @@ def validate(r: Recipe, source: str) -> None:
         if not p.is_dir() or not (p / "config.json").is_file():
             bad(f"optim.init_from {o.init_from!r} is not a draft folder (no config.json there; relative paths are "
                 "read from the current folder)", "give the folder a previous `dsparkctl train --out` wrote")
+        from dsparkctl.errors import CheckpointError
+        from dsparkctl.models.draft_config import DraftConfig
+        from dsparkctl.strict_json import loads
+
+        try:  # its config now, not after the data is built
+            DraftConfig.from_dict(loads((p / "config.json").read_bytes()), f"optim.init_from {o.init_from}")
+        except (ValueError, UnicodeDecodeError) as exc:
+            bad(f"optim.init_from {o.init_from}: config.json is not valid JSON ({exc})")
+        except CheckpointError as exc:
+            raise InputError(exc.message, "give optim.init_from a draft folder `dsparkctl train --out` wrote") from None
     if r.target.dtype not in ("fp32", "bf16", "fp16"):
         bad(f"target.dtype {r.target.dtype!r}", "use fp32, bf16 or fp16")
 
