@@ -199,14 +199,15 @@ def test_bad_input(case, argv, mutate, needle, pristine: Path, tmp_path: Path):
     (_edit_entry("mtp.0.attn.wq_a.weight", shape=[40, 2, 32]), "is 3-D"),
 ])
 def test_inspect_calls_unusable_scales_an_error(mutate, check, pristine: Path, tmp_path: Path):
-    """inspect used to call a U8 scale and a 3-D FP8 weight "ok"."""
+    """inspect used to call a U8 scale and a 3-D FP8 weight "ok"; the report is printed in full and
+    the exit status (3) says it found something broken."""
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     for f in pristine.iterdir():
         (ckpt / f.name).write_bytes(f.read_bytes())
     mutate(ckpt)
     res = CliRunner().invoke(app, ["inspect", str(ckpt), "--json"])
-    assert res.exit_code == 0, res.stderr
+    assert res.exit_code == 3 and res.stderr.startswith("error: 1 finding(s) at level error"), res.stderr
     scales = [f for f in json.loads(res.stdout)["findings"] if f["check"] == "scales"]
     assert scales[0]["level"] == "error" and check in scales[0]["message"]
 

@@ -77,7 +77,7 @@ def consistency(ckpt: Checkpoint) -> list[Finding]:
             f"{lay.confidence} is {list(shape)}, expected width hidden {hidden} + rank {rank} = {width}")
     if lay.key != "v4-preview-mtp":
         block = cfg.get(lay.block_size_key)
-        add(isinstance(block, int) and block > 0, "block_size", f"{lay.block_size_key} = {block}",
+        add(isinstance(block, int) and not isinstance(block, bool) and block > 0, "block_size", f"{lay.block_size_key} = {block}",
             f"{lay.block_size_key} missing or not a positive int ({block!r})")
     out += scale_findings(ckpt)
     return out

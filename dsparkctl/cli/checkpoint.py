@@ -59,8 +59,13 @@ def inspect_cmd(source: SourceArg, revision: RevisionOpt = None, json_out: JsonO
         report["transferred_bytes"] = ckpt.bytes_transferred
     if json_out:
         print_json(report)  # strict JSON: a NaN among the user's config values prints as null
-        return
-    _print_report(report)
+    else:
+        _print_report(report)
+    errors = [f for f in report["findings"] if f["level"] == "error"]
+    if errors:  # the report is printed in full; the exit status says it found something broken
+        err.print(f"error: {len(errors)} finding(s) at level error, first: {errors[0]['check']}: "
+                  f"{errors[0]['message']}", highlight=False, markup=False)
+        raise typer.Exit(3)
 
 
 def _print_report(r: dict[str, Any]) -> None:
