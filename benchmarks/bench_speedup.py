@@ -5,7 +5,8 @@ three decoders run back to back in a rotating order, so slow drifts of a shared 
 three alike:
   * hf     transformers' own `model.generate` (greedy, KV cache) on the same target
   * plain  dsparkctl's plain decoding (`plain_generate`, the engine's baseline)
-  * spec   dsparkctl's speculative engine with the draft and policy given
+  * spec   dsparkctl's speculative engine with the draft and policy given (repeat --policy to
+           compare several in the same run: spec:<policy> each; the first is "spec")
 Tokens/s of a run = generated tokens / wall seconds (prefill included for all three). The
 figures are medians over all (prompt, repeat) runs; the ratios are medians of the per-run
 ratios within one (prompt, repeat) triple. Also reported: τ, and the draft's share of a
@@ -13,7 +14,8 @@ speculative round (draft ms / round ms, medians over rounds). Greedy outputs of 
 must be identical (checked); HF's are compared and reported.
 
     .venv/bin/python benchmarks/bench_speedup.py [--draft PATH] [--prompts 8] [--repeats 3]
-        [--max-new-tokens 128] [--policy static:5] [--out benchmarks/results/speedup.json]
+        [--max-new-tokens 128] [--policy static:5 [--policy dspark --sps-table T]]
+        [--out benchmarks/results/speedup.json]
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--policy", default=None, help="default static:γ")
+    ap.add_argument("--policy", action="append", default=None, help="default static:γ (repeatable)")
     ap.add_argument("--sps-table", default=None, help="SPS table for dspark policies")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "speedup.json")
@@ -50,10 +52,12 @@ def main() -> None:
     sess = open_session(None, args.draft, "cpu", "fp32", log=lambda m: None)
     tok, model = sess.target.tokenizer, sess.target.model
     prompts = encode_prompts(tok, load_prompts(args.dataset, limit=args.prompts))
-    spec_policy = args.policy or f"static:{sess.draft.block_size}"
-    policy = parse_policy(spec_policy, sps_table=args.sps_table) if args.sps_table else parse_policy(spec_policy)
+    policies = args.policy or [f"static:{sess.draft.block_size}"]
+    spec_policy = policies[0]
     greedy = SamplingParams(0.0)
-    engine = SpeculativeEngine(sess.adapter, sess.draft, policy, greedy, stop_token_ids=sess.stop_ids)
+    engines = {pol: SpeculativeEngine(sess.adapter, sess.draft, parse_policy(pol, sps_table=args.sps_table)
+                                      if args.sps_table else parse_policy(pol), greedy, stop_token_ids=sess.stop_ids)
+               for pol in policies}
     plain_adapter = sess.plain_adapter()
     N = args.max_new_tokens
 
@@ -71,54 +75,66 @@ def main() -> None:
         rep = plain_generate(plain_adapter, [p], N, greedy, stop_token_ids=sess.stop_ids)
         return rep.outputs[0].tokens, time.perf_counter() - t0, None
 
-    rounds: list[tuple[float, float]] = []
+    rounds: dict[str, list[tuple[float, float]]] = {pol: [] for pol in policies}
 
-    def spec(p):
-        t0 = time.perf_counter()
-        rep = engine.generate([p], N, on_round=lambda rows: rounds.append((rows[0].draft_ms, rows[0].verify_ms)))
-        dt = time.perf_counter() - t0
-        return rep.outputs[0].tokens, dt, rep
+    def spec_with(pol):
+        def spec(p):
+            t0 = time.perf_counter()
+            rep = engines[pol].generate([p], N, on_round=lambda rows: rounds[pol].append((rows[0].draft_ms,
+                                                                                           rows[0].verify_ms)))
+            dt = time.perf_counter() - t0
+            return rep.outputs[0].tokens, dt, rep
+        return spec
 
-    decoders = {"hf": hf, "plain": plain, "spec": spec}
+    decoders = {"hf": hf, "plain": plain, "spec": spec_with(spec_policy)}
+    decoders.update({f"spec:{pol}": spec_with(pol) for pol in policies[1:]})
     names = list(decoders)
-    spec(prompts[0][:16])  # warm-up (allocations, kernel choice)
-    plain(prompts[0][:16])
-    hf(prompts[0][:16])
-    rounds.clear()
+    for f in decoders.values():  # warm-up (allocations, kernel choice)
+        f(prompts[0][:16])
+    for r in rounds.values():
+        r.clear()
     runs = []
     identical = hf_identical = 0
     for rep_i in range(args.repeats):
         for i, p in enumerate(prompts):
-            order = names[(i + rep_i) % 3:] + names[:(i + rep_i) % 3]
+            k = (i + rep_i) % len(names)
+            order = names[k:] + names[:k]
             res = {}
             for name in order:
                 res[name] = decoders[name](p)
             toks = {k: v[0] for k, v in res.items()}
-            identical += toks["spec"] == toks["plain"]
+            identical += all(toks[k] == toks["plain"] for k in names if k.startswith("spec"))
             hf_identical += toks["hf"] == toks["plain"]
             r = res["spec"][2]
             n = len(toks["plain"])
             runs.append({"prompt": i, "repeat": rep_i, "tokens": n,
                          **{f"{k}_tok_s": len(toks[k]) / res[k][1] for k in names},
-                         "tau": r.stats.tau})
+                         "tau": r.stats.tau,
+                         **{f"{k}_tau": res[k][2].stats.tau for k in names if k.startswith("spec:")}})
             print(f"prompt {i} repeat {rep_i}: " + "  ".join(f"{k} {len(toks[k]) / res[k][1]:.1f} tok/s"
                                                              for k in names) + f"  τ {r.stats.tau:.2f}", flush=True)
     med = {k: statistics.median(r[f"{k}_tok_s"] for r in runs) for k in names}
     ratio = {
+        **{f"{k}_over_hf": statistics.median(r[f"{k}_tok_s"] / r["hf_tok_s"] for r in runs) for k in names[3:]},
         "spec_over_hf": statistics.median(r["spec_tok_s"] / r["hf_tok_s"] for r in runs),
         "spec_over_plain": statistics.median(r["spec_tok_s"] / r["plain_tok_s"] for r in runs),
         "plain_over_hf": statistics.median(r["plain_tok_s"] / r["hf_tok_s"] for r in runs),
     }
-    draft_share = statistics.median(d / (d + v) for d, v in rounds) if rounds else None
+    primary = rounds[spec_policy]
+    draft_share = statistics.median(d / (d + v) for d, v in primary) if primary else None
     result = {
         "draft": sess.draft_name, "policy": spec_policy, "dataset": args.dataset, "prompts": len(prompts),
         "repeats": args.repeats, "max_new_tokens": N, "threads": torch.get_num_threads(),
         "median_tok_s": med, "median_ratio": ratio,
         "tau_median": statistics.median(r["tau"] for r in runs),
         "draft_share_of_round_median": draft_share,
-        "round_ms_median": statistics.median(d + v for d, v in rounds) if rounds else None,
-        "draft_ms_median": statistics.median(d for d, _ in rounds) if rounds else None,
-        "verify_ms_median": statistics.median(v for _, v in rounds) if rounds else None,
+        "round_ms_median": statistics.median(d + v for d, v in primary) if primary else None,
+        "draft_ms_median": statistics.median(d for d, _ in primary) if primary else None,
+        "verify_ms_median": statistics.median(v for _, v in primary) if primary else None,
+        "other_policies": {pol: {"median_tok_s": med[f"spec:{pol}"],
+                                 "over_hf": ratio[f"spec:{pol}_over_hf"],
+                                 "tau_median": statistics.median(r[f"spec:{pol}_tau"] for r in runs)}
+                           for pol in policies[1:]},
         "greedy_identical_spec_plain": f"{identical}/{len(runs)}",
         "greedy_identical_hf_plain": f"{hf_identical}/{len(runs)}",
         "runs": runs,
@@ -126,7 +142,9 @@ def main() -> None:
     print(f"median tokens/s: hf {med['hf']:.1f}  plain {med['plain']:.1f}  spec {med['spec']:.1f}  "
           f"(τ median {result['tau_median']:.2f})")
     print(f"median ratios: spec/hf {ratio['spec_over_hf']:.2f}×  spec/plain {ratio['spec_over_plain']:.2f}×  "
-          f"plain/hf {ratio['plain_over_hf']:.2f}×")
+          f"plain/hf {ratio['plain_over_hf']:.2f}×  (spec = {spec_policy})")
+    for pol, o in result["other_policies"].items():
+        print(f"  {pol}: {o['median_tok_s']:.1f} tok/s, /hf {o['over_hf']:.2f}×, τ median {o['tau_median']:.2f}")
     if draft_share is not None:
         print(f"draft share of a round: {100 * draft_share:.1f}% (draft {result['draft_ms_median']:.1f} ms, "
               f"verify {result['verify_ms_median']:.1f} ms, medians)")
