@@ -33,6 +33,7 @@ from dsparkctl.engine.session import open_session
 from dsparkctl.engine.speculative import SpeculativeEngine, plain_generate
 from dsparkctl.math.policies import parse_policy
 from dsparkctl.math.sampling import SamplingParams
+from dsparkctl.sps_io import load_sps_table
 
 
 def main() -> None:
@@ -55,8 +56,9 @@ def main() -> None:
     policies = args.policy or [f"static:{sess.draft.block_size}"]
     spec_policy = policies[0]
     greedy = SamplingParams(0.0)
-    engines = {pol: SpeculativeEngine(sess.adapter, sess.draft, parse_policy(pol, sps_table=args.sps_table)
-                                      if args.sps_table else parse_policy(pol), greedy, stop_token_ids=sess.stop_ids)
+    sps = load_sps_table(args.sps_table) if args.sps_table else None
+    engines = {pol: SpeculativeEngine(sess.adapter, sess.draft, parse_policy(pol, sps=sps), greedy,
+                                      stop_token_ids=sess.stop_ids)
                for pol in policies}
     plain_adapter = sess.plain_adapter()
     N = args.max_new_tokens

@@ -167,3 +167,61 @@ def test_calibration_reader(tmp_path: Path):
     valid = json.dumps({"temperatures": [2.5, 2.4, 2.6, 2.5, 2.5], "dataset": "t.jsonl", "num_samples": 80}).encode()
     n = _fuzz(2, valid, tmp_path / "calib.json", _mutate_doc, _check_calibration)
     assert n >= 50, f"only {n} cases in {BUDGET_S} s"
+
+
+# --------------------------------------------------------------------------- training recipes (TOML)
+def _toml_value(v: Any) -> str | None:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        return "nan" if v != v else ("inf" if v == math.inf else "-inf" if v == -math.inf else repr(v))
+    if isinstance(v, str):
+        return json.dumps(v)  # a TOML basic string is a JSON string
+    if isinstance(v, list):
+        items = [_toml_value(x) for x in v]
+        return None if any(x is None for x in items) else "[" + ", ".join(items) + "]"
+    return None  # None and tables inside values: TOML has no spelling for them here
+
+
+def _dump_toml(doc: dict) -> bytes:
+    lines = []
+    for k, v in doc.items():
+        if not isinstance(v, dict) and _toml_value(v) is not None:
+            lines.append(f"{k} = {_toml_value(v)}")
+    for k, v in doc.items():
+        if isinstance(v, dict):
+            lines.append(f"[{k}]")
+            lines += [f"{kk} = {_toml_value(vv)}" for kk, vv in v.items() if _toml_value(vv) is not None]
+    return ("\n".join(lines) + "\n").encode()
+
+
+def _mutate_recipe(raw: bytes, rng: random.Random) -> bytes:
+    import tomllib
+
+    try:
+        doc = tomllib.loads(raw.decode())
+    except (ValueError, UnicodeDecodeError):
+        return _mutate_bytes(raw, rng)
+    mutated = _mutate_json(doc, rng)
+    return _dump_toml(mutated) if isinstance(mutated, dict) else _mutate_bytes(raw, rng)
+
+
+def _check_recipe(path: Path) -> None:
+    from dsparkctl.train.recipe import load_recipe, validate
+
+    r = load_recipe(path)
+    validate(r, str(path))  # what load_recipe returned passes its own validation
+    assert r.optim.lr > 0 and math.isfinite(r.optim.lr) and r.optim.steps >= 1 and r.draft.block_size >= 1
+    assert all(isinstance(i, int) for i in r.draft.layer_ids) and max(r.optim.loss_weights) > 0
+    json.dumps(r.to_dict(), allow_nan=False)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_recipe_reader(seed: int, tmp_path: Path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # init_from paths in mutated recipes resolve here, where nothing is
+    root = Path(__file__).resolve().parents[1]
+    valid = (root / "recipes" / "smollm2-135m-dspark.toml").read_bytes()
+    n = _fuzz(seed, valid, tmp_path / "r.toml", _mutate_recipe, _check_recipe)
+    assert n >= 50, f"only {n} cases in {BUDGET_S} s"

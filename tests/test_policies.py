@@ -49,6 +49,13 @@ def test_needs_sps(name):
         parse_policy(name)
 
 
+@pytest.mark.parametrize("name", NEEDS_SPS)
+def test_one_probe_table_is_refused(name):
+    """SGLang treats a one-probe table as uninitialised (it verifies every draft): refused here."""
+    with pytest.raises(UsageError, match="one probe, which SGLang treats as uninitialised"):
+        parse_policy(name, sps=SPSTable([4], [40.0]))
+
+
 def test_one_policy_list():
     """The list every help text and hint prints is the registry's, the one parse_policy reads."""
     assert POLICY_SPECS == "static:K, threshold:t, survival:t, dspark, dspark-async, budget:B, retrospective"

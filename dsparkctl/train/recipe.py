@@ -305,8 +305,8 @@ def load_recipe(path: str | Path | None, overrides: Sequence[str] = ()) -> Recip
             raise InputError(f"recipe {p} does not exist", "pass a TOML file such as recipes/smollm2-135m-dspark.toml")
         try:
             raw = tomllib.loads(p.read_text(encoding="utf-8"))
-        except tomllib.TOMLDecodeError as exc:
-            raise InputError(f"{p}: not valid TOML ({exc})") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise InputError(f"{p}: not valid TOML ({' '.join(str(exc).split())[:200]})") from None
         if "name" not in raw:
             raw["name"] = p.stem
     for sec, kv in parse_overrides(overrides).items():
