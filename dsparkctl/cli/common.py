@@ -181,9 +181,15 @@ def guarded(fn: F) -> F:
         from dsparkctl.signals import terminate_as_interrupt
 
         w = world()
-        if not w.main:  # under torchrun only rank 0 prints results; every rank reports its own error
+        if not w.main:  # under torchrun only rank 0 prints results and progress; every rank its own error
             import os
             out.file = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+            err.quiet = True
+
+
+        def say(*a: Any, **k: Any) -> None:  # errors are printed on every rank
+            err.quiet = False
+            err.print(*a, **k)
         label = f"rank {w.rank} error:" if w.distributed else "error:"
         try:
             if isinstance(kwargs.get("seed"), int):
@@ -196,21 +202,21 @@ def guarded(fn: F) -> F:
         except DsparkError as exc:
             if STATE["debug"]:
                 raise
-            err.print(error_line(label, exc.one_line()), highlight=False)
+            say(error_line(label, exc.one_line()), highlight=False)
             raise typer.Exit(exc.exit_code) from None
         except KeyboardInterrupt:
-            err.print(styled(("interrupted", "red"), "; nothing was written"))
+            say(styled(("interrupted", "red"), "; nothing was written"))
             raise typer.Exit(130) from None
         except (OSError, MemoryError) as exc:
             if STATE["debug"]:
                 raise
-            err.print(error_line(label, f"{type(exc).__name__}: {exc}"), highlight=False)
+            say(error_line(label, f"{type(exc).__name__}: {exc}"), highlight=False)
             raise typer.Exit(1) from None
         except Exception as exc:  # noqa: BLE001 - last-resort one-liner
             if STATE["debug"]:
                 raise
             msg = str(exc).splitlines()[0] if str(exc) else ""
-            err.print(error_line("internal error:", f"{type(exc).__name__}: {msg} "
+            say(error_line("internal error:", f"{type(exc).__name__}: {msg} "
                                  "(fix: rerun with --debug for the traceback and report it)"), highlight=False)
             raise typer.Exit(1) from None
 
