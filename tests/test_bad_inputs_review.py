@@ -229,6 +229,7 @@ def test_saved_draft_honours_the_umask(tmp_path):
     (["profile-sps", "--measure", "bogus"], "Invalid value for '--measure'"),
     (["train", "--no-such-option"], "No such option: --no-such-option"),
     (["no-such-command"], "No such command"),
+    (["generate", "--dtype"], "requires an argument. (see 'dsparkctl generate --help')"),
 ])
 def test_command_line_mistakes_are_one_line(argv, needle):
     """Through the real entry point: typer's boxed usage errors become one line, exit 2."""

@@ -76,7 +76,9 @@ def main() -> None:
             sys.stdout.write(text + "\n")
         sys.exit(0)
     except usage as exc:
-        where = exc.ctx.command_path if exc.ctx else "dsparkctl"
+        commands = {c.name for c in app.registered_commands}
+        sub = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] in commands else None
+        where = exc.ctx.command_path if exc.ctx and exc.ctx.parent else f"dsparkctl {sub}" if sub else "dsparkctl"
         msg = " ".join(exc.format_message().split())
         sys.stderr.write(f"error: {msg} (see '{where} --help')\n")
         sys.exit(exc.exit_code)
