@@ -23,6 +23,19 @@ def honour_umask(path: str | os.PathLike, directory: bool = False) -> None:
     os.chmod(path, (0o777 if directory else 0o666) & ~current_umask())
 
 
+def cannot_create(path: str | os.PathLike) -> str | None:
+    """Why `path` could not be created (its nearest existing parent is not a folder, or is not
+    writable), or None."""
+    parent = Path(path).absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is not a folder"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"no permission to write in {parent}"
+    return None
+
+
 def temp_dir(parent: str | os.PathLike, name: str, suffix: str = ".partial") -> Path:
     """A hidden temporary folder beside `parent/name`, with the umask's mode."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=suffix, dir=parent))
@@ -118,6 +131,19 @@ def save_figure(fig: Any, path: str | os.PathLike, dpi: int = 120) -> None:
         fig.savefig(fh, format=fmt, dpi=dpi, bbox_inches="tight")
 
 
+def seal_dir(folder: str | os.PathLike) -> None:
+    """Before a written folder takes its final name: every entry gets the umask's mode (some
+    writers, safetensors among them, create files 0600 whatever the umask) and every file is
+    flushed to disk."""
+    for root, dirs, files in os.walk(folder):
+        for name in dirs:
+            honour_umask(os.path.join(root, name), directory=True)
+        for name in files:
+            honour_umask(os.path.join(root, name))
+            with open(os.path.join(root, name), "rb") as fh:
+                os.fsync(fh.fileno())
+
+
 @contextlib.contextmanager
 def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary folder beside `path`; rename it to `path` on success, delete on failure.
@@ -129,13 +155,7 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     tmp = temp_dir(path.parent, path.name)
     try:
         yield tmp
-        for root, dirs, files in os.walk(tmp):
-            for name in dirs:
-                honour_umask(os.path.join(root, name), directory=True)
-            for name in files:  # some writers (safetensors) create files 0600 whatever the umask
-                honour_umask(os.path.join(root, name))
-                with open(os.path.join(root, name), "rb") as fh:
-                    os.fsync(fh.fileno())
+        seal_dir(tmp)
         os.replace(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -113,14 +113,14 @@ def shell_line(env: dict[str, str], argv: list[str]) -> str:
 def check_sglang_sps(path: Path) -> dict[str, Any]:
     """An SGLang SPS table SGLang will use: a valid table (increasing probes, finite positive
     rates, max_batch_tokens ≥ the last probe) with ≥ 2 probes (one probe = uninitialised)."""
-    from dsparkctl.sps_io import load_sps_table
+    from dsparkctl.sps_io import table_from_json
     from dsparkctl.strict_json import read
 
     d = read(path, "SPS table", "write one with `dsparkctl profile-sps`")
     if not isinstance(d, dict) or "sample_batch_tokens" not in d or "sample_steps_per_sec" not in d:
         raise InputError(f"{path}: not an SGLang SPS table (sample_batch_tokens, sample_steps_per_sec)",
                          "pass the <out>.sglang.json that profile-sps writes")
-    load_sps_table(path)  # the same checks as every other reader: one-line InputError naming the file
+    table_from_json(d, str(path))  # the same checks as every other reader: one-line InputError naming the file
     if len(d["sample_batch_tokens"]) < 2:
         raise InputError(f"{path}: one probe; SGLang treats it as uninitialised and verifies every draft",
                          "profile at least two batch-token counts")
@@ -150,15 +150,15 @@ def check_our_sps(path: Path) -> str | None:
 
     Only a whole-step table is accepted: a target-forward one leaves out the draft and the
     schedule, so it overstates steps/s and the planner would verify too much."""
-    from dsparkctl.sps_io import load_sps_table
+    from dsparkctl.sps_io import load_sps_table, table_from_json
     from dsparkctl.strict_json import read
 
-    ours = load_sps_table(path)  # strictly, like its SGLang twin
+    d = read(path, "SPS table", "write one with `dsparkctl profile-sps`")
+    ours = table_from_json(d, str(path))  # strictly, like its SGLang twin
     twin = load_sps_table(twin_path(path))
     if (list(ours.batch_tokens), list(ours.steps_per_sec)) != (list(twin.batch_tokens), list(twin.steps_per_sec)):
         raise InputError(f"{path} and its SGLang twin {twin_path(path)} hold different tables",
                          "profile again; the two files are written together")
-    d = read(path, "SPS table", "write one with `dsparkctl profile-sps`")
     measures, drafted = d.get("measures"), d.get("draft")
     if measures != "whole-step":  # older tables (no `measures`) timed the target's forward alone
         raise InputError(f"{path} does not time the whole speculative step (measures: {json.dumps(measures)}); "

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Sequence
 
 from dsparkctl.errors import UsageError
+from dsparkctl.fsutil import cannot_create
 
 
 @dataclass(frozen=True)
@@ -69,14 +70,9 @@ def _check_one(o: Output) -> None:
         if fmt not in formats:
             raise UsageError(f"{o.option} {p}: cannot write figures of type {p.suffix!r}",
                              hint=f"use one of {', '.join('.' + f for f in formats)}")
-    parent = p.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        raise UsageError(f"{o.option} {p} cannot be created: {parent} is not a folder", hint="fix the path")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise UsageError(f"{o.option} {p} cannot be created: no permission to write in {parent}",
-                         hint="choose a folder you can write to")
+    why = cannot_create(p)
+    if why:
+        raise UsageError(f"{o.option} {p} cannot be created: {why}", hint="choose a folder you can write to")
 
 
 def local_inputs(*specs: str | Path | None, target: str | None | bool = False,

@@ -97,10 +97,10 @@ def eval_acceptance(
     datasets = dataset or ["mt-bench"]
     if labels and len(labels) != len(draft or []):
         raise UsageError("--label must be given once per --draft")
+    inputs = local_inputs(*datasets, target=target, drafts=draft or [None])
     check_outputs([o for o in (Output(out_path, "--out") if out_path else None,
                                Output(plot, "--plot", kind="figure") if plot else None,
-                               Output(trace, "--trace") if trace else None) if o is not None],
-                  local_inputs(*datasets, target=target, drafts=draft or [None]))
+                               Output(trace, "--trace") if trace else None) if o is not None], inputs)
     # prompts first: bad prompt files fail before any model loads
     texts = {ds: apply_preset_wrap(preset, ds, load_prompts(ds, field, limit)) for ds in datasets}
     sess = open_target(target, device.value, dtype.value, revision, trust_remote_code, log=lambda s: err.print(s),
@@ -108,7 +108,7 @@ def eval_acceptance(
     drafts, notes = drafts_under_test(sess, draft or [None], labels, revision, seed)
     if trace is not None and mode != Mode.teacher_forced:  # the per-pair files, checked like --trace
         check_outputs([Output(p, "--trace") for p in trace_paths(trace, datasets, [d.label for d in drafts]).values()],
-                      local_inputs(*datasets, target=target, drafts=draft or [None]))
+                      inputs)
     for n in notes:
         err.print(f"note: {n}")
     gamma = max(d.draft.block_size for d in drafts)

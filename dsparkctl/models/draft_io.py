@@ -16,7 +16,7 @@ import torch
 
 from dsparkctl.checkpoint.source import INDEX, SINGLE, parse_index
 from dsparkctl.errors import CheckpointError, InputError, ModelMismatchError
-from dsparkctl.fsutil import atomic_dir, honour_umask, temp_dir
+from dsparkctl.fsutil import atomic_dir, cannot_create, seal_dir, temp_dir
 from dsparkctl.strict_json import finite
 from dsparkctl.strict_json import loads as strict_loads
 from dsparkctl.models.draft import DSparkDraft
@@ -139,18 +139,24 @@ def check_draft_vocab(ids: torch.Tensor, cfg: DraftConfig, source: str) -> None:
                               "the index map must list distinct target ids in ascending order")
 
 
+def read_draft_config(folder: Path, source: str | None = None) -> DraftConfig:
+    """A draft folder's config.json, read strictly and typed (CheckpointError naming `source`)."""
+    cfg_path = folder / "config.json"
+    where = source or str(cfg_path)
+    if not cfg_path.is_file():
+        raise CheckpointError(f"{source or folder}: no config.json", "a DeepSpec draft folder holds config.json")
+    try:
+        raw = strict_loads(cfg_path.read_bytes())
+    except (ValueError, UnicodeDecodeError) as exc:  # StrictJSONError is a ValueError
+        raise CheckpointError(f"{where}: not valid JSON ({exc})") from None
+    return DraftConfig.from_dict(raw, where)
+
+
 def load_draft(source: str | os.PathLike, target: Any | None = None, revision: str | None = None,
                dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> DSparkDraft:
     """Load a DeepSpec DSpark/DFlash draft; borrow embed/LM head from `target` (a TargetAdapter)."""
     folder = resolve_folder(source, revision)
-    cfg_path = folder / "config.json"
-    if not cfg_path.is_file():
-        raise CheckpointError(f"{folder}: no config.json", "a DeepSpec draft folder holds config.json")
-    try:
-        raw = strict_loads(cfg_path.read_bytes())
-    except (ValueError, UnicodeDecodeError) as exc:  # StrictJSONError is a ValueError
-        raise CheckpointError(f"{cfg_path}: not valid JSON ({exc})") from None
-    cfg = DraftConfig.from_dict(raw, str(cfg_path))
+    cfg = read_draft_config(folder)
     state = read_state_dict(folder)
     if cfg.markov_rank == 0 and any(k.startswith("markov_head.") for k in state):
         raise CheckpointError(f"{folder}: markov_rank is 0 but the file has markov_head tensors",
@@ -215,14 +221,9 @@ def check_draft_destination(out: str | os.PathLike, overwrite: bool) -> Path:
         raise InputError("the draft folder is empty or '.'", "name a new folder for the draft")
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise InputError(f"{out} exists and is not a folder", "choose a new folder for the draft")
-    parent = out.absolute().parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        raise InputError(f"{out} cannot be created: {parent} is not a folder", "fix the path")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise InputError(f"{out} cannot be created: no permission to write in {parent}",
-                         "choose a folder you can write to")
+    why = cannot_create(out)
+    if why:
+        raise InputError(f"{out} cannot be created: {why}", "choose a folder you can write to")
     if out.exists():
         if not overwrite:
             raise InputError(f"{out} already exists", "choose another folder or remove it")
@@ -262,10 +263,7 @@ def save_draft(draft: DSparkDraft, out: str | os.PathLike, *, dtype: torch.dtype
     try:
         save_file(sd, str(new / SINGLE), metadata={"format": "pt"})
         (new / "config.json").write_text(json.dumps(finite(cfg), indent=2, allow_nan=False) + "\n")
-        for f in new.iterdir():
-            honour_umask(f)  # safetensors writes 0600 whatever the umask
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
+        seal_dir(new)
         os.replace(out, old / "draft")  # the previous draft steps aside, the new one takes its name
         os.replace(new, out)
     finally:

@@ -251,13 +251,10 @@ def validate(r: Recipe, source: str) -> None:
             bad(f"optim.init_from {o.init_from!r} is not a draft folder (no config.json there; relative paths are "
                 "read from the current folder)", "give the folder a previous `dsparkctl train --out` wrote")
         from dsparkctl.errors import CheckpointError
-        from dsparkctl.models.draft_config import DraftConfig
-        from dsparkctl.strict_json import loads
+        from dsparkctl.models.draft_io import read_draft_config
 
         try:  # its config now, not after the data is built
-            DraftConfig.from_dict(loads((p / "config.json").read_bytes()), f"optim.init_from {o.init_from}")
-        except (ValueError, UnicodeDecodeError) as exc:
-            bad(f"optim.init_from {o.init_from}: config.json is not valid JSON ({exc})")
+            read_draft_config(p, f"optim.init_from {o.init_from}")
         except CheckpointError as exc:
             raise InputError(exc.message, "give optim.init_from a draft folder `dsparkctl train --out` wrote") from None
     if r.target.dtype not in ("fp32", "bf16", "fp16"):
