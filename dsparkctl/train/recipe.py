@@ -149,8 +149,12 @@ def _coerce(value: Any, default: Any, where: str) -> Any:
     elif default is None:  # optional fields (mask_token_id, intermediate_size): an integer
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-    raise InputError(f"{where}: expected {type(default).__name__ if default is not None else 'a value'}, "
-                     f"got {value!r}", "fix the value's type in the recipe")
+    if isinstance(default, tuple):
+        what = "tuple (a list of integers)" if default and isinstance(default[0], int) else "tuple (a list of finite numbers)"
+    else:
+        what = {bool: "bool (true or false)", int: "int (an integer)", float: "float (a finite number)",
+                str: "str (a string)"}.get(type(default), "an integer")
+    raise InputError(f"{where}: expected {what}, got {value!r}", "fix the value in the recipe")
 
 
 def recipe_from_dict(raw: Mapping[str, Any], source: str = "recipe") -> Recipe:
