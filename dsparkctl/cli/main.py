@@ -44,30 +44,29 @@ for _module in (checkpoint, generate, evaluate, schedule, profile, train, serve)
     _module.register(app)
 
 
-def _click_exceptions() -> list:
-    """The exception modules of the click in use: recent typer vendors its own copy."""
+def _click_exceptions() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...]]:
+    """(no-args-is-help, usage error, abort) classes of the click in use: recent typer vendors its
+    own copy (typer._click, with Abort in typer.exceptions), older typer uses click itself."""
+    import importlib
+
     mods = []
-    try:
-        import typer._click.exceptions as vendored  # typer >= 0.2x
+    for name in ("typer._click.exceptions", "typer.exceptions", "click.exceptions"):
+        try:
+            mods.append(importlib.import_module(name))
+        except ImportError:
+            pass
 
-        mods.append(vendored)
-    except ImportError:
-        pass
-    import click.exceptions
+    def classes(attr: str) -> tuple[type, ...]:
+        return tuple(getattr(m, attr) for m in mods if isinstance(getattr(m, attr, None), type))
 
-    return [*mods, click.exceptions]
+    return classes("NoArgsIsHelpError"), classes("UsageError"), classes("Abort")
 
 
 def main() -> None:
     """Run the app; a command-line mistake (unknown option, bad value) is one line on stderr, exit 2."""
     import sys
 
-    mods = _click_exceptions()
-    no_args = tuple(m.NoArgsIsHelpError for m in mods if hasattr(m, "NoArgsIsHelpError"))
-    usage = tuple(m.UsageError for m in mods)
-    import typer.exceptions
-
-    aborted = tuple(getattr(m, "Abort") for m in (*mods, typer.exceptions) if hasattr(m, "Abort"))
+    no_args, usage, aborted = _click_exceptions()
     try:
         code = app(standalone_mode=False)
     except no_args as exc:
@@ -82,7 +81,7 @@ def main() -> None:
         msg = " ".join(exc.format_message().split())
         sys.stderr.write(f"error: {msg} (see '{where} --help')\n")
         sys.exit(exc.exit_code)
-    except aborted or ():
+    except aborted:
         sys.stderr.write("aborted\n")
         sys.exit(130)
     except KeyboardInterrupt:
