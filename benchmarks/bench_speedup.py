@@ -3,10 +3,14 @@
 For each HumanEval prompt (chat-wrapped, as `generate --dataset humaneval` does) and each repeat,
 three decoders run back to back in a rotating order, so slow drifts of a shared machine hit all
 three alike:
-  * hf     transformers' own `model.generate` (greedy, KV cache) on the same target
+  * hf     transformers' own `model.generate` (greedy, KV cache) on the same target, as loaded by
+           transformers (torch's stock kernels): what a user runs without us
   * plain  dsparkctl's plain decoding (`plain_generate`, the engine's baseline)
   * spec   dsparkctl's speculative engine with the draft and policy given (repeat --policy to
            compare several in the same run: spec:<policy> each; the first is "spec")
+  * plain-stock  (with --cpu-kernels packed, the default) our plain decoding on the stock model,
+           so the gain of the packed kernels and the gain of speculation are reported apart:
+           spec/plain is speculation alone (same kernels), plain/plain-stock the kernels alone.
 Tokens/s of a run = generated tokens / wall seconds (prefill included for all three). The
 figures are medians over all (prompt, repeat) runs; the ratios are medians of the per-run
 ratios within one (prompt, repeat) triple. Also reported: τ, and the draft's share of a
@@ -33,6 +37,8 @@ from dsparkctl.engine.session import open_session
 from dsparkctl.engine.speculative import SpeculativeEngine, plain_generate
 from dsparkctl.math.policies import parse_policy
 from dsparkctl.math.sampling import SamplingParams
+from dsparkctl.models.loading import load_target
+from dsparkctl.models.target import TargetAdapter
 from dsparkctl.sps_io import load_sps_table
 
 
@@ -46,12 +52,16 @@ def main() -> None:
     ap.add_argument("--policy", action="append", default=None, help="default static:γ (repeatable)")
     ap.add_argument("--sps-table", default=None, help="SPS table for dspark policies")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--cpu-kernels", choices=("packed", "stock"), default="packed",
+                    help="kernels of our decoders (HF generate always runs the stock model)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "speedup.json")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    sess = open_session(None, args.draft, "cpu", "fp32", log=lambda m: None)
-    tok, model = sess.target.tokenizer, sess.target.model
+    sess = open_session(None, args.draft, "cpu", "fp32", log=lambda m: None, cpu_kernels=args.cpu_kernels)
+    tok = sess.target.tokenizer
+    model = sess.target.model if sess.cpu_kernels == "stock" else load_target(None, torch.device("cpu"),
+                                                                             torch.float32, log=lambda m: None).model
     prompts = encode_prompts(tok, load_prompts(args.dataset, limit=args.prompts))
     policies = args.policy or [f"static:{sess.draft.block_size}"]
     spec_policy = policies[0]
@@ -90,13 +100,21 @@ def main() -> None:
 
     decoders = {"hf": hf, "plain": plain, "spec": spec_with(spec_policy)}
     decoders.update({f"spec:{pol}": spec_with(pol) for pol in policies[1:]})
+    if model is not sess.target.model:
+        stock_adapter = TargetAdapter(model, ())
+
+        def plain_stock(p):
+            t0 = time.perf_counter()
+            rep = plain_generate(stock_adapter, [p], N, greedy, stop_token_ids=sess.stop_ids)
+            return rep.outputs[0].tokens, time.perf_counter() - t0, None
+        decoders["plain-stock"] = plain_stock
     names = list(decoders)
     for f in decoders.values():  # warm-up (allocations, kernel choice)
         f(prompts[0][:16])
     for r in rounds.values():
         r.clear()
     runs = []
-    identical = hf_identical = 0
+    identical = hf_identical = stock_identical = 0
     for rep_i in range(args.repeats):
         for i, p in enumerate(prompts):
             k = (i + rep_i) % len(names)
@@ -107,6 +125,7 @@ def main() -> None:
             toks = {k: v[0] for k, v in res.items()}
             identical += all(toks[k] == toks["plain"] for k in names if k.startswith("spec"))
             hf_identical += toks["hf"] == toks["plain"]
+            stock_identical += toks.get("plain-stock") == toks["plain"]
             r = res["spec"][2]
             n = len(toks["plain"])
             runs.append({"prompt": i, "repeat": rep_i, "tokens": n,
@@ -118,6 +137,8 @@ def main() -> None:
     med = {k: statistics.median(r[f"{k}_tok_s"] for r in runs) for k in names}
     ratio = {
         **{f"{k}_over_hf": statistics.median(r[f"{k}_tok_s"] / r["hf_tok_s"] for r in runs) for k in names[3:]},
+        **({"plain_over_plain_stock": statistics.median(r["plain_tok_s"] / r["plain-stock_tok_s"] for r in runs)}
+           if "plain-stock" in names else {}),
         "spec_over_hf": statistics.median(r["spec_tok_s"] / r["hf_tok_s"] for r in runs),
         "spec_over_plain": statistics.median(r["spec_tok_s"] / r["plain_tok_s"] for r in runs),
         "plain_over_hf": statistics.median(r["plain_tok_s"] / r["hf_tok_s"] for r in runs),
@@ -127,6 +148,7 @@ def main() -> None:
     result = {
         "draft": sess.draft_name, "policy": spec_policy, "dataset": args.dataset, "prompts": len(prompts),
         "repeats": args.repeats, "max_new_tokens": N, "threads": torch.get_num_threads(),
+        "cpu_kernels": sess.cpu_kernels,
         "median_tok_s": med, "median_ratio": ratio,
         "tau_median": statistics.median(r["tau"] for r in runs),
         "draft_share_of_round_median": draft_share,
@@ -137,6 +159,7 @@ def main() -> None:
                                  "over_hf": ratio[f"spec:{pol}_over_hf"],
                                  "tau_median": statistics.median(r[f"spec:{pol}_tau"] for r in runs)}
                            for pol in policies[1:]},
+        "greedy_identical_plain_stock_plain": (f"{stock_identical}/{len(runs)}" if "plain-stock" in names else None),
         "greedy_identical_spec_plain": f"{identical}/{len(runs)}",
         "greedy_identical_hf_plain": f"{hf_identical}/{len(runs)}",
         "runs": runs,
@@ -145,13 +168,17 @@ def main() -> None:
           f"(τ median {result['tau_median']:.2f})")
     print(f"median ratios: spec/hf {ratio['spec_over_hf']:.2f}×  spec/plain {ratio['spec_over_plain']:.2f}×  "
           f"plain/hf {ratio['plain_over_hf']:.2f}×  (spec = {spec_policy})")
+    if "plain_over_plain_stock" in ratio:
+        print(f"kernels alone: plain (packed) / plain (stock) {ratio['plain_over_plain_stock']:.2f}×; "
+              f"plain-stock {med['plain-stock']:.1f} tok/s")
     for pol, o in result["other_policies"].items():
         print(f"  {pol}: {o['median_tok_s']:.1f} tok/s, /hf {o['over_hf']:.2f}×, τ median {o['tau_median']:.2f}")
     if draft_share is not None:
         print(f"draft share of a round: {100 * draft_share:.1f}% (draft {result['draft_ms_median']:.1f} ms, "
               f"verify {result['verify_ms_median']:.1f} ms, medians)")
     print(f"greedy outputs identical: spec=plain {result['greedy_identical_spec_plain']}, "
-          f"hf=plain {result['greedy_identical_hf_plain']}")
+          f"hf=plain {result['greedy_identical_hf_plain']}"
+          + (f", plain-stock=plain {result['greedy_identical_plain_stock_plain']}" if "plain-stock" in names else ""))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

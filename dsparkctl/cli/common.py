@@ -61,6 +61,11 @@ class DType(str, Enum):
     fp16 = "fp16"
 
 
+class CpuKernels(str, Enum):
+    packed = "packed"
+    stock = "stock"
+
+
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed (all randomness is seeded).")]
 DeviceOpt = Annotated[Device, typer.Option("--device", help="Where to run the models.")]
@@ -87,6 +92,9 @@ DraftOpt = Annotated[str | None, typer.Option("--draft", help="DeepSpec draft fo
 TargetParallelOpt = Annotated[str, typer.Option("--target-parallel", help="For a target too big for one device: "
                                                 "device-map (one process, layers over the visible GPUs) or tp "
                                                 "(under torchrun, each rank a shard; the ranks then share the work).")]
+CpuKernelsOpt = Annotated[CpuKernels, typer.Option("--cpu-kernels", help="CPU fp32 only: packed = linear weights "
+                                                  "packed once for oneDNN (faster, above all for the multi-token "
+                                                  "verify forward); stock = torch's default kernels.")]
 TemperatureOpt = Annotated[float | None, typer.Option("--temperature", help="Sampling temperature; 0 = greedy "
                                                      "(default 0, or the --preset's).")]
 MaxNewTokensOpt = Annotated[int | None, typer.Option("--max-new-tokens", help="Tokens to generate per prompt "

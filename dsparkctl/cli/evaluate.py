@@ -9,7 +9,7 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.table import Table
 
-from dsparkctl.cli.common import (DeviceOpt, DType, DTypeOpt, Device, JsonOpt, MaxNewTokensOpt, PresetOpt, RevisionOpt,
+from dsparkctl.cli.common import (CpuKernels, CpuKernelsOpt, DeviceOpt, DType, DTypeOpt, Device, JsonOpt, MaxNewTokensOpt, PresetOpt, RevisionOpt,
                                   SeedOpt, TargetOpt, TargetParallelOpt, TemperatureOpt, TrustRemoteCodeOpt, err,
                                   guarded, out, print_json, with_preset)
 from dsparkctl.errors import UsageError
@@ -78,6 +78,7 @@ def eval_acceptance(
     revision: RevisionOpt = None,
     trust_remote_code: TrustRemoteCodeOpt = False,
     target_parallel: TargetParallelOpt = "none",
+    cpu_kernels: CpuKernelsOpt = CpuKernels.packed,
     device: DeviceOpt = Device.auto,
     dtype: DTypeOpt = DType.auto,
     seed: SeedOpt = 0,
@@ -104,7 +105,7 @@ def eval_acceptance(
     # prompts first: bad prompt files fail before any model loads
     texts = {ds: apply_preset_wrap(preset, ds, load_prompts(ds, field, limit)) for ds in datasets}
     sess = open_target(target, device.value, dtype.value, revision, trust_remote_code, log=lambda s: err.print(s),
-                       parallel=target_parallel)
+                       parallel=target_parallel, cpu_kernels=cpu_kernels.value)
     drafts, notes = drafts_under_test(sess, draft or [None], labels, revision, seed)
     if trace is not None and mode != Mode.teacher_forced:  # the per-pair files, checked like --trace
         check_outputs([Output(p, "--trace") for p in trace_paths(trace, datasets, [d.label for d in drafts]).values()],

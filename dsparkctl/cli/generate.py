@@ -8,7 +8,7 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.table import Table
 
-from dsparkctl.cli.common import (DeviceOpt, DraftOpt, DType, DTypeOpt, Device, JsonOpt, RevisionOpt, SeedOpt,
+from dsparkctl.cli.common import (CpuKernels, CpuKernelsOpt, DeviceOpt, DraftOpt, DType, DTypeOpt, Device, JsonOpt, RevisionOpt, SeedOpt,
                                   MaxNewTokensOpt, PresetOpt, TargetOpt, TargetParallelOpt, TemperatureOpt, TrustRemoteCodeOpt, err,
                                   guarded, out, print_json, progress_bar, show_progress, styled, with_preset)
 from dsparkctl.errors import UsageError
@@ -68,6 +68,7 @@ def generate(
     show_text: Annotated[bool, typer.Option("--text/--no-text", help="Print the generated text.")] = True,
     trust_remote_code: TrustRemoteCodeOpt = False,
     target_parallel: TargetParallelOpt = "none",
+    cpu_kernels: CpuKernelsOpt = CpuKernels.packed,
 ) -> None:
     from dsparkctl.cli.checks import Output, check_outputs, local_inputs
     from dsparkctl.data.prompts import apply_preset_wrap, encode_prompts, prompt_texts
@@ -91,7 +92,7 @@ def generate(
                                                             default="Write a short poem about speculative decoding."))
     log = (lambda m: err.print(styled((m, "dim")))) if not json_out or show_progress() else (lambda m: None)
     sess = open_session(target, draft, device.value, dtype.value, revision, trust_remote_code, seed, log=log,
-                        parallel=target_parallel)
+                        parallel=target_parallel, cpu_kernels=cpu_kernels.value)
     for n in sess.notes:
         err.print(styled(("note:", "yellow"), f" {n}"))
     tok = sess.target.tokenizer

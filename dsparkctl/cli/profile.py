@@ -12,7 +12,7 @@ import typer
 from rich.table import Table
 
 from dsparkctl.cli.checks import Output, check_outputs, local_inputs
-from dsparkctl.cli.common import (DeviceOpt, DraftOpt, DType, DTypeOpt, Device, JsonOpt, RevisionOpt, SeedOpt,
+from dsparkctl.cli.common import (CpuKernels, CpuKernelsOpt, DeviceOpt, DraftOpt, DType, DTypeOpt, Device, JsonOpt, RevisionOpt, SeedOpt,
                                   TargetOpt, err, guarded, int_list, out, print_json, progress_bar, styled)
 from dsparkctl.errors import UsageError
 from dsparkctl.provenance import provenance
@@ -56,6 +56,7 @@ def profile_sps_cmd(
     warmup: Annotated[int, typer.Option("--warmup", help="Untimed warm-up steps per point.")] = 2,
     device: DeviceOpt = Device.auto,
     dtype: DTypeOpt = DType.auto,
+    cpu_kernels: CpuKernelsOpt = CpuKernels.packed,
     seed: SeedOpt = 0,
     sglang_out: Annotated[Optional[Path], typer.Option("--sglang-out", help="SGLang table path (default <out stem>.sglang.json).")] = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="PNG path (default <out stem>.png).")] = None,
@@ -86,7 +87,8 @@ def profile_sps_cmd(
         check_grid(reqs, toks)  # before any model loads
     log = lambda m: err.print(styled((m, "dim")))  # noqa: E731
     if measure == Measure.whole_step:
-        sess = open_session(target, draft, device.value, dtype.value, revision, seed=seed, log=log)
+        sess = open_session(target, draft, device.value, dtype.value, revision, seed=seed, log=log,
+                            cpu_kernels=cpu_kernels.value)
         engine = SpeculativeEngine(sess.adapter, sess.draft, parse_policy(f"static:{sess.draft.block_size}"),
                                    SamplingParams(0.0), stop_token_ids=sess.stop_ids)
         if toks is None:
@@ -94,7 +96,7 @@ def profile_sps_cmd(
             check_grid(reqs, toks)
         run = functools.partial(profile_whole_step, engine)
     else:
-        sess = open_target(target, device.value, dtype.value, revision, log=log)
+        sess = open_target(target, device.value, dtype.value, revision, log=log, cpu_kernels=cpu_kernels.value)
         run = functools.partial(profile_sps, sess.plain_adapter())
     done = itertools.count(1)
     with progress_bar("profile-sps", len(set(reqs)) * len(set(toks))) as update:

@@ -73,7 +73,7 @@ def generate_report(sess: Session, prompt_ids: Sequence[Sequence[int]], opts: Ge
     report: dict[str, Any] = {
         "target": sess.target.name, "draft": sess.draft_name, "draft_kind": sess.draft.cfg.kind,
         "block_size": gamma, "policy": pol.spec, "device": str(sess.device),
-        "dtype": str(sess.dtype).replace("torch.", ""),
+        "dtype": str(sess.dtype).replace("torch.", ""), "cpu_kernels": sess.cpu_kernels,
         "sampling": {"temperature": opts.sampling.temperature, "top_p": opts.sampling.top_p,
                      "top_k": opts.sampling.top_k, "seed": opts.seed},
         "prompts": len(prompt_ids), "batch_size": opts.batch_size, "max_new_tokens": opts.max_new_tokens,

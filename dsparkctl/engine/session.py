@@ -7,11 +7,16 @@ from typing import Any, Callable
 
 import torch
 
+from dsparkctl.errors import UsageError
+
+from dsparkctl.models.cpu_kernels import pack_linears
 from dsparkctl.models.draft import DSparkDraft
 from dsparkctl.models.draft_io import load_draft, random_draft
 from dsparkctl.models.loading import (LoadedTarget, default_draft_dir, load_target, resolve_device,
                                       resolve_dtype, stop_token_ids)
 from dsparkctl.models.target import TargetAdapter
+
+CPU_KERNELS = ("packed", "stock")
 
 
 @dataclass
@@ -25,6 +30,7 @@ class Session:
     draft_name: str = ""
     adapter: TargetAdapter | None = None  # taps the draft's layers
     notes: list[str] = field(default_factory=list)  # things the user must be told (e.g. untrained draft)
+    cpu_kernels: str = "stock"  # "packed" once the target's linears were packed (models/cpu_kernels.py)
 
     def plain_adapter(self) -> TargetAdapter:
         """An adapter on the same model without feature taps (for the baseline)."""
@@ -34,6 +40,12 @@ class Session:
                    random_draft_kw: dict[str, Any] | None = None) -> tuple[DSparkDraft, str, list[str]]:
         """(draft, display name, notes) for a draft spec, checked against this session's target:
         the shipped default (embedded target), 'random', a folder or a hub id."""
+        draft, name, notes = self._load_draft(spec, revision, seed, random_draft_kw)
+        if self.cpu_kernels == "packed":
+            pack_linears(draft, keep_weight=True)  # small; its code reads `.weight.dtype`
+        return draft, name, notes
+
+    def _load_draft(self, spec, revision, seed, random_draft_kw):
         probe = TargetAdapter(self.target.model, ())
         if spec in (None, "", "default"):
             shipped = default_draft_dir() if self.embedded_target else None
@@ -50,23 +62,32 @@ class Session:
 
 def open_target(target: str | None, device: str = "auto", dtype: str = "auto", revision: str | None = None,
                 trust_remote_code: bool = False, log: Callable[[str], None] = print,
-                parallel: str = "none") -> Session:
+                parallel: str = "none", cpu_kernels: str = "stock") -> Session:
     """A session holding the target only (embedded default, a folder or a hub id); `parallel`
-    spreads a big target (models/loading.py: device-map or tp)."""
+    spreads a big target (models/loading.py: device-map or tp). `cpu_kernels="packed"` packs the
+    linears of a CPU fp32 model for oneDNN (inference only: models/cpu_kernels.py); elsewhere, or
+    where this torch lacks the kernels, it stays "stock" (see `Session.cpu_kernels`)."""
+    if cpu_kernels not in CPU_KERNELS:
+        raise UsageError(f"unknown --cpu-kernels {cpu_kernels!r}", f"use one of {', '.join(CPU_KERNELS)}")
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     tgt = load_target(target, dev, dt, revision=revision, trust_remote_code=trust_remote_code, log=log,
                       parallel=parallel)
-    return Session(target=tgt, device=dev, dtype=dt, stop_ids=stop_token_ids(tgt.tokenizer, tgt.model),
+    sess = Session(target=tgt, device=dev, dtype=dt, stop_ids=stop_token_ids(tgt.tokenizer, tgt.model),
                    embedded_target=target in (None, "", "embedded"))
+    if cpu_kernels == "packed" and parallel == "none":
+        head = tgt.model.get_output_embeddings()
+        if pack_linears(tgt.model, keep=(head,) if head is not None else ()):
+            sess.cpu_kernels = "packed"
+    return sess
 
 
 def open_session(target: str | None, draft: str | None, device: str = "auto", dtype: str = "auto",
                  revision: str | None = None, trust_remote_code: bool = False, seed: int = 0,
                  log: Callable[[str], None] = print, random_draft_kw: dict[str, Any] | None = None,
-                 parallel: str = "none") -> Session:
+                 parallel: str = "none", cpu_kernels: str = "stock") -> Session:
     """The target and one draft; the session's adapter taps the draft's layers."""
-    sess = open_target(target, device, dtype, revision, trust_remote_code, log, parallel)
+    sess = open_target(target, device, dtype, revision, trust_remote_code, log, parallel, cpu_kernels)
     sess.draft, sess.draft_name, notes = sess.load_draft(draft, revision, seed, random_draft_kw)
     sess.notes.extend(notes)
     sess.adapter = TargetAdapter(sess.target.model, sess.draft.cfg.target_layer_ids)

@@ -1,0 +1,149 @@
+"""Packed CPU kernels (models/cpu_kernels.py): same products, same greedy outputs, same law.
+
+The packed path is what `generate`, `eval-acceptance` and `profile-sps` use on CPU by default,
+so the losslessness tests run again here on a packed target + packed draft.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+from typer.testing import CliRunner
+
+from dsparkctl.cli.main import app
+from dsparkctl.engine.session import open_session
+from dsparkctl.engine.speculative import SpeculativeEngine, plain_generate
+from dsparkctl.errors import UsageError
+from dsparkctl.math.policies import parse_policy
+from dsparkctl.math.sampling import SamplingParams
+from dsparkctl.math.sps import SPSTable
+from dsparkctl.models.cpu_kernels import PackedLinear, pack_linears, packing_supported
+from dsparkctl.models.draft_io import random_draft
+from dsparkctl.models.target import TargetAdapter
+from tests.test_engine import PROMPTS, _exact_three_token_distribution, assert_three_tokens_distributed_as
+from tests.tiny_models import bigram_oracle_draft, save_tiny_target, tiny_target, write_deepspec_draft
+
+pytestmark = pytest.mark.skipif(not packing_supported(nn.Linear(2, 2)), reason="this torch has no oneDNN linear")
+SPS = SPSTable([1, 2, 4, 8, 16, 32], [100.0, 99.0, 97.0, 90.0, 80.0, 60.0])
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(1, 24), (7, 24), (2, 3, 24), (2, 9, 24)])
+def test_packed_linear_computes_the_same_product(bias, shape):
+    torch.manual_seed(0)
+    lin = nn.Linear(24, 40, bias=bias)
+    x = torch.randn(*shape)
+    packed = PackedLinear(lin, keep_weight=False)
+    with torch.no_grad():
+        y = packed(x)
+        torch.testing.assert_close(y, lin(x), rtol=1e-5, atol=1e-5)
+    assert y.shape == (*shape[:-1], 40)
+    assert not hasattr(packed, "weight")  # only the packed copy lives
+    assert PackedLinear(lin, keep_weight=True).weight is lin.weight
+
+
+def test_pack_keeps_tied_head_shared_and_packs_each_linear_once():
+    model = tiny_target("llama")
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    shared = model.model.layers[0].mlp.up_proj
+    model.model.layers[1].mlp.up_proj = shared  # one module reached twice
+    n_linear = len({id(m) for m in model.modules() if type(m) is nn.Linear})
+    head = model.get_output_embeddings()
+    assert pack_linears(model, keep=(head,)) == n_linear
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # the tie survives, no copy
+    assert model.model.layers[0].mlp.up_proj is model.model.layers[1].mlp.up_proj
+    assert not hasattr(model.model.layers[0].self_attn.q_proj, "weight")
+    assert pack_linears(model) == 0  # nothing left to pack
+
+
+def test_pack_leaves_non_fp32_models_alone():
+    model = tiny_target("llama").to(torch.bfloat16)
+    assert not packing_supported(model) and pack_linears(model) == 0
+    assert any(type(m) is nn.Linear for m in model.modules())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_packed_logits_match_stock_logits(family):
+    stock = tiny_target(family)
+    packed = tiny_target(family)
+    pack_linears(packed, keep=(packed.get_output_embeddings(),))
+    ids = torch.tensor([PROMPTS[2], PROMPTS[0] + [1, 2, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(packed(ids).logits, stock(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("policy", ["static:4", "static:2", "dspark"])
+def test_greedy_identity_on_a_packed_pair(family, policy):
+    stock = tiny_target(family)
+    reference = plain_generate(TargetAdapter(stock), PROMPTS, 40, SamplingParams(0.0))  # stock kernels
+    model = tiny_target(family)
+    pack_linears(model, keep=(model.get_output_embeddings(),))
+    tgt = TargetAdapter(model, [0, 1])
+    draft = bigram_oracle_draft(tgt, PROMPTS, block_size=4, layer_ids=[0, 1])
+    assert pack_linears(draft, keep_weight=True) > 0
+    plain = plain_generate(TargetAdapter(model), PROMPTS, 40, SamplingParams(0.0))
+    eng = SpeculativeEngine(tgt, draft, parse_policy(policy, sps=SPS), SamplingParams(0.0))
+    rep = eng.generate(PROMPTS, 40)
+    assert [o.tokens for o in rep.outputs] == [o.tokens for o in plain.outputs]
+    assert [o.tokens for o in plain.outputs] == [o.tokens for o in reference.outputs]
+    assert eng.generate([PROMPTS[2]], 40).outputs[0].tokens == plain.outputs[2].tokens
+    if policy == "static:4":
+        assert rep.stats.histogram[4] > 0 and rep.stats.tau > 1.4  # real multi-token accepts happened
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_p=0.9)])
+def test_sampled_output_on_a_packed_pair_matches_the_target_distribution(params):
+    model = tiny_target("llama", vocab=8, hidden=32, seed=4)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.25)
+    exact = _exact_three_token_distribution(model, [3, 5, 6], params)  # stock kernels
+    pack_linears(model, keep=(model.get_output_embeddings(),))
+    tgt = TargetAdapter(model, [0, 1])
+    draft = random_draft(tgt, seed=5, block_size=3, markov_rank=4, layer_ids=[0, 1])
+    pack_linears(draft, keep_weight=True)
+    eng = SpeculativeEngine(tgt, draft, parse_policy("static:3"), params)
+    rep = eng.generate([[3, 5, 6]] * 6000, 3, generator=torch.Generator().manual_seed(11))
+    assert rep.stats.histogram[0] > 300 and rep.stats.histogram[1] > 300, rep.stats.histogram
+    assert_three_tokens_distributed_as(rep.outputs, exact, params)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    target = save_tiny_target(root / "target", "qwen3", vocab=64, layers=4)
+    draft = write_deepspec_draft(root / "draft", vocab=64, hidden=32, taps=(0, 1), rank=8, block_size=4)
+    return target, draft
+
+
+def test_sessions_pack_on_request_only(models):
+    target, draft = models
+    packed = open_session(str(target), str(draft), "cpu", "fp32", log=lambda m: None, cpu_kernels="packed")
+    assert packed.cpu_kernels == "packed"
+    assert any(isinstance(m, PackedLinear) for m in packed.target.model.modules())
+    assert any(isinstance(m, PackedLinear) for m in packed.draft.modules())
+    stock = open_session(str(target), str(draft), "cpu", "fp32", log=lambda m: None)  # training's default
+    assert stock.cpu_kernels == "stock" and not any(isinstance(m, PackedLinear) for m in stock.target.model.modules())
+    with pytest.raises(UsageError):
+        open_session(str(target), str(draft), "cpu", "fp32", log=lambda m: None, cpu_kernels="fast")
+
+
+def test_generate_reports_its_kernels_and_both_give_the_same_greedy_text(models):
+    target, draft = models
+    runner = CliRunner()
+    reps = {}
+    for kernels in ("packed", "stock"):
+        res = runner.invoke(app, ["generate", "--target", str(target), "--draft", str(draft), "--no-chat",
+                                  "--max-new-tokens", "12", "--json", "--cpu-kernels", kernels, "--baseline",
+                                  "w1 w2 w3", "w4 w5"])
+        assert res.exit_code == 0, res.output
+        reps[kernels] = json.loads(res.stdout)
+        assert reps[kernels]["cpu_kernels"] == kernels and reps[kernels]["baseline"]["identical_outputs"] == 2
+    assert [r["text"] for r in reps["packed"]["requests"]] == [r["text"] for r in reps["stock"]["requests"]]
+    res = runner.invoke(app, ["generate", "--target", str(target), "--cpu-kernels", "fast", "w1"])
+    assert res.exit_code == 2 and "fast" in res.output
