@@ -1,7 +1,7 @@
 """What packed CPU kernels change: the target's forward over T new tokens, stock vs packed.
 
 One process holds the embedded target twice, as transformers loads it (stock) and with its
-linears packed for oneDNN (`--cpu-kernels packed`, models/cpu_kernels.py), and the shipped
+linears packed for oneDNN (`--cpu-kernels packed`, models/cpu_kernels.py), with the shipped
 draft on each. For every T (1 = a plain decode step; γ+1 = a static:γ verification) the two
 forwards run interleaved after the same cached context, so drifts of the machine hit both alike.
 Reported: median ms per forward, the cost of T tokens relative to one (what a round's
@@ -32,10 +32,14 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--tokens", default="1,2,3,4,5,6,8")
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "cpu_kernels.json")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     sessions = {k: open_session(None, None, "cpu", "fp32", log=lambda m: None, cpu_kernels=k)
                 for k in ("stock", "packed")}
+    KINDS = ("stock", "packed")
     assert sessions["packed"].cpu_kernels == "packed", "this torch cannot pack (no oneDNN linear)"
     g = torch.Generator().manual_seed(0)
     V = sessions["stock"].target.model.config.vocab_size
@@ -50,7 +54,7 @@ def main() -> None:
     for rep in range(args.repeats + 2):
         for T in Ts:
             outs = {}
-            for k in (("stock", "packed") if rep % 2 == 0 else ("packed", "stock")):
+            for k in (KINDS if rep % 2 == 0 else KINDS[::-1]):
                 a = adapters[k]
                 t0 = time.perf_counter()
                 outs[k] = a.extend(feeds[T], torch.tensor([T])).logits
@@ -86,12 +90,11 @@ def main() -> None:
         "draft_propose_ms_median": draft_ms, "agreement": agree,
     }
     print(f"target forward after {args.context} cached tokens, medians of {args.repeats} (ms; × one-token cost):")
-    print(f"{'T':>3} {'stock':>16} {'packed':>16} {'speed-up':>9}")
+    print(f"{'T':>3} " + " ".join(f"{k:>16}" for k in KINDS) + "  packed speed-up")
     for T in Ts:
-        print(f"{T:>3} {med['stock'][T]:>8.1f} ({med['stock'][T] / med['stock'][1]:.2f}×) "
-              f"{med['packed'][T]:>8.1f} ({med['packed'][T] / med['packed'][1]:.2f}×) "
-              f"{med['stock'][T] / med['packed'][T]:>8.2f}×")
-    print(f"draft propose per round: stock {draft_ms['stock']:.1f} ms, packed {draft_ms['packed']:.1f} ms")
+        print(f"{T:>3} " + " ".join(f"{med[k][T]:>8.1f} ({med[k][T] / med[k][1]:.2f}×)" for k in KINDS)
+              + f"  {med['stock'][T] / med['packed'][T]:>8.2f}×")
+    print("draft propose per round: " + ", ".join(f"{k} {draft_ms[k]:.1f} ms" for k in KINDS))
     print(f"logits: max |packed - stock| {agree['max_abs_logit_diff']:.2e}; argmax equal "
           f"{agree['argmax_equal']}/{agree['argmax_total']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)

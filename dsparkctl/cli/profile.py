@@ -105,7 +105,7 @@ def profile_sps_cmd(
     bt, sps = table_from_points(points)
     meta = provenance(target=tgt.name, measures=measure.value,
                       draft=(str(Path(draft).resolve()) if draft and Path(draft).exists() else sess.draft_name)
-                      if measure == Measure.whole_step else None, device=str(dev), dtype=dt,
+                      if measure == Measure.whole_step else None, device=str(dev), dtype=dt, cpu_kernels=sess.cpu_kernels,
                       context_len=context_len, repeats=repeats, warmup=warmup,
                       grid={"requests": sorted(set(reqs)), "tokens_per_request": sorted(set(toks))},
                       points=[{"requests": p.requests, "tokens_per_request": p.tokens_per_request,

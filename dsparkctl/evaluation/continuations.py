@@ -21,6 +21,7 @@ import torch
 from dsparkctl.evaluation.live import target_continuations
 from dsparkctl.fsutil import atomic_open
 from dsparkctl.math.sampling import SamplingParams
+from dsparkctl.models.cpu_kernels import PackedLinear
 
 FORMAT = "dsparkctl-continuations/1"
 
@@ -48,6 +49,10 @@ def continuations_key(model: torch.nn.Module, prompts: Sequence[Sequence[int]], 
            "prompts": hashlib.sha256(json.dumps([list(map(int, x)) for x in prompts]).encode()).hexdigest(),
            "max_new_tokens": max_new_tokens, "sampling": [params.temperature, params.top_k, params.top_p],
            "stop": sorted(int(s) for s in stop_ids), "seed": seed, "batch_size": batch_size}
+    if any(isinstance(m, PackedLinear) for m in model.modules()):
+        # other kernels, other rounding: near-ties may decode differently, so a cache of their own
+        # (and the fingerprint above then sees the parameters left outside the packed linears)
+        doc["kernels"] = "packed"
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:24]
 
 
