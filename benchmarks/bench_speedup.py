@@ -137,6 +137,8 @@ def main() -> None:
     med = {k: statistics.median(r[f"{k}_tok_s"] for r in runs) for k in names}
     ratio = {
         **{f"{k}_over_hf": statistics.median(r[f"{k}_tok_s"] / r["hf_tok_s"] for r in runs) for k in names[3:]},
+        **{f"{k}_over_plain": statistics.median(r[f"{k}_tok_s"] / r["plain_tok_s"] for r in runs)
+           for k in names if k.startswith("spec:")},
         **({"plain_over_plain_stock": statistics.median(r["plain_tok_s"] / r["plain-stock_tok_s"] for r in runs)}
            if "plain-stock" in names else {}),
         "spec_over_hf": statistics.median(r["spec_tok_s"] / r["hf_tok_s"] for r in runs),
@@ -172,7 +174,8 @@ def main() -> None:
         print(f"kernels alone: plain (packed) / plain (stock) {ratio['plain_over_plain_stock']:.2f}×; "
               f"plain-stock {med['plain-stock']:.1f} tok/s")
     for pol, o in result["other_policies"].items():
-        print(f"  {pol}: {o['median_tok_s']:.1f} tok/s, /hf {o['over_hf']:.2f}×, τ median {o['tau_median']:.2f}")
+        print(f"  {pol}: {o['median_tok_s']:.1f} tok/s, /hf {o['over_hf']:.2f}×, "
+              f"/plain {ratio[f'spec:{pol}_over_plain']:.2f}×, τ median {o['tau_median']:.2f}")
     if draft_share is not None:
         print(f"draft share of a round: {100 * draft_share:.1f}% (draft {result['draft_ms_median']:.1f} ms, "
               f"verify {result['verify_ms_median']:.1f} ms, medians)")

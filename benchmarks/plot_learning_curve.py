@@ -47,15 +47,19 @@ def plot(curve: dict, out: Path, title: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     ev = curve["evals"]
     for ax, key, label in ((axes[0], "minutes", "training minutes (2-core CPU)"),
-                           (axes[1], "blocks", "blocks seen")):
+                           (axes[1], "blocks", "blocks seen (log scale: the gain per doubling)")):
         ax.plot([e[key] for e in ev], [e["tau"] for e in ev], "o-", color="tab:blue")
         ax.set_xlabel(label)
         ax.set_ylabel("held-out teacher-forced τ (γ=5, greedy)")
         ax.grid(alpha=0.3)
+        if key == "blocks":
+            ax.set_xscale("log", base=2)
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v / 1000:.0f}k"))
         stages = sorted({e["stage"] for e in ev})
         for s in stages[1:]:
             first = next(e for e in ev if e["stage"] == s)
@@ -69,6 +73,7 @@ def plot(curve: dict, out: Path, title: str) -> None:
             smooth = [sum(ys[max(0, i - w): i + 1]) / len(ys[max(0, i - w): i + 1]) for i in range(len(ys))]
             axes[2].plot([s["blocks"] for s in st], smooth, label=f"position {k + 1}")
         axes[2].set_xlabel("blocks seen")
+        axes[2].xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v / 1000:.0f}k"))
         axes[2].set_ylabel(f"training top-1 agreement (rolling mean of {w} steps)")
         axes[2].legend(fontsize=8)
         axes[2].grid(alpha=0.3)
@@ -90,7 +95,7 @@ def main() -> None:
         args.json.write_text(json.dumps({**curve, "steps": curve["steps"][:: max(1, len(curve["steps"]) // 2000)]},
                                         indent=1) + "\n")
     for e in curve["evals"]:
-        print(f"stage {e['stage']} step {e['step']}: {e['minutes']:.0f} min, {e['blocks']:.0f} blocks, τ {e['tau']:.3f}")
+        print(f"stage {e['stage'] + 1} step {e['step']}: {e['minutes']:.0f} min, {e['blocks']:.0f} blocks, τ {e['tau']:.3f}")
 
 
 if __name__ == "__main__":

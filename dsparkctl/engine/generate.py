@@ -15,14 +15,13 @@ from typing import Any, Callable, Sequence
 from dsparkctl.distributed import world
 from dsparkctl.engine.run import (OnTokens, PromptsResult, plain_decoder, run_prompts, speculative_decoder)
 from dsparkctl.engine.session import Session
-from dsparkctl.engine.speculative import SpeculativeEngine
+from dsparkctl.engine.speculative import SpeculativeEngine, plain_generate
+from dsparkctl.math.policies import parse_policy
 from dsparkctl.math.sampling import SamplingParams
 
 
 def load_policy(spec: str | None, block_size: int, sps_table: Path | None, calibration: Path | None):
     """A verify-length policy from its spec, with the SPS table and STS temperatures it may need."""
-    from dsparkctl.math.policies import parse_policy
-
     temps = None
     if calibration is not None:
         from dsparkctl.calibrate import load_temperatures
@@ -54,6 +53,15 @@ class GenerateResult:
     plain: PromptsResult | None
 
 
+def warm_up(sess: Session, prompt: Sequence[int], gamma: int) -> None:
+    """A few greedy tokens through both decoders (every verify width of a static:γ round, the
+    one-token step), so neither timed run pays one-time costs (allocations, kernel JIT)."""
+    short = list(prompt)[:8]
+    SpeculativeEngine(sess.adapter, sess.draft, parse_policy(f"static:{gamma}"), SamplingParams(0.0),
+                      stop_token_ids=()).generate([short], 2 * gamma + 2)
+    plain_generate(sess.plain_adapter(), [short], 3, SamplingParams(0.0))
+
+
 def generate_report(sess: Session, prompt_ids: Sequence[Sequence[int]], opts: GenerateOptions,
                     on_tokens: OnTokens | None = None,
                     on_batch: Callable[[int, int], None] | None = None) -> GenerateResult:
@@ -62,7 +70,7 @@ def generate_report(sess: Session, prompt_ids: Sequence[Sequence[int]], opts: Ge
     gamma = sess.draft.block_size
     pol = load_policy(opts.policy, gamma, opts.sps_table, opts.calibration)
     engine = SpeculativeEngine(sess.adapter, sess.draft, pol, opts.sampling, stop_token_ids=sess.stop_ids)
-    sess.plain_adapter().prefill([list(prompt_ids[0])[:8]])  # warm-up: neither run pays one-time costs
+    warm_up(sess, prompt_ids[0], gamma)
     writer = TraceWriter(opts.trace, {**opts.trace_header, "block_size": gamma, "policy": pol.spec}) \
         if opts.trace and world().main else None  # under torchrun rank 0 writes the merged trace
     with writer if writer else contextlib.nullcontext():
