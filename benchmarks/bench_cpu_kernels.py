@@ -15,7 +15,6 @@ packed logits agree with the stock ones (max abs difference) and give the same a
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 
 from dsparkctl.engine.session import open_session
+from dsparkctl.fsutil import cannot_create, write_json
 from dsparkctl.math.sampling import SamplingParams
 from dsparkctl.models.target import TargetAdapter
 
@@ -35,6 +35,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "cpu_kernels.json")
     args = ap.parse_args()
+    if why := cannot_create(args.out):
+        ap.error(f"--out {args.out} cannot be created: {why}")
     if args.threads:
         torch.set_num_threads(args.threads)
     sessions = {k: open_session(None, None, "cpu", "fp32", log=lambda m: None, cpu_kernels=k)
@@ -97,8 +99,7 @@ def main() -> None:
     print("draft propose per round: " + ", ".join(f"{k} {draft_ms[k]:.1f} ms" for k in KINDS))
     print(f"logits: max |packed - stock| {agree['max_abs_logit_diff']:.2e}; argmax equal "
           f"{agree['argmax_equal']}/{agree['argmax_total']}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     print(f"wrote {args.out}")
 
 

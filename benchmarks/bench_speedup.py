@@ -25,7 +25,6 @@ must be identical (checked); HF's are compared and reported.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -34,6 +33,7 @@ import torch
 
 from dsparkctl.data.prompts import encode_prompts, load_prompts
 from dsparkctl.engine.session import open_session
+from dsparkctl.fsutil import cannot_create, write_json
 from dsparkctl.engine.speculative import SpeculativeEngine, plain_generate
 from dsparkctl.math.policies import parse_policy
 from dsparkctl.math.sampling import SamplingParams
@@ -56,6 +56,8 @@ def main() -> None:
                     help="kernels of our decoders (HF generate always runs the stock model)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "speedup.json")
     args = ap.parse_args()
+    if why := cannot_create(args.out):
+        ap.error(f"--out {args.out} cannot be created: {why}")
     if args.threads:
         torch.set_num_threads(args.threads)
     sess = open_session(None, args.draft, "cpu", "fp32", log=lambda m: None, cpu_kernels=args.cpu_kernels)
@@ -182,8 +184,7 @@ def main() -> None:
     print(f"greedy outputs identical: spec=plain {result['greedy_identical_spec_plain']}, "
           f"hf=plain {result['greedy_identical_hf_plain']}"
           + (f", plain-stock=plain {result['greedy_identical_plain_stock_plain']}" if "plain-stock" in names else ""))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     print(f"wrote {args.out}")
 
 

@@ -8,7 +8,6 @@ from typing import Any, Callable
 import torch
 
 from dsparkctl.errors import UsageError
-
 from dsparkctl.models.cpu_kernels import pack_linears
 from dsparkctl.models.draft import DSparkDraft
 from dsparkctl.models.draft_io import load_draft, random_draft
