@@ -14,6 +14,8 @@ import argparse
 import json
 from pathlib import Path
 
+from dsparkctl.fsutil import write_json
+
 
 def read_jsonl(path: Path) -> list[dict]:
     if not path.is_file():
@@ -92,8 +94,7 @@ def main() -> None:
     curve = chain(args.runs)
     plot(curve, args.out, args.title)
     if args.json:
-        args.json.write_text(json.dumps({**curve, "steps": curve["steps"][:: max(1, len(curve["steps"]) // 2000)]},
-                                        indent=1) + "\n")
+        write_json(args.json, {**curve, "steps": curve["steps"][:: max(1, len(curve["steps"]) // 2000)]})
     for e in curve["evals"]:
         print(f"stage {e['stage'] + 1} step {e['step']}: {e['minutes']:.0f} min, {e['blocks']:.0f} blocks, τ {e['tau']:.3f}")
 
