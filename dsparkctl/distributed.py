@@ -164,10 +164,15 @@ def all_reduce_sum_(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def shutdown() -> None:
+def shutdown(wait: bool = True) -> None:
+    """Leave the process group in order. With `wait`, the ranks first meet at a barrier so none
+    tears gloo down while a peer still talks to it: a rank that exited with the group alive could
+    abort its peer at interpreter exit ("terminate called without an active exception")."""
     global _WORLD
     if world().distributed:
         import torch.distributed as dist
         if dist.is_initialized():
+            if wait:
+                dist.barrier()
             dist.destroy_process_group()
     _WORLD = World()

@@ -62,6 +62,15 @@ def _click_exceptions() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type,
     return classes("NoArgsIsHelpError"), classes("UsageError"), classes("Abort")
 
 
+def _leave_group(wait: bool) -> None:
+    """Under torchrun, leave the process group before the interpreter exits (after a barrier
+    when this rank succeeded, so every rank has finished talking); nothing otherwise."""
+    from dsparkctl import distributed
+
+    if distributed.world().distributed:
+        distributed.shutdown(wait=wait)
+
+
 def main() -> None:
     """Run the app; a command-line mistake (unknown option, bad value) is one line on stderr, exit 2."""
     import sys
@@ -69,6 +78,7 @@ def main() -> None:
     no_args, usage, aborted = _click_exceptions()
     try:
         code = app(standalone_mode=False)
+        _leave_group(wait=not code)
     except no_args as exc:
         text = exc.ctx.get_help() if exc.ctx else None  # typer's rich help prints itself, returns ""
         if text:
