@@ -52,6 +52,28 @@ def test_generate_json_trace_and_baseline(models, tmp_path):
     assert acc["tokens"] == sum(r.accepted + 1 for r in tr.rounds)
 
 
+def test_repeats_time_both_decoders_and_report_medians(models, tmp_path):
+    root, target, draft = models
+    trace = tmp_path / "t.jsonl"
+    res = run("generate", "--target", target, "--draft", draft, "--no-chat", "--max-new-tokens", 8,
+              "--json", "--baseline", "--repeats", 3, "--trace", trace, "w1 w2 w3", "w4 w5")
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout)
+    spec, plain = rep["tokens_per_s_runs"], rep["baseline"]["tokens_per_s_runs"]
+    assert rep["repeats"] == 3 and len(spec) == len(plain) == 3
+    assert rep["tokens_per_s"] == sorted(spec)[1] and rep["baseline"]["tokens_per_s"] == sorted(plain)[1]
+    assert rep["speedup"] == sorted(a / b for a, b in zip(spec, plain))[1]
+    assert rep["baseline"]["identical_outputs"] == 2
+    # the trace and the statistics are the first run's only: no round is written three times
+    assert len(read_trace(trace).rounds) == rep["acceptance"]["rounds"] == sum(r["rounds"] for r in rep["requests"])
+    human = run("generate", "--target", target, "--draft", draft, "--no-chat", "--max-new-tokens", 4,
+                "--baseline", "--repeats", 2, "w1 w2")
+    assert human.exit_code == 0, human.output
+    assert "median of 2" in human.stdout and "median of paired runs" in human.stdout
+    bad = run("generate", "--target", target, "--draft", draft, "--repeats", 0, "w1")
+    assert bad.exit_code == 2 and "--repeats" in bad.output
+
+
 def test_generate_human_output_has_acceptance_table(models):
     _, target, draft = models
     res = run("generate", "--target", target, "--draft", draft, "--no-chat", "--max-new-tokens", 6,

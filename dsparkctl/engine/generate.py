@@ -8,6 +8,7 @@ The command only validates its options, opens a session (engine/session.py), cal
 from __future__ import annotations
 
 import contextlib
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -42,6 +43,7 @@ class GenerateOptions:
     sps_table: Path | None = None
     calibration: Path | None = None
     baseline: bool = False
+    repeats: int = 1  # timed runs of each decoder, interleaved; tokens/s and speedup are medians
     trace: Path | None = None
     trace_header: dict[str, Any] = field(default_factory=dict)
 
@@ -77,6 +79,20 @@ def generate_report(sess: Session, prompt_ids: Sequence[Sequence[int]], opts: Ge
         spec = run_prompts(speculative_decoder(engine, opts.max_new_tokens), prompt_ids, opts.batch_size, opts.seed,
                            sess.device, block_size=gamma, on_round=writer.write if writer else None,
                            on_tokens=on_tokens, on_batch=on_batch)
+    spec_tps = [spec.generated / spec.wall_s]
+    plain_tps: list[float] = []
+    plain = None
+    spec_decode = speculative_decoder(engine, opts.max_new_tokens)
+    plain_decode = plain_decoder(sess.plain_adapter(), opts.max_new_tokens, opts.sampling, sess.stop_ids) \
+        if opts.baseline else None
+    for rep in range(opts.repeats):  # speculative, plain, speculative, plain, ...: drift hits both alike
+        if rep:
+            again = run_prompts(spec_decode, prompt_ids, opts.batch_size, opts.seed, sess.device, block_size=gamma)
+            spec_tps.append(again.generated / again.wall_s)
+        if plain_decode is not None:
+            p = run_prompts(plain_decode, prompt_ids, opts.batch_size, opts.seed, sess.device)
+            plain_tps.append(p.generated / p.wall_s)
+            plain = plain or p
     stats = spec.stats
     report: dict[str, Any] = {
         "target": sess.target.name, "draft": sess.draft_name, "draft_kind": sess.draft.cfg.kind,
@@ -85,7 +101,8 @@ def generate_report(sess: Session, prompt_ids: Sequence[Sequence[int]], opts: Ge
         "sampling": {"temperature": opts.sampling.temperature, "top_p": opts.sampling.top_p,
                      "top_k": opts.sampling.top_k, "seed": opts.seed},
         "prompts": len(prompt_ids), "batch_size": opts.batch_size, "max_new_tokens": opts.max_new_tokens,
-        "generated_tokens": spec.generated, "wall_s": spec.wall_s, "tokens_per_s": spec.generated / spec.wall_s,
+        "generated_tokens": spec.generated, "wall_s": spec.wall_s, "repeats": opts.repeats,
+        "tokens_per_s": statistics.median(spec_tps), "tokens_per_s_runs": spec_tps,
         "acceptance": stats.to_json(), "conditional_interval": stats.conditional_interval(),
         "survival_interval": stats.survival_interval(), "timing_ms": spec.times_ms, "engine_steps": spec.rounds,
         "notes": sess.notes,
@@ -98,13 +115,10 @@ def generate_report(sess: Session, prompt_ids: Sequence[Sequence[int]], opts: Ge
         report["per_step_ms"] = per
         round_ms = per.get("draft", 0.0) + per.get("verify", 0.0) + per["overhead"]
         report["draft_share_of_round"] = per.get("draft", 0.0) / round_ms if round_ms > 0 else None
-    plain = None
-    if opts.baseline:
-        plain = run_prompts(plain_decoder(sess.plain_adapter(), opts.max_new_tokens, opts.sampling, sess.stop_ids),
-                            prompt_ids, opts.batch_size, opts.seed, sess.device)
+    if plain is not None:
         report["baseline"] = {"generated_tokens": plain.generated, "wall_s": plain.wall_s,
-                              "tokens_per_s": plain.generated / plain.wall_s}
-        report["speedup"] = report["tokens_per_s"] / report["baseline"]["tokens_per_s"]
+                              "tokens_per_s": statistics.median(plain_tps), "tokens_per_s_runs": plain_tps}
+        report["speedup"] = statistics.median([a / b for a, b in zip(spec_tps, plain_tps)])  # of paired runs
         if opts.sampling.greedy:
             report["baseline"]["identical_outputs"] = sum(
                 a.tokens == b.tokens for a, b in zip(spec.outputs, plain.outputs))
