@@ -66,8 +66,8 @@ def generate(
     baseline: Annotated[bool, typer.Option("--baseline", help="Also run plain target decoding on the same prompts; report tokens/s of both and the ratio.")] = False,
     repeats: Annotated[int, typer.Option("--repeats", min=1, max=100, help="Time the decoding this many times "
                                          "(with --baseline interleaved: speculative, plain, speculative, ...); "
-                                         "tokens/s and the speedup are medians. Text, τ and the trace come from "
-                                         "the first run.")] = 1,
+                                         "tokens/s and the speedup are medians. With N > 1, text, τ and the trace "
+                                         "come from one more, untimed run.")] = 1,
     chat: Annotated[bool, typer.Option("--chat/--no-chat", help="Wrap prompts in the target's chat template.")] = True,
     show_text: Annotated[bool, typer.Option("--text/--no-text", help="Print the generated text.")] = True,
     trust_remote_code: TrustRemoteCodeOpt = False,

@@ -62,13 +62,14 @@ def _click_exceptions() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type,
     return classes("NoArgsIsHelpError"), classes("UsageError"), classes("Abort")
 
 
-def _leave_group(wait: bool) -> None:
-    """Under torchrun, leave the process group before the interpreter exits (after a barrier
-    when this rank succeeded, so every rank has finished talking); nothing otherwise."""
+def _leave_group() -> None:
+    """Under torchrun, a rank that succeeded leaves the process group before the interpreter exits
+    (after a barrier, so every rank has finished talking). A failed rank leaves it alone: it exits
+    at once, torchrun ends its peers, and no teardown can block on a peer still in a collective."""
     from dsparkctl import distributed
 
     if distributed.world().distributed:
-        distributed.shutdown(wait=wait)
+        distributed.shutdown()
 
 
 def main() -> None:
@@ -78,7 +79,8 @@ def main() -> None:
     no_args, usage, aborted = _click_exceptions()
     try:
         code = app(standalone_mode=False)
-        _leave_group(wait=not code)
+        if not code:
+            _leave_group()
     except no_args as exc:
         text = exc.ctx.get_help() if exc.ctx else None  # typer's rich help prints itself, returns ""
         if text:

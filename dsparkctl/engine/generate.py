@@ -79,14 +79,16 @@ def generate_report(sess: Session, prompt_ids: Sequence[Sequence[int]], opts: Ge
         spec = run_prompts(speculative_decoder(engine, opts.max_new_tokens), prompt_ids, opts.batch_size, opts.seed,
                            sess.device, block_size=gamma, on_round=writer.write if writer else None,
                            on_tokens=on_tokens, on_batch=on_batch)
-    spec_tps = [spec.generated / spec.wall_s]
+    # With repeats, the recorded run above (trace, progress, streaming) is not timed: N clean runs
+    # follow, speculative and plain interleaved so drift on a busy machine hits both alike.
+    spec_tps = [] if opts.repeats > 1 else [spec.generated / spec.wall_s]
     plain_tps: list[float] = []
     plain = None
     spec_decode = speculative_decoder(engine, opts.max_new_tokens)
     plain_decode = plain_decoder(sess.plain_adapter(), opts.max_new_tokens, opts.sampling, sess.stop_ids) \
         if opts.baseline else None
-    for rep in range(opts.repeats):  # speculative, plain, speculative, plain, ...: drift hits both alike
-        if rep:
+    for _ in range(opts.repeats):
+        if len(spec_tps) < opts.repeats:
             again = run_prompts(spec_decode, prompt_ids, opts.batch_size, opts.seed, sess.device, block_size=gamma)
             spec_tps.append(again.generated / again.wall_s)
         if plain_decode is not None:
