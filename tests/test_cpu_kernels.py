@@ -20,7 +20,8 @@ from dsparkctl.errors import UsageError
 from dsparkctl.math.policies import parse_policy
 from dsparkctl.math.sampling import SamplingParams
 from dsparkctl.math.sps import SPSTable
-from dsparkctl.models.cpu_kernels import PackedLinear, pack_linears, packing_supported
+from dsparkctl.models.cpu_kernels import (ALWAYS_STOCK, PackedLinear, choose_kernels, kernel_label, kernels_of,
+                                         pack_linears, packing_supported, stock_rows_from, use_stock_up_to)
 from dsparkctl.models.draft_io import random_draft
 from dsparkctl.models.target import TargetAdapter
 from tests.test_engine import PROMPTS, _exact_three_token_distribution, assert_three_tokens_distributed_as
@@ -147,3 +148,110 @@ def test_generate_reports_its_kernels_and_both_give_the_same_greedy_text(models)
     assert [r["text"] for r in reps["packed"]["requests"]] == [r["text"] for r in reps["stock"]["requests"]]
     res = runner.invoke(app, ["generate", "--target", str(target), "--cpu-kernels", "fast", "w1"])
     assert res.exit_code == 2 and "fast" in res.output
+
+
+# --cpu-kernels auto: both copies kept, each call routed by its row count
+
+
+def test_routed_linear_takes_the_stock_kernel_up_to_its_row_count_and_packed_above():
+    torch.manual_seed(1)
+    lin = nn.Linear(24, 40)
+    packed_only = PackedLinear(lin, keep_weight=False)
+    routed = PackedLinear(lin, keep_weight=True)
+    use_stock_up_to(routed, 3)
+    with torch.no_grad():
+        for rows in (1, 3):  # stock: bit for bit what nn.Linear computes
+            x = torch.randn(rows, 24)
+            assert torch.equal(routed(x), lin(x))
+        x = torch.randn(2, 2, 24)  # 4 rows: packed
+        assert torch.equal(routed(x), packed_only(x))
+    with pytest.raises(ValueError, match="keep_weight"):
+        use_stock_up_to(packed_only, 2)
+
+
+def test_routing_frees_the_copy_it_never_reads():
+    model = tiny_target("llama")
+    head = model.get_output_embeddings()
+    pack_linears(model, keep=(head,), routing=True)
+    q = model.model.layers[0].self_attn.q_proj
+    assert hasattr(q, "weight") and q.packed.numel() > 0
+    use_stock_up_to(model, 0, free=True)  # always packed: the stock copy goes (the tied/kept head stays)
+    assert not hasattr(q, "weight") and hasattr(model.lm_head, "weight")
+    model = tiny_target("llama")
+    pack_linears(model, routing=True)
+    use_stock_up_to(model, ALWAYS_STOCK, free=True)  # always stock: the packed copy goes
+    q = model.model.layers[0].self_attn.q_proj
+    assert q.packed.numel() == 0 and kernels_of(model) == "stock"
+    with torch.no_grad():
+        ids = torch.tensor([PROMPTS[0]])
+        torch.testing.assert_close(model(ids).logits, tiny_target("llama")(ids).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("ms, rows", [
+    ({"stock": {1: 30, 2: 33, 3: 34, 4: 45, 6: 47, 8: 53}, "packed": {1: 38, 2: 38, 3: 39, 4: 39, 6: 42, 8: 46}}, 3),
+    ({"stock": {1: 80, 2: 134, 3: 164, 4: 143, 6: 150, 8: 149}, "packed": {1: 77, 2: 82, 3: 90, 4: 102, 6: 103, 8: 109}}, 0),
+    ({"stock": {r: 10 for r in (1, 2, 3, 4, 6, 8)}, "packed": {r: 11 for r in (1, 2, 3, 4, 6, 8)}}, ALWAYS_STOCK),
+    ({"stock": {1: 10, 2: 12, 3: 10, 4: 10, 6: 10, 8: 10}, "packed": {r: 11 for r in (1, 2, 3, 4, 6, 8)}}, 1),
+])
+def test_the_stock_route_ends_where_stock_first_loses(ms, rows):
+    assert stock_rows_from(ms) == rows
+    assert kernel_label(rows) == {0: "packed", ALWAYS_STOCK: "stock"}.get(rows, f"stock<={rows},packed")
+
+
+def test_kernel_choice_is_timed_once_then_read_from_its_cache(tmp_path, monkeypatch):
+    cache = tmp_path / "k" / "cpu_kernels.json"
+    monkeypatch.setenv("DSPARKCTL_CPU_KERNELS_CACHE", str(cache))
+    model = tiny_target("llama")
+    pack_linears(model, routing=True)
+    calls = []
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
+
+    def forward(rows):
+        calls.append(rows)
+        return model(input_ids=ids[:, :rows], use_cache=False)
+
+    rows, ms = choose_kernels(model, forward, log=lambda m: None, repeats=2)
+    assert ms is not None and len(calls) == 3 * 2 * 6 and rows == stock_rows_from(ms)
+    doc = json.loads(cache.read_text())
+    (entry,) = doc.values()
+    assert entry["stock_rows"] == rows and set(entry["forward_ms"]) == {"packed", "stock"}
+    calls.clear()
+    assert choose_kernels(model, forward, log=lambda m: None) == (rows, None) and not calls  # cached
+    cache.write_text("{not json")  # a damaged cache is timed again and rewritten, never an error
+    rows2, ms2 = choose_kernels(model, forward, log=lambda m: None, repeats=1)
+    assert ms2 is not None and calls and json.loads(cache.read_text())
+
+
+@pytest.mark.parametrize("route", [2, ALWAYS_STOCK])
+def test_greedy_identity_on_a_routed_pair(route):
+    model = tiny_target("qwen3")
+    pack_linears(model, keep=(model.get_output_embeddings(),), routing=True)
+    use_stock_up_to(model, route, free=True)
+    tgt = TargetAdapter(model, [0, 1])
+    draft = bigram_oracle_draft(tgt, PROMPTS, block_size=4, layer_ids=[0, 1])
+    pack_linears(draft, keep_weight=True)
+    use_stock_up_to(draft, route)
+    plain = plain_generate(TargetAdapter(model), PROMPTS, 40, SamplingParams(0.0))
+    for policy in ("static:4", "static:1", "dspark"):
+        rep = SpeculativeEngine(tgt, draft, parse_policy(policy, sps=SPS), SamplingParams(0.0)).generate(PROMPTS, 40)
+        assert [o.tokens for o in rep.outputs] == [o.tokens for o in plain.outputs], policy
+
+
+def test_auto_sessions_route_target_and_draft_alike_and_report_it(models, tmp_path, monkeypatch):
+    monkeypatch.setenv("DSPARKCTL_CPU_KERNELS_CACHE", str(tmp_path / "cpu_kernels.json"))
+    target, draft = models
+    logs = []
+    sess = open_session(str(target), str(draft), "cpu", "fp32", log=logs.append, cpu_kernels="auto")
+    assert any("timing" in m for m in logs)
+    assert sess.cpu_kernels == kernel_label(sess.stock_rows)
+    assert kernels_of(sess.target.model) == sess.cpu_kernels
+    if sess.stock_rows < ALWAYS_STOCK:
+        assert {m.stock_rows for m in sess.draft.modules() if isinstance(m, PackedLinear)} == {sess.stock_rows}
+    logs.clear()
+    again = open_session(str(target), str(draft), "cpu", "fp32", log=logs.append, cpu_kernels="auto")
+    assert again.cpu_kernels == sess.cpu_kernels and not any("timing" in m for m in logs)  # cached choice
+    res = CliRunner().invoke(app, ["generate", "--target", str(target), "--draft", str(draft), "--no-chat",
+                                   "--max-new-tokens", "12", "--json", "--baseline", "w1 w2 w3"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout)
+    assert rep["cpu_kernels"] == sess.cpu_kernels and rep["baseline"]["identical_outputs"] == 1

@@ -62,6 +62,7 @@ class DType(str, Enum):
 
 
 class CpuKernels(str, Enum):
+    auto = "auto"
     packed = "packed"
     stock = "stock"
 
@@ -93,8 +94,10 @@ TargetParallelOpt = Annotated[str, typer.Option("--target-parallel", help="For a
                                                 "device-map (one process, layers over the visible GPUs) or tp "
                                                 "(under torchrun, each rank a shard; the ranks then share the work).")]
 CpuKernelsOpt = Annotated[CpuKernels, typer.Option("--cpu-kernels", help="CPU fp32 only: packed = linear weights "
-                                                  "packed once for oneDNN (faster, above all for the multi-token "
-                                                  "verify forward); stock = torch's default kernels.")]
+                                                  "packed once for oneDNN (on many CPUs faster, above all for the "
+                                                  "multi-token verify forward); stock = torch's default kernels; "
+                                                  "auto = each forward on whichever of the two this CPU runs faster "
+                                                  "at its row count (timed once per machine and model, cached).")]
 TemperatureOpt = Annotated[float | None, typer.Option("--temperature", help="Sampling temperature; 0 = greedy "
                                                      "(default 0, or the --preset's).")]
 MaxNewTokensOpt = Annotated[int | None, typer.Option("--max-new-tokens", help="Tokens to generate per prompt "

@@ -78,7 +78,7 @@ def eval_acceptance(
     revision: RevisionOpt = None,
     trust_remote_code: TrustRemoteCodeOpt = False,
     target_parallel: TargetParallelOpt = "none",
-    cpu_kernels: CpuKernelsOpt = CpuKernels.packed,
+    cpu_kernels: CpuKernelsOpt = CpuKernels.auto,
     device: DeviceOpt = Device.auto,
     dtype: DTypeOpt = DType.auto,
     seed: SeedOpt = 0,
@@ -105,8 +105,9 @@ def eval_acceptance(
     # prompts first: bad prompt files fail before any model loads
     texts = {ds: apply_preset_wrap(preset, ds, load_prompts(ds, field, limit)) for ds in datasets}
     sess = open_target(target, device.value, dtype.value, revision, trust_remote_code, log=lambda s: err.print(s),
-                       parallel=target_parallel, cpu_kernels=cpu_kernels.value)
+                       parallel=target_parallel, cpu_kernels=cpu_kernels.value, settle=False)
     drafts, notes = drafts_under_test(sess, draft or [None], labels, revision, seed)
+    sess.settle_kernels(lambda s: err.print(s, markup=False), tuple(d.draft for d in drafts))
     if trace is not None and mode != Mode.teacher_forced:  # the per-pair files, checked like --trace
         check_outputs([Output(p, "--trace") for p in trace_paths(trace, datasets, [d.label for d in drafts]).values()],
                       inputs)

@@ -72,7 +72,7 @@ def generate(
     show_text: Annotated[bool, typer.Option("--text/--no-text", help="Print the generated text.")] = True,
     trust_remote_code: TrustRemoteCodeOpt = False,
     target_parallel: TargetParallelOpt = "none",
-    cpu_kernels: CpuKernelsOpt = CpuKernels.packed,
+    cpu_kernels: CpuKernelsOpt = CpuKernels.auto,
 ) -> None:
     from dsparkctl.cli.checks import Output, check_outputs, local_inputs
     from dsparkctl.data.prompts import apply_preset_wrap, encode_prompts, prompt_texts

@@ -56,7 +56,7 @@ def profile_sps_cmd(
     warmup: Annotated[int, typer.Option("--warmup", help="Untimed warm-up steps per point.")] = 2,
     device: DeviceOpt = Device.auto,
     dtype: DTypeOpt = DType.auto,
-    cpu_kernels: CpuKernelsOpt = CpuKernels.packed,
+    cpu_kernels: CpuKernelsOpt = CpuKernels.auto,
     seed: SeedOpt = 0,
     sglang_out: Annotated[Optional[Path], typer.Option("--sglang-out", help="SGLang table path (default <out stem>.sglang.json).")] = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="PNG path (default <out stem>.png).")] = None,

@@ -8,14 +8,14 @@ from typing import Any, Callable
 import torch
 
 from dsparkctl.errors import UsageError
-from dsparkctl.models.cpu_kernels import pack_linears
+from dsparkctl.models.cpu_kernels import ALWAYS_STOCK, choose_kernels, kernel_label, pack_linears, use_stock_up_to
 from dsparkctl.models.draft import DSparkDraft
 from dsparkctl.models.draft_io import load_draft, random_draft
 from dsparkctl.models.loading import (LoadedTarget, default_draft_dir, load_target, resolve_device,
                                       resolve_dtype, stop_token_ids)
 from dsparkctl.models.target import TargetAdapter
 
-CPU_KERNELS = ("packed", "stock")
+CPU_KERNELS = ("auto", "packed", "stock")
 
 
 @dataclass
@@ -29,7 +29,9 @@ class Session:
     draft_name: str = ""
     adapter: TargetAdapter | None = None  # taps the draft's layers
     notes: list[str] = field(default_factory=list)  # things the user must be told (e.g. untrained draft)
-    cpu_kernels: str = "stock"  # "packed" once the target's linears were packed (models/cpu_kernels.py)
+    cpu_kernels: str = "stock"  # how the linears run: stock, packed or stock<=N,packed (models/cpu_kernels.py);
+    # "auto" only while the choice is pending (open_target(settle=False))
+    stock_rows: int = ALWAYS_STOCK  # calls of ≤ this many rows take the stock kernel
 
     def plain_adapter(self) -> TargetAdapter:
         """An adapter on the same model without feature taps (for the baseline)."""
@@ -40,9 +42,25 @@ class Session:
         """(draft, display name, notes) for a draft spec, checked against this session's target:
         the shipped default (embedded target), 'random', a folder or a hub id."""
         draft, name, notes = self._load_draft(spec, revision, seed, random_draft_kw)
-        if self.cpu_kernels == "packed":
-            pack_linears(draft, keep_weight=True)  # small; its code reads `.weight.dtype`
+        if self.cpu_kernels != "auto":  # else settle_kernels packs it once the choice is made
+            self._pack_draft(draft)
         return draft, name, notes
+
+    def _pack_draft(self, draft: DSparkDraft) -> None:
+        if self.stock_rows < ALWAYS_STOCK and pack_linears(draft, keep_weight=True):  # small; reads `.weight.dtype`
+            use_stock_up_to(draft, self.stock_rows)  # the target's routing by row count
+
+    def settle_kernels(self, log: Callable[[str], None] = print, drafts: tuple[DSparkDraft, ...] = ()) -> None:
+        """For `--cpu-kernels auto`: choose the route by row count (cached per machine and model,
+        else timed now), free the copy it never reads, and pack the session's draft and `drafts`
+        (others loaded while the choice was pending) to match."""
+        if self.cpu_kernels != "auto":
+            return
+        rows, _ = choose_kernels(self.target.model, _row_forward(self.target.model), log=log)
+        use_stock_up_to(self.target.model, rows, free=True)
+        self.stock_rows, self.cpu_kernels = rows, kernel_label(rows)
+        for d in {id(d): d for d in (self.draft, *drafts) if d is not None}.values():
+            self._pack_draft(d)
 
     def _load_draft(self, spec, revision, seed, random_draft_kw):
         probe = TargetAdapter(self.target.model, ())
@@ -61,11 +79,14 @@ class Session:
 
 def open_target(target: str | None, device: str = "auto", dtype: str = "auto", revision: str | None = None,
                 trust_remote_code: bool = False, log: Callable[[str], None] = print,
-                parallel: str = "none", cpu_kernels: str = "stock") -> Session:
+                parallel: str = "none", cpu_kernels: str = "stock", settle: bool = True) -> Session:
     """A session holding the target only (embedded default, a folder or a hub id); `parallel`
     spreads a big target (models/loading.py: device-map or tp). `cpu_kernels="packed"` packs the
-    linears of a CPU fp32 model for oneDNN (inference only: models/cpu_kernels.py); elsewhere, or
-    where this torch lacks the kernels, it stays "stock" (see `Session.cpu_kernels`)."""
+    linears of a CPU fp32 model for oneDNN (inference only: models/cpu_kernels.py); "auto" keeps
+    both copies and routes each call by its row count to the kernel this CPU runs faster (timed
+    once per machine and model, cached); elsewhere, or where this torch lacks the kernels, it stays
+    "stock" (see `Session.cpu_kernels`). `settle=False` leaves an auto choice pending (the
+    caller checks its other inputs first, then calls `Session.settle_kernels`)."""
     if cpu_kernels not in CPU_KERNELS:
         raise UsageError(f"unknown --cpu-kernels {cpu_kernels!r}", f"use one of {', '.join(CPU_KERNELS)}")
     dev = resolve_device(device)
@@ -74,11 +95,20 @@ def open_target(target: str | None, device: str = "auto", dtype: str = "auto", r
                       parallel=parallel)
     sess = Session(target=tgt, device=dev, dtype=dt, stop_ids=stop_token_ids(tgt.tokenizer, tgt.model),
                    embedded_target=target in (None, "", "embedded"))
-    if cpu_kernels == "packed" and parallel == "none":
+    if cpu_kernels != "stock" and parallel == "none":
         head = tgt.model.get_output_embeddings()
-        if pack_linears(tgt.model, keep=(head,) if head is not None else ()):
-            sess.cpu_kernels = "packed"
+        if pack_linears(tgt.model, keep=(head,) if head is not None else (), routing=cpu_kernels == "auto"):
+            sess.stock_rows, sess.cpu_kernels = 0, cpu_kernels  # "auto": pending until settle_kernels
+            if settle:
+                sess.settle_kernels(log)
     return sess
+
+
+def _row_forward(model: torch.nn.Module) -> Callable[[int], object]:
+    """A forward of the model over `rows` tokens (no cache): what kernel timing runs."""
+    vocab = int(getattr(model.config, "vocab_size", 2) or 2)
+    ids = (torch.arange(1, 9) % vocab)[None].to(next(model.parameters()).device)
+    return lambda rows: model(input_ids=ids[:, :rows], use_cache=False)
 
 
 def open_session(target: str | None, draft: str | None, device: str = "auto", dtype: str = "auto",
@@ -86,8 +116,9 @@ def open_session(target: str | None, draft: str | None, device: str = "auto", dt
                  log: Callable[[str], None] = print, random_draft_kw: dict[str, Any] | None = None,
                  parallel: str = "none", cpu_kernels: str = "stock") -> Session:
     """The target and one draft; the session's adapter taps the draft's layers."""
-    sess = open_target(target, device, dtype, revision, trust_remote_code, log, parallel, cpu_kernels)
+    sess = open_target(target, device, dtype, revision, trust_remote_code, log, parallel, cpu_kernels, settle=False)
     sess.draft, sess.draft_name, notes = sess.load_draft(draft, revision, seed, random_draft_kw)
     sess.notes.extend(notes)
+    sess.settle_kernels(log)  # after the draft checks: a wrong draft fails before any timing
     sess.adapter = TargetAdapter(sess.target.model, sess.draft.cfg.target_layer_ids)
     return sess

@@ -12,14 +12,33 @@ other kernel choice torch makes by shape. Plain and speculative decoding share t
 so greedy identity holds exactly as before (tests/test_cpu_kernels.py runs the identity and χ²
 tests on a packed pair).
 
+Which kernel wins depends on the CPU: on one 2-core machine the packed kernel won at every row
+count (1.04× at one row, 1.4–1.8× at 2–8); on another (an AMX-capable Xeon) torch's stock kernels
+were 1.2× faster up to 3 rows and the packed ones 1.06× faster from 4 rows on. `--cpu-kernels auto`
+(the default) therefore keeps both copies of each weight, times whole forwards of the model at
+1–8 rows with each kernel, and routes every call by its row count: stock up to the largest row
+count where stock won, packed above (`choose_kernels`). The choice is cached per CPU model, torch
+version, thread count and model config (`$DSPARKCTL_CACHE/cpu_kernels.json`), so the few seconds
+of timing happen once per machine; the copy a choice never uses is then freed.
+
 Inference only: `PackedLinear` has no autograd, so training never packs (its draft backpropagates
 through the target's borrowed LM head).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 ROWS_HINT = 8  # oneDNN packs for an expected row count; ≥ γ+1 of usual drafts, fine for 1 row too
 
@@ -28,7 +47,11 @@ class PackedLinear(nn.Module):
     """nn.Linear for inference: y = x Wᵀ + b with W packed once for oneDNN.
 
     `weight` stays reachable when asked (`keep_weight`: tied or borrowed weights, where it costs
-    no memory, and small drafts that read `.weight.dtype`); otherwise only the packed copy lives."""
+    no memory, and small drafts that read `.weight.dtype`); otherwise only the packed copy lives.
+    `stock_rows`: calls with at most this many rows take torch's stock kernel on `weight` instead
+    (set by `use_stock_up_to`; 0 = always packed)."""
+
+    stock_rows = 0
 
     def __init__(self, linear: nn.Linear, keep_weight: bool):
         super().__init__()
@@ -41,12 +64,15 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
+        if self.stock_rows and (x.numel() // self.in_features) <= self.stock_rows:
+            return F.linear(x, self.weight, self.bias)
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed, self.bias,
                                                "none", [], "")
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"stock_rows={self.stock_rows}")
 
 
 def packing_supported(module: nn.Module) -> bool:
@@ -59,13 +85,15 @@ def packing_supported(module: nn.Module) -> bool:
     return all(m.weight.device.type == "cpu" and m.weight.dtype == torch.float32 for m in lins)
 
 
-def pack_linears(module: nn.Module, keep_weight: bool = False, keep: tuple[nn.Module, ...] = ()) -> int:
+def pack_linears(module: nn.Module, keep_weight: bool = False, keep: tuple[nn.Module, ...] = (),
+                 routing: bool = False) -> int:
     """Replace every plain nn.Linear under `module` by a PackedLinear, in place; returns how many.
 
     `keep`: linears whose weight must stay reachable (e.g. an LM head tied to the embedding, which
     a draft borrows). A linear reached twice (shared) is packed once and stays shared. Nothing is
     replaced unless `packing_supported(module)`; a kernel that fails its self-check leaves the
-    module untouched."""
+    module untouched. `routing`: keep every weight too, so calls can be routed to the stock kernel
+    by row count (`use_stock_up_to`; `--cpu-kernels auto`)."""
     if not packing_supported(module) or not _self_check():
         return 0
     keep_ids = {id(m) for m in keep}
@@ -75,7 +103,9 @@ def pack_linears(module: nn.Module, keep_weight: bool = False, keep: tuple[nn.Mo
             if type(child) is not nn.Linear:
                 continue
             if id(child) not in done:
-                done[id(child)] = PackedLinear(child, keep_weight or id(child) in keep_ids)
+                kept = keep_weight or id(child) in keep_ids
+                done[id(child)] = PackedLinear(child, kept or routing)
+                done[id(child)]._weight_for_routing_only = routing and not kept
             setattr(parent, name, done[id(child)])
     return len(done)
 
@@ -98,3 +128,117 @@ def _self_check() -> bool:
         except (RuntimeError, AttributeError):
             _CHECKED = False
     return _CHECKED
+
+
+ROWS = (1, 2, 3, 4, 6, 8)  # 1 = a plain decode step; γ+1 = a static:γ verification
+
+
+def use_stock_up_to(module: nn.Module, rows: int, free: bool = False) -> None:
+    """Route every PackedLinear under `module` to the stock kernel for calls of ≤ `rows` rows.
+    `free`: drop the copy this routing never reads (the packed one when `rows` ≥ 10**9, the stock
+    one when `rows` is 0 and the weight was only kept for routing)."""
+    for m in module.modules():
+        if isinstance(m, PackedLinear):
+            if rows and not hasattr(m, "weight"):
+                raise ValueError("a stock route needs the layer's weight (pack with keep_weight=True)")
+            m.stock_rows = rows
+            if free and rows >= ALWAYS_STOCK:
+                m.packed = torch.empty(0)
+            elif free and rows == 0 and getattr(m, "_weight_for_routing_only", False):
+                del m.weight
+
+
+ALWAYS_STOCK = 10**9
+
+
+def kernel_label(rows: int) -> str:
+    """How a session's linears run, for reports: packed, stock, or stock<=N,packed."""
+    return "packed" if rows == 0 else "stock" if rows >= ALWAYS_STOCK else f"stock<={rows},packed"
+
+
+def _cache_path() -> Path:
+    if os.environ.get("DSPARKCTL_CPU_KERNELS_CACHE"):
+        return Path(os.environ["DSPARKCTL_CPU_KERNELS_CACHE"])
+    return Path(os.environ.get("DSPARKCTL_CACHE", Path.home() / ".cache" / "dsparkctl")) / "cpu_kernels.json"
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _choice_key(model: nn.Module) -> str:
+    cfg = getattr(model, "config", None)
+    doc = {"cpu": _cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+           "model": cfg.to_json_string(use_diff=False) if hasattr(cfg, "to_json_string") else type(model).__name__}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def time_rows(model: nn.Module, forward: Callable[[int], object], repeats: int = 5) -> dict[str, dict[int, float]]:
+    """Median ms of `forward(rows)` for each row count in ROWS, all-packed vs all-stock, interleaved
+    (so a drift of the machine hits both alike), after one warm-up of each."""
+    times: dict[str, dict[int, list[float]]] = {"packed": {r: [] for r in ROWS}, "stock": {r: [] for r in ROWS}}
+    with torch.inference_mode():
+        for rep in range(repeats + 1):
+            for rows in ROWS:
+                for kind, route in (("packed", 0), ("stock", ALWAYS_STOCK)):
+                    use_stock_up_to(model, route)
+                    t0 = time.perf_counter()
+                    forward(rows)
+                    if rep:
+                        times[kind][rows].append((time.perf_counter() - t0) * 1e3)
+    return {k: {r: statistics.median(v) for r, v in d.items()} for k, d in times.items()}
+
+
+def stock_rows_from(ms: dict[str, dict[int, float]]) -> int:
+    """Stock up to the largest row count below which stock won every measurement; packed above
+    (ALWAYS_STOCK when stock won at every row count)."""
+    rows = 0
+    for r in ROWS:
+        if ms["stock"][r] >= ms["packed"][r]:
+            break
+        rows = r
+    return ALWAYS_STOCK if rows == ROWS[-1] else rows
+
+
+def choose_kernels(model: nn.Module, forward: Callable[[int], object], log: Callable[[str], None] = print,
+                   repeats: int = 5) -> tuple[int, dict | None]:
+    """(stock_rows, timings or None when cached) for a model packed with both copies kept: the
+    cached choice for this CPU, torch, thread count and model config, else timed now and cached."""
+    key, path = _choice_key(model), _cache_path()
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    entry = cached.get(key) if isinstance(cached, dict) else None
+    if isinstance(entry, dict) and isinstance(entry.get("stock_rows"), int) and entry["stock_rows"] >= 0:
+        return entry["stock_rows"], None
+    log("timing this CPU's kernels on the target (once per machine and model; cached)")
+    ms = time_rows(model, forward, repeats)
+    rows = stock_rows_from(ms)
+    entry = {"stock_rows": rows, "label": kernel_label(rows), "cpu": _cpu_name(), "torch": torch.__version__,
+             "threads": torch.get_num_threads(),
+             "forward_ms": {k: {str(r): round(t, 3) for r, t in d.items()} for k, d in ms.items()}}
+    cached = cached if isinstance(cached, dict) else {}
+    cached[key] = entry
+    try:
+        from dsparkctl.fsutil import write_json
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, cached)
+    except OSError:
+        pass  # an unwritable cache only means timing again next time
+    return rows, ms
+
+
+def kernels_of(model: nn.Module) -> str:
+    """kernel_label of a model's linears ("stock" when none is packed)."""
+    for m in model.modules():
+        if isinstance(m, PackedLinear):
+            return kernel_label(m.stock_rows)
+    return "stock"
