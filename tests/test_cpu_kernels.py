@@ -20,8 +20,10 @@ from dsparkctl.errors import UsageError
 from dsparkctl.math.policies import parse_policy
 from dsparkctl.math.sampling import SamplingParams
 from dsparkctl.math.sps import SPSTable
-from dsparkctl.models.cpu_kernels import (ALWAYS_STOCK, PackedLinear, choose_kernels, kernel_label, kernels_of,
-                                         pack_linears, packing_supported, stock_rows_from, use_stock_up_to)
+from dsparkctl.fsutil import current_umask
+from dsparkctl.models.cpu_kernels import (ALWAYS_STOCK, PackedLinear, cache_path, cached_choice, choice_key,
+                                         choose_kernels, kernel_label, kernels_of, pack_linears, packing_supported,
+                                         stock_rows_from, unpack_linears, use_stock_up_to)
 from dsparkctl.models.draft_io import random_draft
 from dsparkctl.models.target import TargetAdapter
 from tests.test_engine import PROMPTS, _exact_three_token_distribution, assert_three_tokens_distributed_as
@@ -187,39 +189,96 @@ def test_routing_frees_the_copy_it_never_reads():
         torch.testing.assert_close(model(ids).logits, tiny_target("llama")(ids).logits, rtol=0, atol=0)
 
 
+FLAT = {r: 11 for r in (1, 2, 3, 4, 6, 8)}
+
+
 @pytest.mark.parametrize("ms, rows", [
+    # the AMX Xeon: stock clearly faster up to 3 rows, packed clearly faster above -> both copies
     ({"stock": {1: 30, 2: 33, 3: 34, 4: 45, 6: 47, 8: 53}, "packed": {1: 38, 2: 38, 3: 39, 4: 39, 6: 42, 8: 46}}, 3),
+    # the first VM: packed faster everywhere
     ({"stock": {1: 80, 2: 134, 3: 164, 4: 143, 6: 150, 8: 149}, "packed": {1: 77, 2: 82, 3: 90, 4: 102, 6: 103, 8: 109}}, 0),
-    ({"stock": {r: 10 for r in (1, 2, 3, 4, 6, 8)}, "packed": {r: 11 for r in (1, 2, 3, 4, 6, 8)}}, ALWAYS_STOCK),
-    ({"stock": {1: 10, 2: 12, 3: 10, 4: 10, 6: 10, 8: 10}, "packed": {r: 11 for r in (1, 2, 3, 4, 6, 8)}}, 1),
+    ({"stock": {r: 10 for r in FLAT}, "packed": FLAT}, ALWAYS_STOCK),
+    ({"stock": {1: 10, 2: 12, 3: 10, 4: 10, 6: 10, 8: 10}, "packed": FLAT}, 1),
+    # stock wins small, packed only ties above: one copy (stock), not two for nothing
+    ({"stock": {1: 30, 2: 33, 3: 34, 4: 40, 6: 42, 8: 46}, "packed": {1: 38, 2: 38, 3: 39, 4: 40, 6: 42, 8: 46}},
+     ALWAYS_STOCK),
+    ({"stock": {r: 10.9 for r in FLAT}, "packed": FLAT}, 0),  # within the margin: a tie is not a win
 ])
 def test_the_stock_route_ends_where_stock_first_loses(ms, rows):
     assert stock_rows_from(ms) == rows
     assert kernel_label(rows) == {0: "packed", ALWAYS_STOCK: "stock"}.get(rows, f"stock<={rows},packed")
 
 
-def test_kernel_choice_is_timed_once_then_read_from_its_cache(tmp_path, monkeypatch):
-    cache = tmp_path / "k" / "cpu_kernels.json"
-    monkeypatch.setenv("DSPARKCTL_CPU_KERNELS_CACHE", str(cache))
+def _routed_llama():
     model = tiny_target("llama")
     pack_linears(model, routing=True)
-    calls = []
     ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
+    return model, lambda rows: model(input_ids=ids[:, :rows], use_cache=False)
 
-    def forward(rows):
-        calls.append(rows)
-        return model(input_ids=ids[:, :rows], use_cache=False)
 
+def test_a_timed_choice_is_cached_for_this_machine_and_model(tmp_path, monkeypatch):
+    cache = tmp_path / "k" / "cpu_kernels.json"
+    monkeypatch.setenv("DSPARKCTL_CPU_KERNELS_CACHE", str(cache))
+    model, forward = _routed_llama()
+    assert cached_choice(model) is None
     rows, ms = choose_kernels(model, forward, log=lambda m: None, repeats=2)
-    assert ms is not None and len(calls) == 3 * 2 * 6 and rows == stock_rows_from(ms)
-    doc = json.loads(cache.read_text())
-    (entry,) = doc.values()
+    assert rows == stock_rows_from(ms) and cached_choice(model) == rows
+    (entry,) = json.loads(cache.read_text()).values()
     assert entry["stock_rows"] == rows and set(entry["forward_ms"]) == {"packed", "stock"}
-    calls.clear()
-    assert choose_kernels(model, forward, log=lambda m: None) == (rows, None) and not calls  # cached
-    cache.write_text("{not json")  # a damaged cache is timed again and rewritten, never an error
-    rows2, ms2 = choose_kernels(model, forward, log=lambda m: None, repeats=1)
-    assert ms2 is not None and calls and json.loads(cache.read_text())
+    assert cache.stat().st_mode & 0o777 == 0o666 & ~current_umask()
+    other = tiny_target("llama")
+    other.config._name_or_path = "/somewhere/else"  # the same model read from elsewhere: the same choice
+    assert cached_choice(other) == rows
+    torch.set_num_threads(max(1, torch.get_num_threads() - 1) if torch.get_num_threads() > 1 else 2)
+    try:
+        assert cached_choice(other) is None  # another thread count is another machine, as far as kernels go
+    finally:
+        torch.set_num_threads(threads_at_start)
+
+
+threads_at_start = torch.get_num_threads()
+
+
+@pytest.mark.parametrize("content", ["{not json", "[" * 100000, "[]", '"x"', "{KEY: 1}", '{KEY: {"stock_rows": true}}',
+                                     '{KEY: {"stock_rows": 5}}', '{KEY: {"stock_rows": -1}}',
+                                     '{KEY: {"stock_rows": 1e400}}', '{KEY: {"stock_rows": "3"}}', b"\xff\xfe"])
+def test_a_damaged_cache_is_never_an_error_and_never_a_wrong_route(tmp_path, monkeypatch, content):
+    cache = tmp_path / "cpu_kernels.json"
+    monkeypatch.setenv("DSPARKCTL_CPU_KERNELS_CACHE", str(cache))
+    model, forward = _routed_llama()
+    if isinstance(content, bytes):
+        cache.write_bytes(content)
+    else:
+        cache.write_text(content.replace("KEY", json.dumps(choice_key(model))))
+    assert cached_choice(model) is None
+    rows, _ = choose_kernels(model, forward, log=lambda m: None, repeats=1)  # timed again and rewritten
+    assert cached_choice(model) == rows
+
+
+def test_a_cache_path_that_is_no_file_is_timed_around_and_said(tmp_path, monkeypatch):
+    import os
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    monkeypatch.setenv("DSPARKCTL_CPU_KERNELS_CACHE", str(fifo))
+    model, forward = _routed_llama()
+    assert cached_choice(model) is None  # a FIFO is not read (it would block)
+    monkeypatch.setenv("DSPARKCTL_CPU_KERNELS_CACHE", str(tmp_path))  # a directory
+    logs = []
+    choose_kernels(model, forward, log=logs.append, repeats=1)
+    assert any("could not cache" in m and "--cpu-kernels" in m for m in logs)
+
+
+def test_unpacking_restores_plain_linears_with_the_same_logits():
+    model = tiny_target("llama")
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        before = model(ids).logits
+    n = pack_linears(model, keep=(model.get_output_embeddings(),), routing=True)
+    assert unpack_linears(model) == n
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
 
 
 @pytest.mark.parametrize("route", [2, ALWAYS_STOCK])
@@ -237,14 +296,42 @@ def test_greedy_identity_on_a_routed_pair(route):
         assert [o.tokens for o in rep.outputs] == [o.tokens for o in plain.outputs], policy
 
 
-def test_auto_sessions_route_target_and_draft_alike_and_report_it(models, tmp_path, monkeypatch):
+def _seed_choice(model_dir, rows):
+    """Write `rows` as this machine's cached choice for the model saved in `model_dir`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    path = cache_path()
+    doc = json.loads(path.read_text()) if path.is_file() else {}
+    doc[choice_key(model)] = {"stock_rows": rows}
+    path.write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize("rows", [0, 2, ALWAYS_STOCK])
+def test_a_cached_choice_makes_only_the_copies_it_reads(models, tmp_path, monkeypatch, rows):
+    monkeypatch.setenv("DSPARKCTL_CPU_KERNELS_CACHE", str(tmp_path / "cpu_kernels.json"))
+    target, draft = models
+    _seed_choice(target, rows)
+    logs = []
+    sess = open_session(str(target), str(draft), "cpu", "fp32", log=logs.append, cpu_kernels="auto")
+    assert not any("timing" in m for m in logs) and sess.cpu_kernels == kernel_label(rows)
+    q = sess.target.model.model.layers[0].self_attn.q_proj
+    if rows == ALWAYS_STOCK:  # nothing packed at all, target or draft
+        assert type(q) is nn.Linear and not any(isinstance(m, PackedLinear) for m in sess.draft.modules())
+    elif rows == 0:  # packed only: no stock copy kept
+        assert isinstance(q, PackedLinear) and not hasattr(q, "weight") and q.stock_rows == 0
+    else:
+        assert isinstance(q, PackedLinear) and hasattr(q, "weight") and q.stock_rows == rows
+        assert {m.stock_rows for m in sess.draft.modules() if isinstance(m, PackedLinear)} == {rows}
+
+
+def test_auto_sessions_time_once_then_route_target_and_draft_alike(models, tmp_path, monkeypatch):
     monkeypatch.setenv("DSPARKCTL_CPU_KERNELS_CACHE", str(tmp_path / "cpu_kernels.json"))
     target, draft = models
     logs = []
     sess = open_session(str(target), str(draft), "cpu", "fp32", log=logs.append, cpu_kernels="auto")
     assert any("timing" in m for m in logs)
-    assert sess.cpu_kernels == kernel_label(sess.stock_rows)
-    assert kernels_of(sess.target.model) == sess.cpu_kernels
+    assert sess.cpu_kernels == kernel_label(sess.stock_rows) == kernels_of(sess.target.model)
     if sess.stock_rows < ALWAYS_STOCK:
         assert {m.stock_rows for m in sess.draft.modules() if isinstance(m, PackedLinear)} == {sess.stock_rows}
     logs.clear()
@@ -255,3 +342,32 @@ def test_auto_sessions_route_target_and_draft_alike_and_report_it(models, tmp_pa
     assert res.exit_code == 0, res.output
     rep = json.loads(res.stdout)
     assert rep["cpu_kernels"] == sess.cpu_kernels and rep["baseline"]["identical_outputs"] == 1
+
+
+def test_a_target_whose_forward_cannot_be_timed_stays_on_stock_kernels(models, tmp_path, monkeypatch):
+    monkeypatch.setenv("DSPARKCTL_CPU_KERNELS_CACHE", str(tmp_path / "cpu_kernels.json"))
+    import dsparkctl.engine.session as session
+
+    def broken(model):
+        def forward(rows):
+            raise TypeError("forward() missing 1 required positional argument")
+        return forward
+    monkeypatch.setattr(session, "_row_forward", broken)
+    target, draft = models
+    logs = []
+    sess = open_session(str(target), str(draft), "cpu", "fp32", log=logs.append, cpu_kernels="auto")
+    assert sess.cpu_kernels == "stock" and any("could not time" in m for m in logs)
+    assert not any(isinstance(m, PackedLinear) for m in sess.target.model.modules())
+    assert not (tmp_path / "cpu_kernels.json").exists()  # nothing cached: the next run may try again
+
+
+@pytest.mark.parametrize("argv", [
+    ["eval-acceptance", "--limit", "1", "--max-new-tokens", "3", "--dataset", "mt-bench"],  # no full block of γ
+    ["generate", "--max-new-tokens", "100000", "w1"],  # past the target's positions
+])
+def test_bad_input_fails_before_any_kernel_timing(models, tmp_path, monkeypatch, argv):
+    monkeypatch.setenv("DSPARKCTL_CPU_KERNELS_CACHE", str(tmp_path / "cpu_kernels.json"))
+    target, draft = models
+    res = CliRunner().invoke(app, [*argv, "--target", str(target), "--draft", str(draft)])
+    assert res.exit_code != 0 and "timing" not in res.output, res.output
+    assert len(res.output.strip().splitlines()) == 1

@@ -104,10 +104,10 @@ def eval_acceptance(
                                Output(trace, "--trace") if trace else None) if o is not None], inputs)
     # prompts first: bad prompt files fail before any model loads
     texts = {ds: apply_preset_wrap(preset, ds, load_prompts(ds, field, limit)) for ds in datasets}
-    sess = open_target(target, device.value, dtype.value, revision, trust_remote_code, log=lambda s: err.print(s),
+    sess = open_target(target, device.value, dtype.value, revision, trust_remote_code,
+                       log=lambda s: err.print(s, markup=False),
                        parallel=target_parallel, cpu_kernels=cpu_kernels.value, settle=False)
     drafts, notes = drafts_under_test(sess, draft or [None], labels, revision, seed)
-    sess.settle_kernels(lambda s: err.print(s, markup=False), tuple(d.draft for d in drafts))
     if trace is not None and mode != Mode.teacher_forced:  # the per-pair files, checked like --trace
         check_outputs([Output(p, "--trace") for p in trace_paths(trace, datasets, [d.label for d in drafts]).values()],
                       inputs)
@@ -117,6 +117,7 @@ def eval_acceptance(
     if mode != Mode.live and max_new_tokens <= gamma:
         raise UsageError(f"--max-new-tokens {max_new_tokens} leaves no full block of γ={gamma} to score "
                          "teacher-forced", f"use --max-new-tokens > {gamma}")
+    sess.settle_kernels(lambda s: err.print(s, markup=False), tuple(d.draft for d in drafts))  # inputs checked
     lt = sess.target
     prompts = {ds: encode_prompts(lt.tokenizer, texts[ds], chat=chat) for ds in datasets}
     opts = EvalOptions(mode=mode.value, params=SamplingParams(temperature=temperature),

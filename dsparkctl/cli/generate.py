@@ -96,12 +96,13 @@ def generate(
                                                             default="Write a short poem about speculative decoding."))
     log = (lambda m: err.print(styled((m, "dim")))) if not json_out or show_progress() else (lambda m: None)
     sess = open_session(target, draft, device.value, dtype.value, revision, trust_remote_code, seed, log=log,
-                        parallel=target_parallel, cpu_kernels=cpu_kernels.value)
+                        parallel=target_parallel, cpu_kernels=cpu_kernels.value, settle=False)
     for n in sess.notes:
         err.print(styled(("note:", "yellow"), f" {n}"))
     tok = sess.target.tokenizer
     ids = encode_prompts(tok, texts, chat=chat)
     check_positions(sess.target.model, ids, max_new_tokens, sess.draft.block_size)
+    sess.settle_kernels(log)  # kernel timing (once per machine) only once every input checked out
     opts = GenerateOptions(
         sampling=sampling, max_new_tokens=max_new_tokens, batch_size=1 if stream else batch_size, seed=seed,
         policy=policy, sps_table=sps_table, calibration=calibration, baseline=baseline, repeats=repeats, trace=trace,

@@ -8,7 +8,8 @@ from typing import Any, Callable
 import torch
 
 from dsparkctl.errors import UsageError
-from dsparkctl.models.cpu_kernels import ALWAYS_STOCK, choose_kernels, kernel_label, pack_linears, use_stock_up_to
+from dsparkctl.models.cpu_kernels import (ALWAYS_STOCK, PackedLinear, cached_choice, choose_kernels, kernel_label,
+                                         pack_linears, packing_supported, unpack_linears, use_stock_up_to)
 from dsparkctl.models.draft import DSparkDraft
 from dsparkctl.models.draft_io import load_draft, random_draft
 from dsparkctl.models.loading import (LoadedTarget, default_draft_dir, load_target, resolve_device,
@@ -51,16 +52,45 @@ class Session:
             use_stock_up_to(draft, self.stock_rows)  # the target's routing by row count
 
     def settle_kernels(self, log: Callable[[str], None] = print, drafts: tuple[DSparkDraft, ...] = ()) -> None:
-        """For `--cpu-kernels auto`: choose the route by row count (cached per machine and model,
-        else timed now), free the copy it never reads, and pack the session's draft and `drafts`
-        (others loaded while the choice was pending) to match."""
+        """For `--cpu-kernels auto`: choose the route by row count (timed now when no choice is
+        cached for this machine and model; under torchrun rank 0 times and the others follow),
+        then pack the session's draft and `drafts` (loaded while the choice was pending) to match."""
         if self.cpu_kernels != "auto":
             return
-        rows, _ = choose_kernels(self.target.model, _row_forward(self.target.model), log=log)
-        use_stock_up_to(self.target.model, rows, free=True)
-        self.stock_rows, self.cpu_kernels = rows, kernel_label(rows)
+        from dsparkctl.distributed import all_gather, world
+
+        rows = ALWAYS_STOCK
+        if world().main:
+            model = self.target.model
+            cached = cached_choice(model)
+            if cached is not None:
+                rows = cached
+            elif pack_linears(model, keep=self._kept(), routing=True):
+                try:
+                    rows, _ = choose_kernels(model, _row_forward(model), log=log)
+                except Exception as e:  # a model whose forward needs more than input_ids: stay on stock kernels
+                    log(f"note: could not time the CPU kernels on this target ({type(e).__name__}); using stock "
+                        "kernels (pass --cpu-kernels packed to pack anyway)")
+        rows = all_gather(rows)[0]  # every rank routes as rank 0 chose (ranks never read the cache apart)
+        self._route(rows)
         for d in {id(d): d for d in (self.draft, *drafts) if d is not None}.values():
             self._pack_draft(d)
+
+    def _kept(self) -> tuple[torch.nn.Module, ...]:
+        head = self.target.model.get_output_embeddings()
+        return (head,) if head is not None else ()
+
+    def _route(self, rows: int) -> None:
+        """Bring the target's linears to a choice, from stock or from packed-with-both-copies."""
+        model = self.target.model
+        if rows >= ALWAYS_STOCK:
+            unpack_linears(model)
+        elif not any(isinstance(m, PackedLinear) for m in model.modules()):
+            if not pack_linears(model, keep=self._kept(), routing=rows > 0):
+                rows = ALWAYS_STOCK  # this torch's kernel failed its self-check
+        if rows < ALWAYS_STOCK:
+            use_stock_up_to(model, rows, free=True)
+        self.stock_rows, self.cpu_kernels = rows, kernel_label(rows)
 
     def _load_draft(self, spec, revision, seed, random_draft_kw):
         probe = TargetAdapter(self.target.model, ())
@@ -95,10 +125,16 @@ def open_target(target: str | None, device: str = "auto", dtype: str = "auto", r
                       parallel=parallel)
     sess = Session(target=tgt, device=dev, dtype=dt, stop_ids=stop_token_ids(tgt.tokenizer, tgt.model),
                    embedded_target=target in (None, "", "embedded"))
-    if cpu_kernels != "stock" and parallel == "none":
-        head = tgt.model.get_output_embeddings()
-        if pack_linears(tgt.model, keep=(head,) if head is not None else (), routing=cpu_kernels == "auto"):
-            sess.stock_rows, sess.cpu_kernels = 0, cpu_kernels  # "auto": pending until settle_kernels
+    if cpu_kernels == "packed" and parallel == "none":
+        sess._route(0)
+    elif cpu_kernels == "auto" and parallel == "none" and packing_supported(tgt.model):
+        from dsparkctl.distributed import world
+
+        cached = None if world().distributed else cached_choice(tgt.model)  # ranks: rank 0 decides, in settle
+        if cached is not None:
+            sess._route(cached)  # only the copies this choice reads are ever made
+        else:
+            sess.cpu_kernels = "auto"  # pending until settle_kernels
             if settle:
                 sess.settle_kernels(log)
     return sess
@@ -114,11 +150,14 @@ def _row_forward(model: torch.nn.Module) -> Callable[[int], object]:
 def open_session(target: str | None, draft: str | None, device: str = "auto", dtype: str = "auto",
                  revision: str | None = None, trust_remote_code: bool = False, seed: int = 0,
                  log: Callable[[str], None] = print, random_draft_kw: dict[str, Any] | None = None,
-                 parallel: str = "none", cpu_kernels: str = "stock") -> Session:
-    """The target and one draft; the session's adapter taps the draft's layers."""
+                 parallel: str = "none", cpu_kernels: str = "stock", settle: bool = True) -> Session:
+    """The target and one draft; the session's adapter taps the draft's layers. Kernel timing
+    (`--cpu-kernels auto`, not yet cached) runs after the draft's checks, or, with `settle=False`,
+    when the caller calls `Session.settle_kernels` after its own."""
     sess = open_target(target, device, dtype, revision, trust_remote_code, log, parallel, cpu_kernels, settle=False)
     sess.draft, sess.draft_name, notes = sess.load_draft(draft, revision, seed, random_draft_kw)
     sess.notes.extend(notes)
-    sess.settle_kernels(log)  # after the draft checks: a wrong draft fails before any timing
+    if settle:
+        sess.settle_kernels(log)
     sess.adapter = TargetAdapter(sess.target.model, sess.draft.cfg.target_layer_ids)
     return sess

@@ -156,27 +156,68 @@ def kernel_label(rows: int) -> str:
     return "packed" if rows == 0 else "stock" if rows >= ALWAYS_STOCK else f"stock<={rows},packed"
 
 
-def _cache_path() -> Path:
+CHOICE_VERSION = 2  # bump when the timing or the rule changes: older cached choices are then ignored
+MARGIN = 0.02  # a kernel must be this much faster to count as winning (ties keep one copy of the weights)
+
+
+def cache_path() -> Path:
+    """`$DSPARKCTL_CPU_KERNELS_CACHE`, else `$DSPARKCTL_CACHE/cpu_kernels.json` (~/.cache/dsparkctl)."""
     if os.environ.get("DSPARKCTL_CPU_KERNELS_CACHE"):
         return Path(os.environ["DSPARKCTL_CPU_KERNELS_CACHE"])
     return Path(os.environ.get("DSPARKCTL_CACHE", Path.home() / ".cache" / "dsparkctl")) / "cpu_kernels.json"
 
 
-def _cpu_name() -> str:
+def _cpu_info() -> dict[str, str]:
+    """The CPU's model name and a digest of its feature flags (VMs often report a generic name)."""
+    info = {"name": platform.processor() or platform.machine(), "flags": ""}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and not info["flags"]:
+                info["name"] = value.strip()
+            elif key.strip() in ("flags", "Features"):
+                info["flags"] = hashlib.sha256(" ".join(sorted(value.split())).encode()).hexdigest()[:16]
+                break
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return info
 
 
-def _choice_key(model: nn.Module) -> str:
+_VOLATILE = ("_name_or_path", "_commit_hash", "transformers_version", "_attn_implementation_autoset")
+
+
+def choice_key(model: nn.Module) -> str:
+    """What a kernel choice depends on: the CPU (name and flags), torch, its thread count, the
+    environment variables oneDNN/MKL/OpenMP read, and the model's config (not where it was read from)."""
     cfg = getattr(model, "config", None)
-    doc = {"cpu": _cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-           "model": cfg.to_json_string(use_diff=False) if hasattr(cfg, "to_json_string") else type(model).__name__}
-    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:24]
+    model_doc: object = type(model).__name__
+    if hasattr(cfg, "to_dict"):
+        model_doc = {k: v for k, v in cfg.to_dict().items() if k not in _VOLATILE}
+    env = {k: v for k, v in os.environ.items() if k.startswith(("ONEDNN_", "DNNL_", "MKL_", "KMP_", "OMP_"))}
+    doc = {"version": CHOICE_VERSION, "cpu": _cpu_info(), "torch": torch.__version__,
+           "threads": torch.get_num_threads(), "env": env, "model": model_doc}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+VALID_CHOICES = (0, *ROWS[:-1], ALWAYS_STOCK)
+
+
+def _read_cache(path: Path) -> dict:
+    """The cache's entries; {} for a missing, unreadable, damaged or non-regular file (never an error)."""
+    try:
+        if not path.is_file():  # a FIFO or device would block or stream
+            return {}
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def cached_choice(model: nn.Module) -> int | None:
+    """The cached stock_rows for this machine and model, or None (absent or not a valid choice)."""
+    entry = _read_cache(cache_path()).get(choice_key(model))
+    rows = entry.get("stock_rows") if isinstance(entry, dict) else None
+    return rows if type(rows) is int and rows in VALID_CHOICES else None
 
 
 def time_rows(model: nn.Module, forward: Callable[[int], object], repeats: int = 5) -> dict[str, dict[int, float]]:
@@ -196,44 +237,61 @@ def time_rows(model: nn.Module, forward: Callable[[int], object], repeats: int =
 
 
 def stock_rows_from(ms: dict[str, dict[int, float]]) -> int:
-    """Stock up to the largest row count below which stock won every measurement; packed above
-    (ALWAYS_STOCK when stock won at every row count)."""
+    """Stock up to the largest row count below which stock won every measurement (by MARGIN),
+    packed above; ALWAYS_STOCK when packed then never wins clearly (one copy of the weights
+    instead of two), 0 (packed) when stock does not win at one row."""
     rows = 0
     for r in ROWS:
-        if ms["stock"][r] >= ms["packed"][r]:
+        if ms["stock"][r] >= (1 - MARGIN) * ms["packed"][r]:
             break
         rows = r
-    return ALWAYS_STOCK if rows == ROWS[-1] else rows
+    if rows and all(ms["packed"][r] >= (1 - MARGIN) * ms["stock"][r] for r in ROWS if r > rows):
+        return ALWAYS_STOCK
+    return rows
 
 
 def choose_kernels(model: nn.Module, forward: Callable[[int], object], log: Callable[[str], None] = print,
-                   repeats: int = 5) -> tuple[int, dict | None]:
-    """(stock_rows, timings or None when cached) for a model packed with both copies kept: the
-    cached choice for this CPU, torch, thread count and model config, else timed now and cached."""
-    key, path = _choice_key(model), _cache_path()
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
-    entry = cached.get(key) if isinstance(cached, dict) else None
-    if isinstance(entry, dict) and isinstance(entry.get("stock_rows"), int) and entry["stock_rows"] >= 0:
-        return entry["stock_rows"], None
-    log("timing this CPU's kernels on the target (once per machine and model; cached)")
+                   repeats: int = 5) -> tuple[int, dict]:
+    """(stock_rows, timings) for a model packed with both copies kept (`pack_linears(routing=True)`),
+    timed now; the choice is cached for this machine and model (see `choice_key`). A cache that
+    cannot be written is said once in the log: the next run times again."""
+    log("timing this CPU's kernels on the target (once per machine and model, cached in "
+        f"{cache_path()})")
     ms = time_rows(model, forward, repeats)
     rows = stock_rows_from(ms)
-    entry = {"stock_rows": rows, "label": kernel_label(rows), "cpu": _cpu_name(), "torch": torch.__version__,
+    entry = {"stock_rows": rows, "label": kernel_label(rows), "cpu": _cpu_info()["name"], "torch": torch.__version__,
              "threads": torch.get_num_threads(),
              "forward_ms": {k: {str(r): round(t, 3) for r, t in d.items()} for k, d in ms.items()}}
-    cached = cached if isinstance(cached, dict) else {}
-    cached[key] = entry
+    path = cache_path()
     try:
         from dsparkctl.fsutil import write_json
 
         path.parent.mkdir(parents=True, exist_ok=True)
+        cached = _read_cache(path)  # read again just before writing: another process may have added its own
+        cached[choice_key(model)] = entry
         write_json(path, cached)
-    except OSError:
-        pass  # an unwritable cache only means timing again next time
+    except OSError as e:
+        log(f"note: could not cache the kernel choice in {path} ({e.strerror or e}); the next run times again "
+            "(pass --cpu-kernels packed or stock to skip the timing)")
     return rows, ms
+
+
+def unpack_linears(module: nn.Module) -> int:
+    """Turn every PackedLinear under `module` back into an nn.Linear on its kept weight (which it
+    must have); returns how many. Shared layers stay shared."""
+    done: dict[int, nn.Linear] = {}
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, PackedLinear):
+                continue
+            if id(child) not in done:
+                lin = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
+                lin.weight = child.weight
+                if child.bias is not None:
+                    lin.bias = nn.Parameter(child.bias, requires_grad=False)
+                done[id(child)] = lin
+            setattr(parent, name, done[id(child)])
+    return len(done)
 
 
 def kernels_of(model: nn.Module) -> str:
