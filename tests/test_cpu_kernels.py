@@ -358,12 +358,33 @@ def test_a_target_whose_forward_cannot_be_timed_stays_on_stock_kernels(models, t
     sess = open_session(str(target), str(draft), "cpu", "fp32", log=logs.append, cpu_kernels="auto")
     assert sess.cpu_kernels == "stock" and any("could not time" in m for m in logs)
     assert not any(isinstance(m, PackedLinear) for m in sess.target.model.modules())
-    assert not (tmp_path / "cpu_kernels.json").exists()  # nothing cached: the next run may try again
+    assert cached_choice(sess.target.model) == ALWAYS_STOCK  # remembered: the next run neither packs nor retries
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_drafts_that_borrow_the_head_share_the_targets_packed_head(models, tmp_path, monkeypatch, cached):
+    monkeypatch.setenv("DSPARKCTL_CPU_KERNELS_CACHE", str(tmp_path / "cpu_kernels.json"))
+    target, _ = models
+    if cached:
+        _seed_choice(target, 2)
+    sess = open_session(str(target), "random", "cpu", "fp32", log=lambda m: None, cpu_kernels="auto", settle=False)
+    second, _, _ = sess.load_draft("random", None, 1)
+    head = sess.target.model.get_output_embeddings()
+    sess.settle_kernels(lambda m: None, (second,))
+    head = sess.target.model.get_output_embeddings()
+    assert sess.draft.lm_head is head and second.lm_head is head  # one head, packed once
+    copies = [m for d in (sess.draft, second) for m in d.modules()
+              if getattr(m, "weight", None) is head.weight and m is not head]
+    assert not copies  # no second (packed) module on the head's weight
 
 
 @pytest.mark.parametrize("argv", [
     ["eval-acceptance", "--limit", "1", "--max-new-tokens", "3", "--dataset", "mt-bench"],  # no full block of γ
+    ["eval-acceptance", "--limit", "1", "--mode", "live", "--temperature", "-1", "--dataset", "mt-bench"],
     ["generate", "--max-new-tokens", "100000", "w1"],  # past the target's positions
+    ["generate", "--policy", "static:99", "w1"],
+    ["generate", "--policy", "bogus", "w1"],
+    ["generate", "--calibration", "/nonexistent/calibration.json", "w1"],
 ])
 def test_bad_input_fails_before_any_kernel_timing(models, tmp_path, monkeypatch, argv):
     monkeypatch.setenv("DSPARKCTL_CPU_KERNELS_CACHE", str(tmp_path / "cpu_kernels.json"))

@@ -117,12 +117,12 @@ def eval_acceptance(
     if mode != Mode.live and max_new_tokens <= gamma:
         raise UsageError(f"--max-new-tokens {max_new_tokens} leaves no full block of γ={gamma} to score "
                          "teacher-forced", f"use --max-new-tokens > {gamma}")
-    sess.settle_kernels(lambda s: err.print(s, markup=False), tuple(d.draft for d in drafts))  # inputs checked
     lt = sess.target
     prompts = {ds: encode_prompts(lt.tokenizer, texts[ds], chat=chat) for ds in datasets}
     opts = EvalOptions(mode=mode.value, params=SamplingParams(temperature=temperature),
                        max_new_tokens=max_new_tokens, seed=seed, batch_size=batch_size,
                        trace=trace if mode != Mode.teacher_forced else None, preset=preset.name if preset else None)
+    sess.settle_kernels(lambda s: err.print(s, markup=False), tuple(d.draft for d in drafts))  # inputs checked
     results = evaluate_acceptance(lt.model, lt.name, drafts, prompts, opts, sess.stop_ids,
                                   log=lambda s: err.print(s, highlight=False))
     if plot is not None:

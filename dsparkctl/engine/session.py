@@ -9,7 +9,8 @@ import torch
 
 from dsparkctl.errors import UsageError
 from dsparkctl.models.cpu_kernels import (ALWAYS_STOCK, PackedLinear, cached_choice, choose_kernels, kernel_label,
-                                         pack_linears, packing_supported, unpack_linears, use_stock_up_to)
+                                         pack_linears, packing_supported, remember_choice, unpack_linears,
+                                         use_stock_up_to)
 from dsparkctl.models.draft import DSparkDraft
 from dsparkctl.models.draft_io import load_draft, random_draft
 from dsparkctl.models.loading import (LoadedTarget, default_draft_dir, load_target, resolve_device,
@@ -59,6 +60,7 @@ class Session:
             return
         from dsparkctl.distributed import all_gather, world
 
+        before = dict(self.target.model.named_modules())  # what drafts loaded meanwhile may have borrowed
         rows = ALWAYS_STOCK
         if world().main:
             model = self.target.model
@@ -71,9 +73,18 @@ class Session:
                 except Exception as e:  # a model whose forward needs more than input_ids: stay on stock kernels
                     log(f"note: could not time the CPU kernels on this target ({type(e).__name__}); using stock "
                         "kernels (pass --cpu-kernels packed to pack anyway)")
+                    remember_choice(model, ALWAYS_STOCK, {"reason": f"forward failed: {type(e).__name__}"}, log)
         rows = all_gather(rows)[0]  # every rank routes as rank 0 chose (ranks never read the cache apart)
         self._route(rows)
+        # a draft that borrowed a target layer (its LM head) while the choice was pending still holds
+        # the layer routing replaced: point it at the replacement, so nothing is packed twice
+        after = dict(self.target.model.named_modules())
+        moved = {id(m): after[n] for n, m in before.items() if n in after and after[n] is not m}
         for d in {id(d): d for d in (self.draft, *drafts) if d is not None}.values():
+            for parent in list(d.modules()):
+                for name, child in list(parent.named_children()):
+                    if id(child) in moved:
+                        setattr(parent, name, moved[id(child)])
             self._pack_draft(d)
 
     def _kept(self) -> tuple[torch.nn.Module, ...]:

@@ -104,7 +104,7 @@ def pack_linears(module: nn.Module, keep_weight: bool = False, keep: tuple[nn.Mo
                 continue
             if id(child) not in done:
                 kept = keep_weight or id(child) in keep_ids
-                done[id(child)] = PackedLinear(child, kept or routing)
+                done[id(child)] = PackedLinear(child, kept or routing).train(child.training)
                 done[id(child)]._weight_for_routing_only = routing and not kept
             setattr(parent, name, done[id(child)])
     return len(done)
@@ -259,9 +259,16 @@ def choose_kernels(model: nn.Module, forward: Callable[[int], object], log: Call
         f"{cache_path()})")
     ms = time_rows(model, forward, repeats)
     rows = stock_rows_from(ms)
+    remember_choice(model, rows, {"forward_ms": {k: {str(r): round(t, 3) for r, t in d.items()} for k, d in ms.items()}},
+                    log)
+    return rows, ms
+
+
+def remember_choice(model: nn.Module, rows: int, extra: dict, log: Callable[[str], None] = print) -> None:
+    """Cache `rows` for this machine and model (with `extra` for the reader); a cache that cannot be
+    written is said in the log: the next run times again."""
     entry = {"stock_rows": rows, "label": kernel_label(rows), "cpu": _cpu_info()["name"], "torch": torch.__version__,
-             "threads": torch.get_num_threads(),
-             "forward_ms": {k: {str(r): round(t, 3) for r, t in d.items()} for k, d in ms.items()}}
+             "threads": torch.get_num_threads(), **extra}
     path = cache_path()
     try:
         from dsparkctl.fsutil import write_json
@@ -273,7 +280,6 @@ def choose_kernels(model: nn.Module, forward: Callable[[int], object], log: Call
     except OSError as e:
         log(f"note: could not cache the kernel choice in {path} ({e.strerror or e}); the next run times again "
             "(pass --cpu-kernels packed or stock to skip the timing)")
-    return rows, ms
 
 
 def unpack_linears(module: nn.Module) -> int:
@@ -287,6 +293,7 @@ def unpack_linears(module: nn.Module) -> int:
             if id(child) not in done:
                 lin = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
                 lin.weight = child.weight
+                lin.train(child.training)
                 if child.bias is not None:
                     lin.bias = nn.Parameter(child.bias, requires_grad=False)
                 done[id(child)] = lin
