@@ -78,7 +78,6 @@ def generate(
     from dsparkctl.data.prompts import apply_preset_wrap, encode_prompts, prompt_texts
     from dsparkctl.engine.generate import GenerateOptions, generate_report, load_policy
     from dsparkctl.engine.session import open_session
-    from dsparkctl.engine.speculative import SpeculativeEngine
     from dsparkctl.math.sampling import SamplingParams
     from dsparkctl.provenance import provenance
 
@@ -103,14 +102,11 @@ def generate(
     tok = sess.target.tokenizer
     ids = encode_prompts(tok, texts, chat=chat)
     check_positions(sess.target.model, ids, max_new_tokens, sess.draft.block_size)
-    # the policy, its SPS table and calibration are read again by generate_report: checked here
-    # so that kernel timing (once per machine) only starts once every input checked out
-    SpeculativeEngine(sess.adapter, sess.draft, load_policy(policy, sess.draft.block_size, sps_table, calibration),
-                      sampling, stop_token_ids=sess.stop_ids)
+    pol = load_policy(policy, sess.draft.block_size, sps_table, calibration)  # with its SPS table and calibration
     sess.settle_kernels(lambda m: err.print(styled((m, "dim"))))  # said even under --json: it takes seconds
     opts = GenerateOptions(
         sampling=sampling, max_new_tokens=max_new_tokens, batch_size=1 if stream else batch_size, seed=seed,
-        policy=policy, sps_table=sps_table, calibration=calibration, baseline=baseline, repeats=repeats, trace=trace,
+        policy=pol, baseline=baseline, repeats=repeats, trace=trace,
         trace_header=provenance(target=sess.target.name, draft=sess.draft_name,
                                 dataset=dataset or (str(prompts_file) if prompts_file else "args"),
                                 temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,

@@ -17,7 +17,7 @@ from dsparkctl.distributed import world
 from dsparkctl.engine.run import (OnTokens, PromptsResult, plain_decoder, run_prompts, speculative_decoder)
 from dsparkctl.engine.session import Session
 from dsparkctl.engine.speculative import SpeculativeEngine, plain_generate
-from dsparkctl.math.policies import parse_policy
+from dsparkctl.math.policies import Policy, check_fits, parse_policy
 from dsparkctl.math.sampling import SamplingParams
 
 
@@ -30,7 +30,7 @@ def load_policy(spec: str | None, block_size: int, sps_table: Path | None, calib
     from dsparkctl.sps_io import load_sps_table
 
     sps = load_sps_table(sps_table) if sps_table is not None else None
-    return parse_policy(spec or f"static:{block_size}", sps=sps, temperatures=temps)
+    return check_fits(parse_policy(spec or f"static:{block_size}", sps=sps, temperatures=temps), block_size)
 
 
 @dataclass(frozen=True)
@@ -39,9 +39,7 @@ class GenerateOptions:
     max_new_tokens: int
     batch_size: int
     seed: int = 0
-    policy: str | None = None  # default static:γ
-    sps_table: Path | None = None
-    calibration: Path | None = None
+    policy: Policy | None = None  # from load_policy (inputs checked before any model work); None = static:γ
     baseline: bool = False
     repeats: int = 1  # timed runs of each decoder, interleaved; tokens/s and speedup are medians
     trace: Path | None = None
@@ -70,7 +68,7 @@ def generate_report(sess: Session, prompt_ids: Sequence[Sequence[int]], opts: Ge
     from dsparkctl.trace import TraceWriter
 
     gamma = sess.draft.block_size
-    pol = load_policy(opts.policy, gamma, opts.sps_table, opts.calibration)
+    pol = opts.policy or parse_policy(f"static:{gamma}")
     engine = SpeculativeEngine(sess.adapter, sess.draft, pol, opts.sampling, stop_token_ids=sess.stop_ids)
     warm_up(sess, prompt_ids[0], gamma)
     writer = TraceWriter(opts.trace, {**opts.trace_header, "block_size": gamma, "policy": pol.spec}) \

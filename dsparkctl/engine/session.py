@@ -9,8 +9,8 @@ import torch
 
 from dsparkctl.errors import UsageError
 from dsparkctl.models.cpu_kernels import (ALWAYS_STOCK, PackedLinear, cached_choice, choose_kernels, kernel_label,
-                                         pack_linears, packing_supported, remember_choice, unpack_linears,
-                                         use_stock_up_to)
+                                         pack_linears, packing_supported, remember_choice, swap_modules,
+                                         unpack_linears, use_stock_up_to)
 from dsparkctl.models.draft import DSparkDraft
 from dsparkctl.models.draft_io import load_draft, random_draft
 from dsparkctl.models.loading import (LoadedTarget, default_draft_dir, load_target, resolve_device,
@@ -31,9 +31,13 @@ class Session:
     draft_name: str = ""
     adapter: TargetAdapter | None = None  # taps the draft's layers
     notes: list[str] = field(default_factory=list)  # things the user must be told (e.g. untrained draft)
-    cpu_kernels: str = "stock"  # how the linears run: stock, packed or stock<=N,packed (models/cpu_kernels.py);
-    # "auto" only while the choice is pending (open_target(settle=False))
-    stock_rows: int = ALWAYS_STOCK  # calls of ≤ this many rows take the stock kernel
+    stock_rows: int | None = ALWAYS_STOCK  # calls of ≤ this many rows take the stock kernel; None: auto pending
+
+    @property
+    def cpu_kernels(self) -> str:
+        """How the linears run: stock, packed or stock<=N,packed (models/cpu_kernels.py); "auto"
+        while the choice is pending (open_target(settle=False))."""
+        return "auto" if self.stock_rows is None else kernel_label(self.stock_rows)
 
     def plain_adapter(self) -> TargetAdapter:
         """An adapter on the same model without feature taps (for the baseline)."""
@@ -44,7 +48,7 @@ class Session:
         """(draft, display name, notes) for a draft spec, checked against this session's target:
         the shipped default (embedded target), 'random', a folder or a hub id."""
         draft, name, notes = self._load_draft(spec, revision, seed, random_draft_kw)
-        if self.cpu_kernels != "auto":  # else settle_kernels packs it once the choice is made
+        if self.stock_rows is not None:  # else settle_kernels packs it once the choice is made
             self._pack_draft(draft)
         return draft, name, notes
 
@@ -56,7 +60,7 @@ class Session:
         """For `--cpu-kernels auto`: choose the route by row count (timed now when no choice is
         cached for this machine and model; under torchrun rank 0 times and the others follow),
         then pack the session's draft and `drafts` (loaded while the choice was pending) to match."""
-        if self.cpu_kernels != "auto":
+        if self.stock_rows is not None:
             return
         from dsparkctl.distributed import all_gather, world
 
@@ -64,7 +68,7 @@ class Session:
         rows = ALWAYS_STOCK
         if world().main:
             model = self.target.model
-            cached = cached_choice(model)
+            cached = cached_choice(model) if world().distributed else None  # one process: read in open_target
             if cached is not None:
                 rows = cached
             elif pack_linears(model, keep=self._kept(), routing=True):
@@ -81,10 +85,7 @@ class Session:
         after = dict(self.target.model.named_modules())
         moved = {id(m): after[n] for n, m in before.items() if n in after and after[n] is not m}
         for d in {id(d): d for d in (self.draft, *drafts) if d is not None}.values():
-            for parent in list(d.modules()):
-                for name, child in list(parent.named_children()):
-                    if id(child) in moved:
-                        setattr(parent, name, moved[id(child)])
+            swap_modules(d, lambda child: moved.get(id(child)))
             self._pack_draft(d)
 
     def _kept(self) -> tuple[torch.nn.Module, ...]:
@@ -101,7 +102,7 @@ class Session:
                 rows = ALWAYS_STOCK  # this torch's kernel failed its self-check
         if rows < ALWAYS_STOCK:
             use_stock_up_to(model, rows, free=True)
-        self.stock_rows, self.cpu_kernels = rows, kernel_label(rows)
+        self.stock_rows = rows
 
     def _load_draft(self, spec, revision, seed, random_draft_kw):
         probe = TargetAdapter(self.target.model, ())
@@ -123,9 +124,9 @@ def open_target(target: str | None, device: str = "auto", dtype: str = "auto", r
                 parallel: str = "none", cpu_kernels: str = "stock", settle: bool = True) -> Session:
     """A session holding the target only (embedded default, a folder or a hub id); `parallel`
     spreads a big target (models/loading.py: device-map or tp). `cpu_kernels="packed"` packs the
-    linears of a CPU fp32 model for oneDNN (inference only: models/cpu_kernels.py); "auto" keeps
-    both copies and routes each call by its row count to the kernel this CPU runs faster (timed
-    once per machine and model, cached); elsewhere, or where this torch lacks the kernels, it stays
+    linears of a CPU fp32 model for oneDNN (inference only: models/cpu_kernels.py); "auto" routes
+    each call by its row count to the kernel this CPU runs faster (timed once per machine and
+    model with both copies kept, then cached; a cached choice makes only the copies it reads); elsewhere, or where this torch lacks the kernels, it stays
     "stock" (see `Session.cpu_kernels`). `settle=False` leaves an auto choice pending (the
     caller checks its other inputs first, then calls `Session.settle_kernels`)."""
     if cpu_kernels not in CPU_KERNELS:
@@ -145,7 +146,7 @@ def open_target(target: str | None, device: str = "auto", dtype: str = "auto", r
         if cached is not None:
             sess._route(cached)  # only the copies this choice reads are ever made
         else:
-            sess.cpu_kernels = "auto"  # pending until settle_kernels
+            sess.stock_rows = None  # pending until settle_kernels
             if settle:
                 sess.settle_kernels(log)
     return sess

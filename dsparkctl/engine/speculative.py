@@ -19,7 +19,7 @@ import torch
 
 from dsparkctl.engine.clock import Clock
 from dsparkctl.errors import UsageError
-from dsparkctl.math.policies import Policy
+from dsparkctl.math.policies import Policy, check_fits
 from dsparkctl.math.sampling import SamplingParams, draw, warp_probs
 from dsparkctl.math.stats import AcceptanceStats
 from dsparkctl.math.verify import verify
@@ -101,10 +101,7 @@ class SpeculativeEngine:
         self.draft_sampling = draft_sampling or sampling
         self.stop_ids = torch.tensor(sorted(set(int(t) for t in stop_token_ids)) or [-1],
                                      device=target.device)
-        k = getattr(policy, "k", None)
-        if k is not None and not 0 <= int(k) <= draft.block_size:
-            raise UsageError(f"policy {policy.spec} verifies {k} drafts but the draft's block size is "
-                             f"{draft.block_size}", f"use static:K with K <= {draft.block_size}")
+        check_fits(policy, draft.block_size)
 
     # ------------------------------------------------------------------ stages
     def prefill(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,

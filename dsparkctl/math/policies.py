@@ -303,6 +303,15 @@ NEEDS_SPS = tuple(n for n, p in POLICIES.items() if p.needs_sps)
 _ARG_RANGE = {"K": (int, 0, None), "B": (int, 0, None), "t": (float, 0.0, 1.0)}  # (type, lowest, highest)
 
 
+def check_fits(policy: Policy, block_size: int) -> Policy:
+    """`policy`, refused when it verifies more drafts than the draft's block holds."""
+    k = getattr(policy, "k", None)
+    if k is not None and not 0 <= int(k) <= block_size:
+        raise UsageError(f"policy {policy.spec} verifies {k} drafts but the draft's block size is "
+                         f"{block_size}", f"use static:K with K <= {block_size}")
+    return policy
+
+
 def parse_policy(spec: str, sps: SPSTable | None = None,
                  temperatures: torch.Tensor | Sequence[float] | None = None) -> Policy:
     """A policy from its spec, one of POLICY_SPECS (`static:K`, `threshold:t`, ..., `retrospective`)."""

@@ -15,11 +15,11 @@ tests on a packed pair).
 Which kernel wins depends on the CPU: on one 2-core machine the packed kernel won at every row
 count (1.04× at one row, 1.4–1.8× at 2–8); on another (an AMX-capable Xeon) torch's stock kernels
 were 1.2× faster up to 3 rows and the packed ones 1.06× faster from 4 rows on. `--cpu-kernels auto`
-(the default) therefore keeps both copies of each weight, times whole forwards of the model at
-1–8 rows with each kernel, and routes every call by its row count: stock up to the largest row
-count where stock won, packed above (`choose_kernels`). The choice is cached per CPU model, torch
-version, thread count and model config (`$DSPARKCTL_CACHE/cpu_kernels.json`), so the few seconds
-of timing happen once per machine; the copy a choice never uses is then freed.
+(the default) therefore times whole forwards of the model at 1–8 rows with each kernel (both
+copies of each weight kept while timing) and routes every call by its row count: stock up to the
+largest row count where stock won, packed above (`choose_kernels`). The choice is cached per
+machine and model (`choice_key`, `$DSPARKCTL_CACHE/cpu_kernels.json`), so the few seconds of
+timing happen once; a cached choice makes only the copies it reads (engine/session.py).
 
 Inference only: `PackedLinear` has no autograd, so training never packs (its draft backpropagates
 through the target's borrowed LM head).
@@ -97,15 +97,29 @@ def pack_linears(module: nn.Module, keep_weight: bool = False, keep: tuple[nn.Mo
     if not packing_supported(module) or not _self_check():
         return 0
     keep_ids = {id(m) for m in keep}
-    done: dict[int, PackedLinear] = {}
+
+    def pack(child: nn.Module) -> nn.Module | None:
+        if type(child) is not nn.Linear:
+            return None
+        kept = keep_weight or id(child) in keep_ids
+        packed = PackedLinear(child, kept or routing).train(child.training)
+        packed._weight_for_routing_only = routing and not kept
+        return packed
+    return swap_modules(module, pack)
+
+
+def swap_modules(module: nn.Module, replace: Callable[[nn.Module], nn.Module | None]) -> int:
+    """Replace, in place, every submodule of `module` for which `replace` returns a module; returns
+    how many distinct ones were replaced. A module reached twice (shared) is replaced once and
+    stays shared."""
+    done: dict[int, nn.Module] = {}
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear:
-                continue
             if id(child) not in done:
-                kept = keep_weight or id(child) in keep_ids
-                done[id(child)] = PackedLinear(child, kept or routing).train(child.training)
-                done[id(child)]._weight_for_routing_only = routing and not kept
+                new = replace(child)
+                if new is None:
+                    continue
+                done[id(child)] = new
             setattr(parent, name, done[id(child)])
     return len(done)
 
@@ -131,11 +145,12 @@ def _self_check() -> bool:
 
 
 ROWS = (1, 2, 3, 4, 6, 8)  # 1 = a plain decode step; γ+1 = a static:γ verification
+ALWAYS_STOCK = 10**9  # a stock_rows above any call's row count
 
 
 def use_stock_up_to(module: nn.Module, rows: int, free: bool = False) -> None:
     """Route every PackedLinear under `module` to the stock kernel for calls of ≤ `rows` rows.
-    `free`: drop the copy this routing never reads (the packed one when `rows` ≥ 10**9, the stock
+    `free`: drop the copy this routing never reads (the packed one when `rows` is ALWAYS_STOCK, the stock
     one when `rows` is 0 and the weight was only kept for routing)."""
     for m in module.modules():
         if isinstance(m, PackedLinear):
@@ -146,9 +161,6 @@ def use_stock_up_to(module: nn.Module, rows: int, free: bool = False) -> None:
                 m.packed = torch.empty(0)
             elif free and rows == 0 and getattr(m, "_weight_for_routing_only", False):
                 del m.weight
-
-
-ALWAYS_STOCK = 10**9
 
 
 def kernel_label(rows: int) -> str:
@@ -285,20 +297,15 @@ def remember_choice(model: nn.Module, rows: int, extra: dict, log: Callable[[str
 def unpack_linears(module: nn.Module) -> int:
     """Turn every PackedLinear under `module` back into an nn.Linear on its kept weight (which it
     must have); returns how many. Shared layers stay shared."""
-    done: dict[int, nn.Linear] = {}
-    for parent in list(module.modules()):
-        for name, child in list(parent.named_children()):
-            if not isinstance(child, PackedLinear):
-                continue
-            if id(child) not in done:
-                lin = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
-                lin.weight = child.weight
-                lin.train(child.training)
-                if child.bias is not None:
-                    lin.bias = nn.Parameter(child.bias, requires_grad=False)
-                done[id(child)] = lin
-            setattr(parent, name, done[id(child)])
-    return len(done)
+    def unpack(child: nn.Module) -> nn.Module | None:
+        if not isinstance(child, PackedLinear):
+            return None
+        lin = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
+        lin.weight = child.weight
+        if child.bias is not None:
+            lin.bias = nn.Parameter(child.bias, requires_grad=False)
+        return lin.train(child.training)
+    return swap_modules(module, unpack)
 
 
 def kernels_of(model: nn.Module) -> str:
