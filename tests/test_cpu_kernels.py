@@ -269,6 +269,17 @@ def test_a_cache_path_that_is_no_file_is_timed_around_and_said(tmp_path, monkeyp
     assert any("could not cache" in m and "--cpu-kernels" in m for m in logs)
 
 
+def test_someone_elses_file_at_the_cache_path_is_left_alone(tmp_path, monkeypatch):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes, not JSON\n")
+    monkeypatch.setenv("DSPARKCTL_CPU_KERNELS_CACHE", str(notes))
+    model, forward = _routed_llama()
+    logs = []
+    choose_kernels(model, forward, log=logs.append, repeats=1)
+    assert notes.read_text() == "my notes, not JSON\n" and any("left as it is" in m for m in logs)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]  # no temporary left either
+
+
 def test_unpacking_restores_plain_linears_with_the_same_logits():
     model = tiny_target("llama")
     ids = torch.tensor([PROMPTS[0]])

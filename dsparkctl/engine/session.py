@@ -126,9 +126,10 @@ def open_target(target: str | None, device: str = "auto", dtype: str = "auto", r
     spreads a big target (models/loading.py: device-map or tp). `cpu_kernels="packed"` packs the
     linears of a CPU fp32 model for oneDNN (inference only: models/cpu_kernels.py); "auto" routes
     each call by its row count to the kernel this CPU runs faster (timed once per machine and
-    model with both copies kept, then cached; a cached choice makes only the copies it reads); elsewhere, or where this torch lacks the kernels, it stays
-    "stock" (see `Session.cpu_kernels`). `settle=False` leaves an auto choice pending (the
-    caller checks its other inputs first, then calls `Session.settle_kernels`)."""
+    model with both copies kept, then cached; a cached choice makes only the copies it reads);
+    elsewhere, or where this torch lacks the kernels, it stays "stock" (see `Session.cpu_kernels`).
+    `settle=False` leaves an auto choice pending (the caller checks its other inputs first, then
+    calls `Session.settle_kernels`)."""
     if cpu_kernels not in CPU_KERNELS:
         raise UsageError(f"unknown --cpu-kernels {cpu_kernels!r}", f"use one of {', '.join(CPU_KERNELS)}")
     dev = resolve_device(device)

@@ -172,11 +172,14 @@ CHOICE_VERSION = 2  # bump when the timing or the rule changes: older cached cho
 MARGIN = 0.02  # a kernel must be this much faster to count as winning (ties keep one copy of the weights)
 
 
+CACHE_NAME = "cpu_kernels.json"
+
+
 def cache_path() -> Path:
     """`$DSPARKCTL_CPU_KERNELS_CACHE`, else `$DSPARKCTL_CACHE/cpu_kernels.json` (~/.cache/dsparkctl)."""
     if os.environ.get("DSPARKCTL_CPU_KERNELS_CACHE"):
         return Path(os.environ["DSPARKCTL_CPU_KERNELS_CACHE"])
-    return Path(os.environ.get("DSPARKCTL_CACHE", Path.home() / ".cache" / "dsparkctl")) / "cpu_kernels.json"
+    return Path(os.environ.get("DSPARKCTL_CACHE", Path.home() / ".cache" / "dsparkctl")) / CACHE_NAME
 
 
 def _cpu_info() -> dict[str, str]:
@@ -214,20 +217,23 @@ def choice_key(model: nn.Module) -> str:
 VALID_CHOICES = (0, *ROWS[:-1], ALWAYS_STOCK)
 
 
-def _read_cache(path: Path) -> dict:
-    """The cache's entries; {} for a missing, unreadable, damaged or non-regular file (never an error)."""
+def _read_cache(path: Path) -> dict | None:
+    """The cache's entries: {} for a missing file, None for one that is not a cache (unreadable,
+    damaged, not a JSON object, not a regular file). Never an error."""
     try:
-        if not path.is_file():  # a FIFO or device would block or stream
+        if not path.exists():
             return {}
+        if not path.is_file():  # a FIFO or device would block or stream
+            return None
         doc = json.loads(path.read_text())
     except (OSError, ValueError, RecursionError):
-        return {}
-    return doc if isinstance(doc, dict) else {}
+        return None
+    return doc if isinstance(doc, dict) else None
 
 
 def cached_choice(model: nn.Module) -> int | None:
     """The cached stock_rows for this machine and model, or None (absent or not a valid choice)."""
-    entry = _read_cache(cache_path()).get(choice_key(model))
+    entry = (_read_cache(cache_path()) or {}).get(choice_key(model))
     rows = entry.get("stock_rows") if isinstance(entry, dict) else None
     return rows if type(rows) is int and rows in VALID_CHOICES else None
 
@@ -271,8 +277,8 @@ def choose_kernels(model: nn.Module, forward: Callable[[int], object], log: Call
         f"{cache_path()})")
     ms = time_rows(model, forward, repeats)
     rows = stock_rows_from(ms)
-    remember_choice(model, rows, {"forward_ms": {k: {str(r): round(t, 3) for r, t in d.items()} for k, d in ms.items()}},
-                    log)
+    timings = {k: {str(r): round(t, 3) for r, t in d.items()} for k, d in ms.items()}
+    remember_choice(model, rows, {"forward_ms": timings}, log)
     return rows, ms
 
 
@@ -282,15 +288,21 @@ def remember_choice(model: nn.Module, rows: int, extra: dict, log: Callable[[str
     entry = {"stock_rows": rows, "label": kernel_label(rows), "cpu": _cpu_info()["name"], "torch": torch.__version__,
              "threads": torch.get_num_threads(), **extra}
     path = cache_path()
-    try:
-        from dsparkctl.fsutil import write_json
+    from dsparkctl.fsutil import cannot_create, write_json
 
+    try:
         path.parent.mkdir(parents=True, exist_ok=True)
         cached = _read_cache(path)  # read again just before writing: another process may have added its own
+        if cached is None and path.is_file() and path.name != CACHE_NAME:  # someone's file: left alone
+            log(f"note: {path} is not a kernel-choice cache and was left as it is; the next run times again "
+                "(point $DSPARKCTL_CPU_KERNELS_CACHE at a new file, or pass --cpu-kernels packed or stock)")
+            return
+        cached = cached or {}  # a damaged cache of ours (only ever written atomically) starts again
         cached[choice_key(model)] = entry
         write_json(path, cached)
     except OSError as e:
-        log(f"note: could not cache the kernel choice in {path} ({e.strerror or e}); the next run times again "
+        why = cannot_create(path) or e.strerror or str(e)
+        log(f"note: could not cache the kernel choice in {path} ({why}); the next run times again "
             "(pass --cpu-kernels packed or stock to skip the timing)")
 
 
