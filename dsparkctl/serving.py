@@ -201,14 +201,14 @@ def check_target_id(tid: str) -> None:
 def sglang_file(path: Path, kind: str) -> Path:
     """Our SPS table / calibration result -> the SGLang file written beside it; SGLang's files as they are."""
     from dsparkctl.calibrate import CALIBRATION_FORMAT
-    from dsparkctl.sps_io import SPS_FORMAT
+    from dsparkctl.sps_io import SPS_FORMATS
     from dsparkctl.strict_json import read
 
     d = read(path, "SPS table" if kind == "sps" else "calibration file",
              "write it with `dsparkctl profile-sps`" if kind == "sps" else "write it with `dsparkctl calibrate`")
     if not isinstance(d, dict):
         raise InputError(f"{path}: expected a JSON object")
-    if kind == "sps" and d.get("format") == SPS_FORMAT:
+    if kind == "sps" and d.get("format") in SPS_FORMATS:
         twin = twin_path(path)
         if not twin.is_file():
             raise InputError(f"{path} is our SPS table and {twin} (its SGLang twin) is missing",

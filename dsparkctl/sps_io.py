@@ -1,8 +1,11 @@
 """SPS table files: ours (with provenance) and SGLang's, read strictly and written atomically.
 
-    ours    {"format": "dsparkctl-sps/1", "batch_tokens": [...], "steps_per_sec": [...],
+    ours    {"format": "dsparkctl-sps/2", "batch_tokens": [...], "steps_per_sec": [...],
              "max_batch_tokens": N, "lookup": "floor", "extrapolate": "clamp",
+             "grid": {"requests", "tokens_per_request", "step_ms", "plain_ms"} (math.sps.StepGrid),
+             "conditions": {machine, threads, kernels, ...}, "points": raw probes,
              "provenance": {...}, ...extra keys preserved in `SPSTable.meta`}
+            Format 1 (no grid, so no plain step) is still read.
     SGLang  {"sample_batch_tokens": [...], "sample_steps_per_sec": [...], "max_batch_tokens": N}
             (`--speculative-dspark-sps-table-path`; sglang dspark_components/dspark_sps.py
             requires max_batch_tokens ≥ the last probe.)
@@ -18,11 +21,12 @@ from typing import Any
 
 from dsparkctl.errors import InputError, UsageError
 from dsparkctl.fsutil import write_json
-from dsparkctl.math.sps import EXTRAPOLATION, LOOKUP_MODES, SPSTable
+from dsparkctl.math.sps import EXTRAPOLATION, LOOKUP_MODES, SPSTable, StepGrid
 from dsparkctl.provenance import provenance
 from dsparkctl.strict_json import read
 
-SPS_FORMAT = "dsparkctl-sps/1"
+SPS_FORMAT = "dsparkctl-sps/2"
+SPS_FORMATS = ("dsparkctl-sps/1", SPS_FORMAT)
 FORMATS = ("dsparkctl", "sglang")
 _WRITTEN_BY = "pass a file written by `dsparkctl profile-sps`"
 
@@ -36,11 +40,13 @@ def table_json(table: SPSTable, fmt: str = "dsparkctl") -> dict[str, Any]:
     if fmt != "dsparkctl":
         raise UsageError(f"unknown SPS table format {fmt!r}", f"use one of {', '.join(FORMATS)}")
     meta = dict(table.meta)
+    meta.pop("grid", None)
     prov = meta.pop("provenance", None) or provenance()
-    return {"format": SPS_FORMAT, "batch_tokens": list(table.batch_tokens),
+    return {"format": SPS_FORMAT if table.grid else SPS_FORMATS[0], "batch_tokens": list(table.batch_tokens),
             "steps_per_sec": list(table.steps_per_sec),
             "max_batch_tokens": int(table.max_batch_tokens), "lookup": table.mode,
-            "extrapolate": table.extrapolate, **meta, "provenance": prov}
+            "extrapolate": table.extrapolate, **({"grid": table.grid.to_json()} if table.grid else {}),
+            **meta, "provenance": prov}
 
 
 def save_sps_table(table: SPSTable, path: str | os.PathLike, fmt: str = "dsparkctl") -> None:
@@ -53,8 +59,8 @@ def table_from_json(obj: Any, source: str = "SPS table", mode: str | None = None
     """A table from a parsed file of either format; `mode`/`extrapolate` override the file's."""
     if not isinstance(obj, dict):
         raise InputError(f"{source}: expected a JSON object", "pass an SPS table JSON file")
-    if obj.get("format") == SPS_FORMAT:
-        known = {"format", "batch_tokens", "steps_per_sec", "max_batch_tokens", "lookup", "extrapolate"}
+    if obj.get("format") in SPS_FORMATS:
+        known = {"format", "batch_tokens", "steps_per_sec", "max_batch_tokens", "lookup", "extrapolate", "grid"}
         for k in ("batch_tokens", "steps_per_sec"):
             if not isinstance(obj.get(k), list):
                 raise InputError(f"{source}: field {k!r} missing or not a list", _WRITTEN_BY)
@@ -62,25 +68,78 @@ def table_from_json(obj: Any, source: str = "SPS table", mode: str | None = None
             if k in obj and obj[k] not in choices:
                 raise InputError(f"{source}: field {k!r} is {obj[k]!r}, not one of {', '.join(choices)}",
                                  f"set \"{k}\": \"{choices[0]}\"")
-        return SPSTable(obj["batch_tokens"], obj["steps_per_sec"],
-                        meta={k: v for k, v in obj.items() if k not in known},
-                        mode=mode or obj.get("lookup", "floor"),
-                        extrapolate=extrapolate or obj.get("extrapolate", "clamp"),
-                        max_batch_tokens=obj.get("max_batch_tokens"), source=source)
+        grid = _grid(obj, source) if obj["format"] == SPS_FORMAT else None
+        table = SPSTable(obj["batch_tokens"], obj["steps_per_sec"],
+                         meta={k: v for k, v in obj.items() if k not in known},
+                         mode=mode or obj.get("lookup", "floor"),
+                         extrapolate=extrapolate or obj.get("extrapolate", "clamp"),
+                         max_batch_tokens=obj.get("max_batch_tokens"), source=source, grid=grid)
+        check_monotone(table)
+        return table
     if "sample_batch_tokens" in obj or "sample_steps_per_sec" in obj:
         for k in ("sample_batch_tokens", "sample_steps_per_sec"):
             if not isinstance(obj.get(k), list):
                 raise InputError(f"{source}: SGLang field {k!r} missing or not a list",
                                  "an SGLang table has sample_batch_tokens and sample_steps_per_sec")
-        return SPSTable(obj["sample_batch_tokens"], obj["sample_steps_per_sec"],
-                        meta={"imported_from": "sglang"}, mode=mode or "floor",
-                        extrapolate=extrapolate or "clamp", max_batch_tokens=obj.get("max_batch_tokens"),
-                        source=source)
+        table = SPSTable(obj["sample_batch_tokens"], obj["sample_steps_per_sec"],
+                         meta={"imported_from": "sglang"}, mode=mode or "floor",
+                         extrapolate=extrapolate or "clamp", max_batch_tokens=obj.get("max_batch_tokens"),
+                         source=source)
+        check_monotone(table)
+        return table
     if "bias_seconds" in obj:
         raise InputError(f"{source}: SGLang additive step-time tables are not supported",
                          "profile a plain SPS table (sample_batch_tokens / sample_steps_per_sec)")
     raise InputError(f"{source}: not an SPS table (no 'format': '{SPS_FORMAT}' and no "
                      "'sample_batch_tokens')", _WRITTEN_BY)
+
+
+def _grid(obj: dict[str, Any], source: str) -> StepGrid:
+    g = obj.get("grid")
+    if not isinstance(g, dict) or not all(k in g for k in ("requests", "tokens_per_request", "step_ms")):
+        raise InputError(f"{source}: a {SPS_FORMAT} table needs a 'grid' with requests, tokens_per_request "
+                         "and step_ms", _WRITTEN_BY)
+    return StepGrid(g["requests"], g["tokens_per_request"], g["step_ms"], g.get("plain_ms"), source=source)
+
+
+def check_monotone(table: SPSTable) -> None:
+    """Refuse a table whose steps/s RISE with batch tokens: more work cannot take less time, and a
+    planner reading such a table chases noise (it verifies more to land on the faster probe)."""
+    s = table.steps_per_sec
+    for i in range(1, len(s)):
+        if s[i] > s[i - 1] * (1 + 1e-9):
+            raise InputError(f"{table.source}: steps/s rises from {s[i - 1]:.4g} at {table.batch_tokens[i - 1]} "
+                             f"batch tokens to {s[i]:.4g} at {table.batch_tokens[i]} (not monotone: a noisy or "
+                             "hand-edited table)",
+                             "profile again with `dsparkctl profile-sps`, which fits a monotone table")
+
+
+def condition_notes(table: SPSTable, now: dict[str, Any] | None, target: str | None = None,
+                    block_size: int | None = None) -> list[str]:
+    """What differs between the conditions a table was profiled under and `now` (a session's
+    `conditions()`; None: only the table's own facts are checked): one note per difference."""
+    meta, notes = table.meta, []
+    had = meta.get("conditions") if isinstance(meta.get("conditions"), dict) else None
+    if had is None:
+        notes.append(f"{table.source} does not say what machine, threads and kernels it was profiled with "
+                     "(an older or imported table); its step times may not be this run's")
+    elif now is not None:
+        for k in ("cpu", "machine", "threads", "cpu_kernels", "device", "dtype", "torch"):
+            if k in had and k in now and had[k] != now[k]:
+                notes.append(f"{table.source} was profiled with {k} {had[k]!r}, this run has {now[k]!r}: "
+                             "its step times may not hold here")
+    if target is not None and isinstance(meta.get("target"), str) and meta["target"] != target:
+        notes.append(f"{table.source} was profiled on target {meta['target']!r}, this run uses {target!r}")
+    return notes
+
+
+def check_block_size(table: SPSTable, block_size: int) -> None:
+    """Refuse a whole-step table profiled with a draft of another block size: its steps priced
+    drafts this draft does not make (and its grid may verify more than γ)."""
+    had = table.meta.get("block_size")
+    if isinstance(had, int) and not isinstance(had, bool) and had != block_size:
+        raise InputError(f"{table.source} was profiled with a draft of block size {had}; this draft's is {block_size}",
+                         "profile again with this draft: `dsparkctl profile-sps --draft ...`")
 
 
 def load_sps_table(path: str | os.PathLike, mode: str | None = None, extrapolate: str | None = None) -> SPSTable:

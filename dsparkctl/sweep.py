@@ -8,12 +8,16 @@ only on the token count, not on the drafts, so skipping them biases nothing.
 At concurrency C the engine runs steps of C requests; each request's round is drawn uniformly
 (with replacement, seeded) from the pooled trace rounds. The policy sees the recorded
 confidence logits (with the calibration temperatures, if given) and picks ℓ; the round then
-accepts `min(accepted_if_full, ℓ)` drafts and always emits the bonus token. A step with batch
-tokens `B = Σ(1 + ℓ)` takes `1 / SPS(B)` seconds (SPS table lookup).
+accepts `min(accepted_if_full, ℓ)` drafts and always emits the bonus token. A drafted step of C
+requests with batch tokens `B = Σ(1 + ℓ)` takes `SPSTable.step_seconds(C, B)` (the table's grid,
+or 1 / SPS(B) for a table without one). A policy may skip the draft for a whole step
+(`Policy.run_steps`; static:0 always does): that step emits one token per request and takes the
+table's plain-step time (a table without one: the drafted step at B = C, an upper bound).
 
 Per policy and concurrency:
   tokens_per_step   mean over request-rounds of 1 + accepted (τ, bonus included)
   mean_verify       mean ℓ
+  drafted_share     share of steps that ran the draft
   throughput        total tokens / total time (tokens/s, all users)
   per_user          throughput / C (tokens/s one user sees)
 Each cell replays `ceil(rounds / C)` steps (so ≈ `rounds` request-rounds per cell).
@@ -35,7 +39,8 @@ from dsparkctl.sps_io import load_sps_table
 from dsparkctl.trace import read_traces
 
 SWEEP_FORMAT = "dsparkctl-sweep/1"
-DEFAULT_POLICIES = ("static:1", "static:3", "threshold:0.5", "survival:0.4", "budget:256", "dspark", "dspark-async")
+DEFAULT_POLICIES = ("static:0", "static:1", "static:3", "threshold:0.5", "survival:0.4", "budget:256", "dspark",
+                    "dspark-async")
 DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 MAX_CANDIDATES = 20_000_000  # request-rounds × γ held at once per cell (~70 bytes each: ~1.4 GB)
 
@@ -53,7 +58,7 @@ def load_replay_rounds(trace_paths: Sequence[str | os.PathLike]) -> dict[str, An
             elif r.block_size != gamma:
                 raise InputError(f"{p}: block size {r.block_size} differs from {gamma}",
                                  "sweep traces of one block size at a time")
-            if r.budget_capped:
+            if r.budget_capped or not r.drafted:  # plain steps carry no drafts to replay
                 skipped += 1
                 continue
             if r.verify_length != r.block_size:
@@ -97,17 +102,21 @@ def replay(pool: dict[str, Any], policy_specs: Sequence[str], concurrency: Seque
         idx = torch.randint(0, logits.shape[0], (steps, C), generator=gen)  # [G, C]
         surv = surv_all[idx]  # [G, C, γ]
         acc_if_full = acc_full[idx]  # [G, C]
+        plain_s = sps.plain_seconds(C)
         for pol in policies:
-            ell = pol.choose_batched(surv, pol.new_state())  # [G, C]
+            ell, drafted = pol.run_steps(surv, pol.new_state())  # [G, C], [G]
             acc = torch.minimum(acc_if_full, ell)
             tokens = (1 + acc).sum(1).double()  # [G]
             btok = (1 + ell).sum(1)  # [G]
-            step_s = 1.0 / sps.sps(btok)  # [G]
+            step_s = sps.step_seconds(C, btok.double())  # [G]
+            if plain_s is not None:
+                step_s = torch.where(drafted, step_s, torch.full_like(step_s, plain_s))
             thr = float(tokens.sum() / step_s.sum())
             rows.append({"policy": pol.spec, "concurrency": C, "steps": steps, "request_rounds": steps * C,
                          "tokens_per_step": float(tokens.sum()) / (steps * C),
                          "mean_verify": float(ell.double().mean()),
                          "mean_batch_tokens": float(btok.double().mean()),
+                         "drafted_share": float(drafted.double().mean()),
                          "throughput_tok_s": thr, "per_user_tok_s": thr / C})
     return rows
 

@@ -15,6 +15,8 @@ Every further line is one round of one request:
     verify_ms          float wall time of the target verify forward for the whole batch
     budget_capped      bool  ℓ was cut below the policy's choice by the token budget
                              (max new tokens); optional, false when absent (older traces)
+    drafted            bool  false when the policy skipped the draft (a plain step: no
+                             confidences, ℓ = 0); optional, true when absent
 
 Extra keys are allowed and preserved (forward compatible); these names never change.
 The reader is strict: UTF-8 lines of strict JSON (no NaN/Infinity, each key once), integers
@@ -57,11 +59,14 @@ class TraceRound:
     draft_ms: float
     verify_ms: float
     budget_capped: bool = False  # ℓ shortened by the token budget, not chosen by the policy
+    drafted: bool = True  # False: a plain step the policy chose (no draft ran)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         extra = d.pop("extra")
+        if d["drafted"]:  # written only for plain steps: older readers keep it as an extra key
+            del d["drafted"]
         d.update(extra)
         return d
 
@@ -91,9 +96,13 @@ def _parse_round(obj: Any, where: str) -> TraceRound:
         raise InputError(f"{where}: verify_length {ell} exceeds block_size {gamma}", _WRITTEN_BY)
     if acc > ell:
         raise InputError(f"{where}: accepted {acc} exceeds verify_length {ell}", _WRITTEN_BY)
-    capped = obj.get("budget_capped", False)
-    if not isinstance(capped, bool):
-        raise InputError(f"{where}: field 'budget_capped' must be true or false, got {_short(capped)}", _WRITTEN_BY)
+    capped, drafted = obj.get("budget_capped", False), obj.get("drafted", True)
+    for k, v in (("budget_capped", capped), ("drafted", drafted)):
+        if not isinstance(v, bool):
+            raise InputError(f"{where}: field {k!r} must be true or false, got {_short(v)}", _WRITTEN_BY)
+    if not drafted and (ell != 0 or obj["confidence_logits"] is not None):
+        raise InputError(f"{where}: a round without a draft must have verify_length 0 and no confidence_logits",
+                         _WRITTEN_BY)
     logits = obj["confidence_logits"]
     if logits is not None:
         if (not isinstance(logits, list) or len(logits) != gamma
@@ -101,13 +110,14 @@ def _parse_round(obj: Any, where: str) -> TraceRound:
                            and math.isfinite(x) for x in logits)):
             raise InputError(f"{where}: confidence_logits must be null or {gamma} finite numbers", _WRITTEN_BY)
         logits = [float(x) for x in logits]
-    known = {*_INT_FIELDS, *_FLOAT_FIELDS, "confidence_logits", "budget_capped"}
+    known = {*_INT_FIELDS, *_FLOAT_FIELDS, "confidence_logits", "budget_capped", "drafted"}
     return TraceRound(
         **{k: obj[k] for k in _INT_FIELDS},
         confidence_logits=logits,
         draft_ms=float(obj["draft_ms"]),
         verify_ms=float(obj["verify_ms"]),
         budget_capped=capped,
+        drafted=drafted,
         extra={k: v for k, v in obj.items() if k not in known},
     )
 

@@ -46,3 +46,27 @@ def test_chi_square_reference_values():
     stat, p, dof = chi_square(torch.tensor([60, 40]), torch.tensor([0.5, 0.5]))
     assert stat == pytest.approx(4.0) and p == pytest.approx(0.0455003, rel=1e-5)  # scipy chi2.sf(4, 1)
     assert chi_square(torch.tensor([1, 9]), torch.tensor([0.0, 1.0]))[1] == 0.0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_skip_the_draft_path_is_lossless(seed):
+    """With a plain-step price the gated policies skip the draft on some steps (from earlier
+    steps only) and probe on others; the output law must stay the target's."""
+    from dsparkctl.math.audit import with_plain_step
+
+    for s in (with_plain_step(appendix_a(), seed), with_plain_step(random_setting(torch.Generator().manual_seed(2000 + seed)), seed)):
+        for spec in ("dspark", "dspark-async", "static:0"):
+            r = audit_policy(s, parse_policy(spec, sps=s.sps), 12_000, torch.Generator().manual_seed(seed))
+            assert r.passed, (s.name, r.to_json())
+            if spec == "static:0":
+                assert r.drafted_share == 0.0 and r.mean_verify == 0.0
+        r = audit_policy(s, parse_policy("dspark-async", sps=s.sps), 12_000, torch.Generator().manual_seed(seed))
+        assert 0.0 < r.drafted_share < 1.0, (s.name, r.drafted_share)  # both paths ran
+
+
+def test_retrospective_still_fails_with_a_plain_step():
+    from dsparkctl.math.audit import with_plain_step
+
+    s = with_plain_step(appendix_a())
+    r = audit_policy(s, parse_policy("retrospective", sps=s.sps), 20_000, torch.Generator().manual_seed(0))
+    assert not r.passed

@@ -144,3 +144,59 @@ def test_bf16_path_runs_and_stays_greedy_exact():
     sampled = SpeculativeEngine(tgt, draft, parse_policy("static:4"), SamplingParams(1.0))
     out = sampled.generate(PROMPTS, 30, generator=torch.Generator().manual_seed(0))
     assert all(len(o.tokens) == 30 for o in out.outputs)
+
+
+def _grid_table(plain_share: float) -> SPSTable:
+    """A table that prices the plain step at `plain_share` of a drafted step verifying nothing."""
+    from dsparkctl.math.sps import StepGrid
+
+    reqs, toks = [1, 2, 4, 8], [1, 2, 3, 4, 5]
+    ms = [[10.0 * (1 + 0.05 * r) * (1 + 0.1 * (t - 1)) for t in toks] for r in reqs]
+    grid = StepGrid(reqs, toks, ms, [plain_share * row[0] for row in ms])
+    return SPSTable(SPS.batch_tokens, SPS.steps_per_sec, grid=grid)
+
+
+@pytest.mark.parametrize("policy", ["dspark", "dspark-async", "static:0"])
+@pytest.mark.parametrize("plain_share", [0.2, 0.75])
+def test_skipping_the_draft_keeps_greedy_identity(policy, plain_share):
+    """The skip-the-draft path (a plain step chosen before drafting, deferred draft context)
+    must leave greedy output token for token equal to plain decoding, batched and alone."""
+    model = tiny_target("llama")
+    tgt = TargetAdapter(model, [0, 1])
+    draft = bigram_oracle_draft(tgt, PROMPTS, block_size=4, layer_ids=[0, 1])
+    eng = SpeculativeEngine(tgt, draft, parse_policy(policy, sps=_grid_table(plain_share)), SamplingParams(0.0))
+    base = plain_generate(TargetAdapter(model), PROMPTS, 40, SamplingParams(0.0))
+    rows = []
+    rep = eng.generate(PROMPTS, 40, on_round=rows.extend)
+    assert [o.tokens for o in rep.outputs] == [o.tokens for o in base.outputs]
+    assert eng.generate([PROMPTS[1]], 40).outputs[0].tokens == base.outputs[1].tokens
+    drafted = [r.drafted for r in rows]
+    assert all(r.verify_length == 0 and r.confidence_logits is None for r in rows if not r.drafted)
+    if policy == "static:0":
+        assert not any(drafted)
+    elif plain_share < 0.5:
+        assert not all(drafted) and any(drafted), drafted  # both paths ran (probes while skipping)
+
+
+@pytest.mark.parametrize("policy", ["static:0", "dspark-async"])
+def test_sampled_output_with_skipped_drafts_matches_target_distribution(policy):
+    """Sampling through plain steps the policy chose (static:0 always; dspark-async after its
+    estimate says drafting cannot pay) follows the target's law."""
+    params = SamplingParams(1.0)
+    model = tiny_target("llama", vocab=8, hidden=32, seed=4)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.25)
+    tgt = TargetAdapter(model, [0, 1])
+    draft = random_draft(tgt, seed=5, block_size=3, markov_rank=4, layer_ids=[0, 1])
+    from dsparkctl.math.sps import StepGrid
+
+    grid = StepGrid([1, 4096], [1, 2, 3, 4], [[10.0, 11.0, 12.0, 13.0], [20.0, 30.0, 40.0, 50.0]], [0.5, 1.0])
+    pol = parse_policy(policy, sps=SPSTable([1, 2], [1.0, 0.9], grid=grid))
+    eng = SpeculativeEngine(tgt, draft, pol, params)
+    prompt = [3, 5, 6]
+    gen = torch.Generator().manual_seed(12)
+    rows = []
+    # 4 tokens: prefill, a drafted round (no estimate yet) or a plain step, then plain steps
+    rep = eng.generate([prompt] * 4000, 4, generator=gen, on_round=rows.extend)
+    assert any(not r.drafted for r in rows)
+    assert_three_tokens_distributed_as(rep.outputs, _exact_three_token_distribution(model, prompt, params), params)

@@ -157,7 +157,7 @@ def test_profile_sps_then_scheduled_generation_then_calibration(models, tmp_path
     trace, calibrate the confidence head on that trace, then generate with the temperatures."""
     _, target, draft = models
     sps = tmp_path / "sps.json"
-    res = run("profile-sps", "--target", target, "--out", sps, "--requests", "1,2", "--tokens-per-request",
+    res = run("profile-sps", "--target", target, "--draft", draft, "--out", sps, "--requests", "1,2", "--tokens-per-request",
               "1,3", "--repeats", 2, "--warmup", 1, "--context-len", 16, "--json")
     assert res.exit_code == 0, res.output
     prof = json.loads(res.stdout)

@@ -27,7 +27,9 @@ def test_whole_step_points_roll_back_exactly():
     points = profile_whole_step(eng, [1, 3], [1, 3, 5], context_len=16, repeats=2, warmup=1,
                                 on_point=lambda p: seen.append((p.requests, p.tokens_per_request,
                                                                 int(tgt.seq_len.max()), tgt.cache_slots())))
-    assert [(p.requests, p.tokens_per_request) for p in points] == [(1, 1), (1, 3), (1, 5), (3, 1), (3, 3), (3, 5)]
+    assert [(p.requests, p.tokens_per_request, p.plain) for p in points] == [
+        (1, 1, False), (1, 3, False), (1, 5, False), (1, 1, True), (3, 1, False), (3, 3, False), (3, 5, False),
+        (3, 1, True)]  # the plain step (no draft) per request count
     assert all(len(p.ms) == 2 and min(p.ms) > 0 for p in points)
     assert {s[2] for s in seen} == {16} and {s[3] for s in seen} == {16}  # the cache never grew
     with pytest.raises(UsageError, match="verifies more than"):

@@ -49,7 +49,8 @@ def generate(
                                                   "static:γ, every draft; retrospective is biased: for replay "
                                                   "studies only).")] = None,
     sps_table: Annotated[Optional[Path], typer.Option("--sps-table", help=f"SPS table for {', '.join(NEEDS_SPS)} "
-                                                      "(from profile-sps).")] = None,
+                                                      "(from profile-sps); default: this machine's, profiled once "
+                                                      "and cached.")] = None,
     calibration: Annotated[Optional[Path], typer.Option("--calibration", help="Per-position temperatures from `dsparkctl calibrate`.")] = None,
     temperature: TemperatureOpt = None,
     top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass in (0, 1].")] = 1.0,
@@ -76,7 +77,8 @@ def generate(
 ) -> None:
     from dsparkctl.cli.checks import Output, check_outputs, local_inputs
     from dsparkctl.data.prompts import apply_preset_wrap, encode_prompts, prompt_texts
-    from dsparkctl.engine.generate import GenerateOptions, generate_report, load_policy
+    from dsparkctl.engine.generate import (GenerateOptions, calibration_notes, generate_report, load_policy,
+                                           policy_notes)
     from dsparkctl.engine.session import open_session
     from dsparkctl.math.sampling import SamplingParams
     from dsparkctl.provenance import provenance
@@ -87,8 +89,6 @@ def generate(
         raise UsageError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {batch_size}")
-    if policy and policy.partition(":")[0].strip() in NEEDS_SPS and sps_table is None:
-        raise UsageError(f"--policy {policy} needs an SPS table", "pass --sps-table (written by `dsparkctl profile-sps`)")
     if trace is not None:
         check_outputs([Output(trace, "--trace")], local_inputs(prompts_file, sps_table, calibration, dataset,
                                                                target=target, drafts=[draft]))
@@ -102,12 +102,25 @@ def generate(
     tok = sess.target.tokenizer
     ids = encode_prompts(tok, texts, chat=chat)
     check_positions(sess.target.model, ids, max_new_tokens, sess.draft.block_size)
-    pol = load_policy(policy, sess.draft.block_size, sps_table, calibration)  # with its SPS table and calibration
+    if calibration is None and (calibration := sess.default_calibration()) is not None:
+        sess.notes.append(f"confidences calibrated with {calibration} (the draft's own; --calibration to override)")
+        err.print(styled(("note:", "yellow"), f" {sess.notes[-1]}"))
+    machine_table = (policy or "").partition(":")[0].strip() in NEEDS_SPS and sps_table is None
+    pol = load_policy(policy, sess.draft.block_size, sps_table, calibration, placeholder=machine_table)
+    cal_notes = calibration_notes(calibration, sess)
     sess.settle_kernels(lambda m: err.print(styled((m, "dim"))))  # said even under --json: it takes seconds
+    if machine_table:  # this machine's table, profiled once per machine and pair (engine/sps_cache.py)
+        from dsparkctl.engine.sps_cache import machine_sps_table
+
+        table = machine_sps_table(sess, lambda m: err.print(styled((m, "dim"))))
+        pol = load_policy(policy, sess.draft.block_size, None, calibration, sps=table)
+    for n in cal_notes + policy_notes(pol, sess):
+        sess.notes.append(n)
+        err.print(styled(("note:", "yellow"), f" {n}"))
     opts = GenerateOptions(
         sampling=sampling, max_new_tokens=max_new_tokens, batch_size=1 if stream else batch_size, seed=seed,
         policy=pol, baseline=baseline, repeats=repeats, trace=trace,
-        trace_header=provenance(target=sess.target.name, draft=sess.draft_name,
+        trace_header=provenance(target=sess.target.name, draft=sess.draft_name, draft_fingerprint=sess.draft.fingerprint(),
                                 dataset=dataset or (str(prompts_file) if prompts_file else "args"),
                                 temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                 device=str(sess.device), dtype=str(sess.dtype).replace("torch.", "")))

@@ -62,12 +62,11 @@ def profile_sps_cmd(
     plot: Annotated[Optional[Path], typer.Option("--plot", help="PNG path (default <out stem>.png).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    from dsparkctl.engine.profile import profile_sps, profile_whole_step, table_from_points
+    from dsparkctl.engine.profile import fit_table, profile_sps, profile_whole_step
     from dsparkctl.engine.session import open_session, open_target
     from dsparkctl.engine.speculative import SpeculativeEngine
     from dsparkctl.math.policies import parse_policy
     from dsparkctl.math.sampling import SamplingParams
-    from dsparkctl.math.sps import SPSTable
     from dsparkctl.sps_io import save_sps_table
 
     measure = measure or Measure.whole_step
@@ -99,19 +98,23 @@ def profile_sps_cmd(
         sess = open_target(target, device.value, dtype.value, revision, log=log, cpu_kernels=cpu_kernels.value)
         run = functools.partial(profile_sps, sess.plain_adapter())
     done = itertools.count(1)
-    with progress_bar("profile-sps", len(set(reqs)) * len(set(toks))) as update:
+    n_points = len(set(reqs)) * (len(set(toks)) + (measure == Measure.whole_step))
+    with progress_bar("profile-sps", n_points) as update:
         points = run(reqs, toks, context_len, repeats, warmup, seed, on_point=lambda p: update(next(done)))
     tgt, dev, dt = sess.target, sess.device, str(sess.dtype).replace("torch.", "")
-    bt, sps = table_from_points(points)
-    meta = provenance(target=tgt.name, measures=measure.value,
-                      draft=(str(Path(draft).resolve()) if draft and Path(draft).exists() else sess.draft_name)
-                      if measure == Measure.whole_step else None, device=str(dev), dtype=dt, cpu_kernels=sess.cpu_kernels,
-                      context_len=context_len, repeats=repeats, warmup=warmup,
-                      grid={"requests": sorted(set(reqs)), "tokens_per_request": sorted(set(toks))},
-                      points=[{"requests": p.requests, "tokens_per_request": p.tokens_per_request,
+    drafted = ((str(Path(draft).resolve()) if draft and Path(draft).exists() else sess.draft_name)
+               if measure == Measure.whole_step else None)
+    meta = provenance(target=tgt.name, measures=measure.value, draft=drafted, device=str(dev), dtype=dt,
+                      cpu_kernels=sess.cpu_kernels, context_len=context_len, repeats=repeats, warmup=warmup,
+                      block_size=sess.draft.block_size if measure == Measure.whole_step else None,
+                      conditions=sess.conditions(),
+                      points=[{"requests": p.requests, "tokens_per_request": p.tokens_per_request, "plain": p.plain,
                                "batch_tokens": p.batch_tokens, "median_ms": round(p.median_ms, 4),
                                "ms": [round(x, 4) for x in p.ms]} for p in points])
-    table = SPSTable(bt, sps, meta=meta)
+    table, warnings = fit_table(points, meta)
+    for w in warnings:
+        err.print(styled(("warning:", "yellow"), f" {w}"))
+    bt, sps = table.batch_tokens, table.steps_per_sec
     from dsparkctl.plots import plot_sps
 
     plot_sps(bt, sps, png, f"{tgt.name} on {dev} ({dt}), context {context_len}, {measure.value}")
@@ -119,7 +122,7 @@ def profile_sps_cmd(
     save_sps_table(table, out_path, fmt="dsparkctl")  # ours last: its presence means all three were written
     result = {"table": str(out_path), "sglang_table": str(sg), "plot": str(png), "measures": measure.value,
               "batch_tokens": bt, "steps_per_sec": [round(s, 3) for s in sps],
-              "ms_per_step": [round(1000 / s, 3) for s in sps]}
+              "ms_per_step": [round(1000 / s, 3) for s in sps], "grid": table.grid.to_json(), "warnings": warnings}
     if json_out:
         print_json(result)
         return
@@ -130,4 +133,11 @@ def profile_sps_cmd(
     for b, s in zip(bt, sps):
         t.add_row(str(b), f"{s:.2f}", f"{1000 / s:.2f}")
     out.print(t)
+    g = table.grid
+    gt = Table(title="fitted step time, ms (requests × tokens per request; plain = no draft)", title_justify="left")
+    for c in ("requests", *map(str, g.tokens), *(("plain",) if g.plain_ms else ())):
+        gt.add_column(c, justify="right")
+    for i, r in enumerate(g.requests):
+        gt.add_row(str(r), *(f"{v:.2f}" for v in g.step_ms[i]), *((f"{g.plain_ms[i]:.2f}",) if g.plain_ms else ()))
+    out.print(gt)
     out.print(f"wrote {out_path}, {sg}, {png}", highlight=False)

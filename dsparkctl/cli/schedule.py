@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from dsparkctl.cli.checks import Output, check_outputs
-from dsparkctl.cli.common import JsonOpt, SeedOpt, err, error_line, guarded, int_list, out, print_json
+from dsparkctl.cli.common import JsonOpt, SeedOpt, err, error_line, guarded, int_list, out, print_json, styled
 from dsparkctl.errors import UsageError
 from dsparkctl.fsutil import write_json
 from dsparkctl.math.policies import POLICY_SPECS
@@ -52,16 +52,18 @@ def calibrate(
     write_json(sglang_out, sglang_sts(result))
     write_json(out_path, result)
     err.print(f"wrote {out_path}, {sglang_out}, {len(pngs)} reliability PNGs in {plot_dir}", highlight=False)
+    for w in result["warnings"]:
+        err.print(styled(("warning:", "yellow"), f" {w}"))
     if json_out:
         print_json(strip_diagrams(result))
         return
     t = Table(title=f"STS held-out survival metrics (â_k vs 'first k accepted'), "
                     f"{result['rounds']['heldout']} rounds, {bins} bins; conditional metrics in --json")
-    for col in ("pos", "n", "T", "ECE raw → STS", "AUROC raw → STS", "Brier raw → STS"):
+    for col in ("pos", "n", "T", "fit", "ECE raw → STS", "AUROC raw → STS", "Brier raw → STS"):
         t.add_column(col, justify="right")
-    for b, a, temp in zip(result["metrics_heldout"]["before"], result["metrics_heldout"]["after"],
-                          result["temperatures"]):
-        t.add_row(str(b["position"]), str(b["n"]), f"{temp:.3f}", f"{_pct(b['ece'])} → {_pct(a['ece'])}",
+    for b, a, temp, f in zip(result["metrics_heldout"]["before"], result["metrics_heldout"]["after"],
+                             result["temperatures"], result["fit"]):
+        t.add_row(str(b["position"]), str(b["n"]), f"{temp:.3f}", f["status"], f"{_pct(b['ece'])} → {_pct(a['ece'])}",
                   f"{_num(b['auroc'])} → {_num(a['auroc'])}",
                   f"{_num(b['brier'], '.4f')} → {_num(a['brier'], '.4f')}")
     out.print(t)
@@ -119,6 +121,9 @@ def audit(
     policies: Annotated[str, typer.Option("--policies", help="Comma-separated. " + POLICY_HELP)] =
         "retrospective,dspark,dspark-async,static:1,static:2,threshold:0.6,survival:0.3,budget:2",
     rounds: Annotated[int, typer.Option("--rounds", help="Request-rounds simulated per policy and setting.")] = 200_000,
+    plain_rounds: Annotated[int, typer.Option("--plain-rounds", help="Request-rounds per policy on the settings "
+                                              "whose SPS table prices a plain step (+plain: dspark and dspark-async "
+                                              "skip the draft there, simulated one step at a time).")] = 40_000,
     random_settings: Annotated[int, typer.Option("--random-settings", help="Randomised settings besides Appendix A.")] = 3,
     alpha: Annotated[float, typer.Option("--alpha", help="Chi-square significance level.")] = 1e-3,
     seed: SeedOpt = 0,
@@ -129,11 +134,12 @@ def audit(
 
     specs = _policy_specs(policies)
     check_alpha(alpha, "--alpha")
-    if rounds < 1000:
-        raise UsageError(f"--rounds {rounds} is too few for a chi-square test", "use at least 1000 (default 200000)")
+    for flag, n in (("--rounds", rounds), ("--plain-rounds", plain_rounds)):
+        if n < 1000:
+            raise UsageError(f"{flag} {n} is too few for a chi-square test", "use at least 1000")
     if random_settings < 0:
         raise UsageError(f"--random-settings {random_settings} is negative", "use 0 for Appendix A only, e.g. 3")
-    results = audit_policies(specs, rounds, random_settings, alpha, seed)
+    results = audit_policies(specs, rounds, random_settings, alpha, seed, plain_rounds=plain_rounds)
     unexpected = [r for r in results if r.claimed_lossless and not r.passed]
     if json_out:
         print_json({"alpha": alpha, "results": [r.to_json() for r in results],
@@ -142,14 +148,14 @@ def audit(
         t = Table(title=f"Losslessness audit (chi-square vs target, α={alpha:g}); "
                         "P(tok0) = P(first token = A) in Appendix A")
         for col in ("setting", "policy", "rounds", "P(tok0) [95% CI]", "target", "χ² 1st (p)", "χ² 1st+2nd (p)",
-                    "mean ℓ", "verdict"):
+                    "mean ℓ", "drafted", "verdict"):
             t.add_column(col, justify="right", no_wrap=col not in ("χ² 1st (p)", "χ² 1st+2nd (p)"))
         for r in results:
             verdict = "pass" if r.passed else ("FAIL (biased, expected)" if not r.claimed_lossless else "FAIL")
             t.add_row(r.setting, r.policy, str(r.rounds),
                       f"{r.p_token0:.4f} [{r.p_token0_ci[0]:.4f}, {r.p_token0_ci[1]:.4f}]", f"{r.target_token0:.3f}",
                       f"{r.first_stat:.1f} ({r.first_p:.3g})", f"{r.pair_stat:.1f} ({r.pair_p:.3g})",
-                      f"{r.mean_verify:.2f}", verdict)
+                      f"{r.mean_verify:.2f}", f"{100 * r.drafted_share:.0f}%", verdict)
         out.print(t)
     if unexpected:
         err.print(error_line("error:", f"{len(unexpected)} policy run(s) claimed lossless failed the audit"))

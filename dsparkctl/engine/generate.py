@@ -21,16 +21,52 @@ from dsparkctl.math.policies import Policy, check_fits, parse_policy
 from dsparkctl.math.sampling import SamplingParams
 
 
-def load_policy(spec: str | None, block_size: int, sps_table: Path | None, calibration: Path | None):
-    """A verify-length policy from its spec, with the SPS table and STS temperatures it may need."""
+def load_policy(spec: str | None, block_size: int, sps_table: Path | None, calibration: Path | None,
+                sps: "SPSTable | None" = None, placeholder: bool = False):
+    """A verify-length policy from its spec, with the SPS table (a file, or `sps` itself) and STS
+    temperatures it may need. `placeholder`: check the spec and the calibration only, with a stand-in
+    table (the caller builds the policy again once this machine's table exists, `machine_sps_table`)."""
     temps = None
     if calibration is not None:
         from dsparkctl.calibrate import load_temperatures
         temps = load_temperatures(calibration, gamma=block_size)
     from dsparkctl.sps_io import load_sps_table
 
-    sps = load_sps_table(sps_table) if sps_table is not None else None
+    from dsparkctl.sps_io import check_block_size
+
+    if sps_table is not None:
+        sps = load_sps_table(sps_table)
+    if placeholder and sps is None:
+        from dsparkctl.math.sps import SPSTable
+
+        sps = SPSTable([1, 2], [1.0, 1.0])  # names and arguments are checked, not costs
+    if sps is not None:
+        check_block_size(sps, block_size)
     return check_fits(parse_policy(spec or f"static:{block_size}", sps=sps, temperatures=temps), block_size)
+
+
+def calibration_notes(calibration: Path | None, sess: Session) -> list[str]:
+    """Refuse a calibration fitted for another draft (one line); note one that does not say."""
+    if calibration is None:
+        return []
+    from dsparkctl.calibrate import calibration_draft_notes
+
+    return calibration_draft_notes(calibration, sess.draft.fingerprint())
+
+
+def policy_notes(policy: Policy, sess: Session) -> list[str]:
+    """What the user must be told about a policy's SPS table in this session: other conditions
+    (machine, threads, kernels, target) than it was profiled under, or no plain-step price (so
+    the policy can never skip the draft)."""
+    from dsparkctl.sps_io import condition_notes
+
+    if policy.sps is None:
+        return []
+    notes = condition_notes(policy.sps, sess.conditions(), target=sess.target.name)
+    if hasattr(policy, "lag") and not policy.sps.has_plain:
+        notes.append(f"{policy.sps.source} has no plain-step entry, so {policy.spec} can never skip the draft; "
+                     "profile again with `dsparkctl profile-sps` (it times a plain step too)")
+    return notes
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -18,6 +19,7 @@ from dsparkctl.models.loading import (LoadedTarget, default_draft_dir, load_targ
 from dsparkctl.models.target import TargetAdapter
 
 CPU_KERNELS = ("auto", "packed", "stock")
+CALIBRATION_NAME = "calibration.json"  # a draft folder's own calibration (generate and serve-config use it by default)
 
 
 @dataclass
@@ -31,6 +33,7 @@ class Session:
     draft_name: str = ""
     adapter: TargetAdapter | None = None  # taps the draft's layers
     notes: list[str] = field(default_factory=list)  # things the user must be told (e.g. untrained draft)
+    draft_dir: "Path | None" = None  # the local folder the draft was read from (None: random or unknown)
     stock_rows: int | None = ALWAYS_STOCK  # calls of ≤ this many rows take the stock kernel; None: auto pending
 
     @property
@@ -38,6 +41,35 @@ class Session:
         """How the linears run: stock, packed or stock<=N,packed (models/cpu_kernels.py); "auto"
         while the choice is pending (open_target(settle=False))."""
         return "auto" if self.stock_rows is None else kernel_label(self.stock_rows)
+
+    def conditions(self) -> dict[str, Any]:
+        """What a step's time depends on besides the models: the machine, torch's threads, the
+        kernels, device and dtype (recorded in SPS tables; `sps_io.condition_notes` compares)."""
+        import platform
+
+        from dsparkctl.models.cpu_kernels import _cpu_info
+
+        return {"cpu": _cpu_info()["name"], "machine": platform.machine(), "threads": torch.get_num_threads(),
+                "cpu_kernels": self.cpu_kernels, "device": str(self.device),
+                "dtype": str(self.dtype).replace("torch.", ""), "torch": torch.__version__}
+
+    def default_calibration(self) -> "Path | None":
+        """`calibration.json` beside the session's draft (`dsparkctl calibrate` output shipped with it),
+        when it was fitted for this very draft (its fingerprint); else None."""
+        if self.draft is None or self.draft_dir is None:
+            return None
+        path = self.draft_dir / CALIBRATION_NAME
+        if not path.is_file():
+            return None
+        from dsparkctl.calibrate import calibration_draft_notes
+        from dsparkctl.errors import InputError
+
+        try:
+            if calibration_draft_notes(path, self.draft.fingerprint()):
+                return None  # it does not say which draft it is for: not applied unasked
+        except InputError:
+            return None
+        return path
 
     def plain_adapter(self) -> TargetAdapter:
         """An adapter on the same model without feature taps (for the baseline)."""
@@ -48,6 +80,10 @@ class Session:
         """(draft, display name, notes) for a draft spec, checked against this session's target:
         the shipped default (embedded target), 'random', a folder or a hub id."""
         draft, name, notes = self._load_draft(spec, revision, seed, random_draft_kw)
+        if spec in (None, "", "default") and self.embedded_target:
+            self.draft_dir = default_draft_dir()
+        elif spec not in (None, "", "default", "random") and Path(str(spec)).expanduser().is_dir():
+            self.draft_dir = Path(str(spec)).expanduser()
         if self.stock_rows is not None:  # else settle_kernels packs it once the choice is made
             self._pack_draft(draft)
         return draft, name, notes

@@ -22,7 +22,7 @@ from dsparkctl.errors import UsageError
 from dsparkctl.math.policies import Policy, check_fits
 from dsparkctl.math.sampling import SamplingParams, draw, warp_probs
 from dsparkctl.math.stats import AcceptanceStats
-from dsparkctl.math.verify import verify
+from dsparkctl.math.verify import VerifyResult, verify
 from dsparkctl.models.draft import DraftState, DSparkDraft
 from dsparkctl.models.target import TargetAdapter
 from dsparkctl.trace import TraceRound
@@ -42,6 +42,7 @@ class RunReport:
     stats: AcceptanceStats
     times_ms: dict[str, float]  # speculative: prefill, draft, schedule, verify, accept, total; plain: prefill, decode, total
     rounds: int  # batched rounds (engine steps)
+    drafted_steps: int = 0  # engine steps that ran the draft (the rest were plain steps the policy chose)
 
     @property
     def generated(self) -> int:
@@ -86,6 +87,7 @@ class Round:
     confidence_logits: torch.Tensor | None  # [n, γ]
     draft_ms: float
     verify_ms: float
+    drafted: bool = True  # False: the policy skipped the draft (a plain step, ℓ = 0 for every row)
 
 
 class SpeculativeEngine:
@@ -138,20 +140,43 @@ class SpeculativeEngine:
         q = None if greedy else block.full_probs(p.shape[-1])[:, : T - 1]  # [n, T-1, V]
         return verify(p, q, block.tokens[:, : T - 1], ell, generator, greedy), out
 
-    def commit(self, live: LiveRows, res, out) -> tuple[torch.Tensor, torch.Tensor]:
+    def plain_step(self, live: LiveRows, generator: torch.Generator | None):
+        """A step without a draft: one target forward over the anchors, one token drawn from p
+        (greedy: its argmax), exactly what plain decoding does. Returns (VerifyResult, TargetOutput)."""
+        n = live.requests.numel()
+        one = torch.ones(n, dtype=torch.long, device=live.anchors.device)
+        out = self.target.extend(live.anchors[:, None], one)
+        tok = draw(out.logits[:, 0], self.sampling, generator)  # [n]
+        zero = torch.zeros_like(one)
+        return VerifyResult(accepted=zero, emitted=tok[:, None], num_emitted=one), out
+
+    def commit(self, live: LiveRows, res, out, drafted: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Keep the accepted drafts + one token in both caches; the emitted token is the next anchor.
+        After a plain step the draft's context update waits for its next proposal.
         Returns (kept [n], stopped [n])."""
         n = live.requests.numel()
         kept = _first_stop(res.emitted, res.num_emitted, self.stop_ids)  # tokens kept this round per row
         self.target.commit(res.accepted + 1)
-        self.draft.append_context(live.context, out.features, res.accepted + 1)
+        (self.draft.append_context if drafted else self.draft.defer_context)(live.context, out.features,
+                                                                            res.accepted + 1)
         live.anchors = res.emitted[torch.arange(n, device=live.anchors.device), res.accepted]
         live.produced = live.produced + kept
         last = res.emitted.gather(1, (kept - 1)[:, None]).squeeze(1)
         return kept, (kept < res.num_emitted) | torch.isin(last, self.stop_ids)
 
     def round(self, live: LiveRows, max_new_tokens: int, generator: torch.Generator | None, clock: Clock) -> Round:
-        """draft → schedule → verify → commit for every live row."""
+        """plan → draft → schedule → verify → commit for every live row; a step the policy plans
+        without a draft is a plain step (ℓ = 0, no draft cost)."""
+        n = live.requests.numel()
+        if not self.policy.plan(n):
+            clock.lap("schedule")
+            res, out = self.plain_step(live, generator)
+            verify_ms = clock.lap("verify")
+            kept, stopped = self.commit(live, res, out, drafted=False)
+            zero = torch.zeros(n, dtype=torch.long, device=live.anchors.device)
+            return Round(verify_lengths=zero, budget_capped=torch.zeros_like(zero, dtype=torch.bool),
+                         accepted=res.accepted, emitted=res.emitted, kept=kept, stopped=stopped,
+                         confidence_logits=None, draft_ms=0.0, verify_ms=verify_ms, drafted=False)
         prop = self.draft.propose(live.context, live.anchors, self.draft_sampling, generator)
         draft_ms = clock.lap("draft")
         ell, capped = self.schedule(prop.confidence_logits, live, max_new_tokens)
@@ -190,7 +215,7 @@ class SpeculativeEngine:
                 on_tokens(r, [t])
         finished = torch.tensor([t in stop or max_new_tokens <= 1 for t in first], device=live.anchors.device)
         round_no = [0] * len(prompts)
-        steps = 0
+        steps = drafted_steps = 0
         while True:
             if bool(finished.any()):
                 rows = (~finished).nonzero().flatten()
@@ -202,6 +227,7 @@ class SpeculativeEngine:
             finished = rd.stopped | (live.produced >= max_new_tokens)
             stats.add_rounds(rd.verify_lengths, rd.accepted)
             steps += 1
+            drafted_steps += rd.drafted
             emitted, kept, requests = rd.emitted.tolist(), rd.kept.tolist(), live.requests.tolist()
             for i, req in enumerate(requests):
                 toks = emitted[i][: kept[i]]
@@ -218,7 +244,7 @@ class SpeculativeEngine:
         clock.lap("accept")
         times = dict(clock.totals)
         times["total"] = sum(clock.totals.values())
-        return RunReport(outputs=outputs, stats=stats, times_ms=times, rounds=steps)
+        return RunReport(outputs=outputs, stats=stats, times_ms=times, rounds=steps, drafted_steps=drafted_steps)
 
 
 def trace_rows(rd: Round, requests: list[int], round_no: list[int], gamma: int) -> list[TraceRound]:
@@ -229,7 +255,7 @@ def trace_rows(rd: Round, requests: list[int], round_no: list[int], gamma: int) 
     return [TraceRound(request=req, round=round_no[req], block_size=gamma,
                        confidence_logits=conf[i] if conf is not None else None, verify_length=ell[i],
                        accepted=acc[i], batch_tokens=batch_tokens, draft_ms=round(rd.draft_ms, 3),
-                       verify_ms=round(rd.verify_ms, 3), budget_capped=capped[i])
+                       verify_ms=round(rd.verify_ms, 3), budget_capped=capped[i], drafted=rd.drafted)
             for i, req in enumerate(requests)]
 
 

@@ -7,7 +7,8 @@ lets a look-ahead scheduler peek at `x_k` (paper Appendix A).
 
 One round for each of G·R requests (G batches of R, consecutive steps for stateful policies):
   1. the draft samples `x_1..x_γ` from q, recording confidence logits `C[x_{k-1}]`;
-  2. the policy picks ℓ from the survivals;
+  2. the policy plans the step (draft or not, from earlier steps only) and picks ℓ from the
+     survivals of the steps it drafts (`Policy.run_steps`); a step without a draft has ℓ = 0;
   3. Leviathan's rule: accept `x_k` w.p. `min(1, p/q)` for k ≤ ℓ; on the first rejection sample
      from `norm(max(0, p - q))`, else the bonus from `p` after the last accepted token.
 The first output token (and the first two, running a second round when a round emits only one)
@@ -24,8 +25,8 @@ from typing import Sequence
 import torch
 
 from dsparkctl.errors import UsageError
-from dsparkctl.math.policies import Policy, parse_policy, survival_from_logits
-from dsparkctl.math.sps import SPSTable
+from dsparkctl.math.policies import Policy, parse_policy, sorted_candidates, survival_from_logits, theta_curve
+from dsparkctl.math.sps import SPSTable, StepGrid
 from dsparkctl.math.stats import wilson_interval
 
 
@@ -82,6 +83,28 @@ def random_setting(gen: torch.Generator, V: int | None = None, gamma: int | None
     return MarkovSetting(f"random(V={V},γ={gamma},R={R})", p, q, conf, gamma, R, sps)
 
 
+def with_plain_step(s: MarkovSetting, seed: int = 0) -> MarkovSetting:
+    """`s` with a step grid that knows a plain step's cost, priced so that dspark and
+    dspark-async skip the draft after about half the steps (the skip path and the probes both
+    run): the plain step's throughput is the median of the best drafted Θ over sampled blocks."""
+    t = list(range(1, s.gamma + 2))
+    ms = [1000.0 / float(s.sps.sps(torch.tensor(float(s.R * k)))) for k in t]
+    ms = [max(ms[: i + 1]) for i in range(len(ms))]  # monotone
+    gen = torch.Generator().manual_seed(seed)
+    conf = torch.empty(512 * s.R, s.gamma, dtype=torch.float64)
+    prev = torch.full((512 * s.R,), s.V, dtype=torch.long)
+    for k in range(s.gamma):
+        conf[:, k] = s.conf_logit[prev]
+        prev = _categorical(s.q[prev], gen)
+    drafted = SPSTable(s.sps.batch_tokens, s.sps.steps_per_sec, grid=StepGrid([s.R], t, [ms]))
+    vals, _ = sorted_candidates(survival_from_logits(conf.view(512, s.R, s.gamma)))
+    best = theta_curve(vals, s.R, drafted).max(dim=1).values  # [512]
+    plain_ms = 1000.0 * s.R / float(best.median())
+    grid = StepGrid([s.R], t, [ms], [min(plain_ms, ms[0])])
+    sps = SPSTable(s.sps.batch_tokens, s.sps.steps_per_sec, grid=grid)
+    return MarkovSetting(f"{s.name}+plain", s.p, s.q, s.conf_logit, s.gamma, s.R, sps)
+
+
 def _categorical(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     """One sample per row of `probs` `[M, V]` by inverse CDF → `[M]` long."""
     cdf = probs.cumsum(-1)
@@ -93,7 +116,8 @@ def simulate_round(s: MarkovSetting, policy: Policy, anchors: torch.Tensor, gen:
                    state=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One speculative round per request. anchors `[G, R]` (token ids, V = start state).
 
-    Returns (tokens `[G·R, γ+1]` emitted in order, n_out `[G·R]` = accepted + 1, ℓ `[G·R]`).
+    Returns (tokens `[G·R, γ+1]` emitted in order, n_out `[G·R]` = accepted + 1, ℓ `[G·R]`,
+    drafted `[G]` bool: the steps the policy ran a draft for).
     """
     G, R = anchors.shape
     M, gamma = G * R, s.gamma
@@ -105,7 +129,8 @@ def simulate_round(s: MarkovSetting, policy: Policy, anchors: torch.Tensor, gen:
         conf[:, k] = s.conf_logit[prev]
         x[:, k] = _categorical(s.q[prev], gen)
         prev = x[:, k]
-    ell = policy.choose_batched(survival_from_logits(conf.view(G, R, gamma), policy.temperatures), state).reshape(M)
+    ell, drafted = policy.run_steps(survival_from_logits(conf.view(G, R, gamma), policy.temperatures), state)
+    ell = ell.reshape(M)
     prevs = torch.cat([x0.unsqueeze(1), x[:, :-1]], dim=1)  # [M, γ] token before each slot
     px, qx = s.p[prevs, x], s.q[prevs, x]
     u = torch.rand(M, gamma, generator=gen, dtype=torch.float64)
@@ -119,7 +144,7 @@ def simulate_round(s: MarkovSetting, policy: Policy, anchors: torch.Tensor, gen:
     extra = _categorical(dist, gen)
     tokens = torch.cat([x, torch.zeros(M, 1, dtype=torch.long)], dim=1)
     tokens.scatter_(1, acc.unsqueeze(1), extra.unsqueeze(1))
-    return tokens, acc + 1, ell
+    return tokens, acc + 1, ell, drafted
 
 
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float, int]:
@@ -157,6 +182,7 @@ class AuditResult:
     mean_verify: float
     claimed_lossless: bool
     alpha: float
+    drafted_share: float = 1.0  # steps that ran a draft (below 1: the skip-the-draft path ran)
 
     @property
     def passed(self) -> bool:
@@ -190,13 +216,16 @@ def audit_policy(s: MarkovSetting, policy: Policy, rounds: int, gen: torch.Gener
     first = torch.zeros(V, dtype=torch.long)
     pair = torch.zeros(V, V, dtype=torch.long)
     ell_sum = 0
+    steps = drafted_steps = 0
     done = 0
     while done < groups:
         g = min(chunk, groups - done)
         anchors = torch.full((g, s.R), V, dtype=torch.long)
-        tok, n_out, ell = simulate_round(s, policy, anchors, gen, state)
+        tok, n_out, ell, d1 = simulate_round(s, policy, anchors, gen, state)
         y1 = tok[:, 0]
-        tok2, _, _ = simulate_round(s, policy, y1.view(g, s.R), gen, state)  # next round after y1
+        tok2, _, _, d2 = simulate_round(s, policy, y1.view(g, s.R), gen, state)  # next round after y1
+        steps += 2 * g
+        drafted_steps += int(d1.sum()) + int(d2.sum())
         y2 = torch.where(n_out >= 2, tok[:, 1], tok2[:, 0])
         first += torch.bincount(y1, minlength=V)
         pair += torch.bincount(y1 * V + y2, minlength=V * V).view(V, V)
@@ -207,22 +236,27 @@ def audit_policy(s: MarkovSetting, policy: Policy, rounds: int, gen: torch.Gener
     p_stat, p_p, p_dof = chi_square(pair, s.two_token_target())
     k0 = int(first[0])
     return AuditResult(policy.spec, s.name, n, f_stat, f_p, f_dof, p_stat, p_p, p_dof, k0 / n, wilson_interval(k0, n),
-                       float(s.first_token_target()[0]), ell_sum / n, policy.lossless, alpha)
+                       float(s.first_token_target()[0]), ell_sum / n, policy.lossless, alpha, drafted_steps / steps)
 
 
 def audit_policies(specs: Sequence[str], rounds: int, random_settings: int = 3, alpha: float = 1e-3,
-                   seed: int = 0) -> list[AuditResult]:
-    """Every policy spec on Appendix A and on `random_settings` random settings (one result per pair,
-    settings outer). Unknown specs fail before any simulation; every run is seeded from `seed`."""
+                   seed: int = 0, plain_rounds: int | None = None) -> list[AuditResult]:
+    """Every policy spec on Appendix A and on `random_settings` random settings, each also with a
+    plain-step price (`with_plain_step`, `plain_rounds` request-rounds there; default `rounds`);
+    one result per pair, settings outer. Unknown specs fail before any simulation; every run is
+    seeded from `seed`."""
     check_alpha(alpha)
-    settings = [appendix_a()]
+    settings = [appendix_a(), with_plain_step(appendix_a(), seed)]
     sgen = torch.Generator().manual_seed(10_000 + seed)
-    settings += [random_setting(sgen) for _ in range(random_settings)]
+    for _ in range(random_settings):
+        r = random_setting(sgen)
+        settings += [r, with_plain_step(r, seed)]
     for spec in specs:
         parse_policy(spec, sps=settings[0].sps)
     results = []
     for si, s in enumerate(settings):
         for spec in specs:
             gen = torch.Generator().manual_seed(seed * 7919 + si)
-            results.append(audit_policy(s, parse_policy(spec, sps=s.sps), rounds, gen, alpha))
+            n = plain_rounds if plain_rounds is not None and s.sps.has_plain else rounds
+            results.append(audit_policy(s, parse_policy(spec, sps=s.sps), n, gen, alpha))
     return results

@@ -127,12 +127,19 @@ def position_metrics(data: CalibrationData, temperatures: torch.Tensor, bins: in
     return out
 
 
+MIN_FIT_TRIALS = 50  # a position needs this many trials, with successes and failures both, to be fitted
+
+
 def fit_sts(data: CalibrationData, bins: int = 20, t_min: float = 0.05, t_max: float = 20.0,
-            grid: int = 61, refine: int = 41) -> torch.Tensor:
+            grid: int = 61, refine: int = 41, report: list[dict] | None = None) -> torch.Tensor:
     """Sequential Temperature Scaling. Returns temperatures `[γ]` float64.
 
     For each position a log-spaced grid of `grid` points on [t_min, t_max], then a finer grid of
-    `refine` points between the best point's neighbours. Positions with no trials keep T = 1.
+    `refine` points between the best point's neighbours. A position with fewer than
+    MIN_FIT_TRIALS trials, or without both outcomes, is not fitted: it keeps T = 1. `report`
+    (when given) receives one entry per position: {"position", "trials", "status"} with status
+    "fitted", "edge" (the best T is an end of the search grid: no T in range calibrates it, e.g.
+    a head whose bias is off, which temperature cannot move) or "too few".
     """
     lab = labels_from_rounds(data.verify_length, data.accepted, data.gamma)
     logits = data.logits.double()
@@ -140,7 +147,9 @@ def fit_sts(data: CalibrationData, bins: int = 20, t_min: float = 0.05, t_max: f
     prefix = torch.ones(logits.shape[0], dtype=torch.float64)  # Π_{i<k} σ(l_i / T_i)
     for k in range(data.gamma):
         m = lab["surv_trial"][:, k]
-        if m.any():
+        n, pos = int(m.sum()), int(lab["success"][m, k].sum())
+        status = "too few" if n < MIN_FIT_TRIALS or pos == 0 or pos == n else "fitted"
+        if status == "fitted":
             y, pk, lk = lab["success"][m, k], prefix[m].float(), logits[m, k].float()
 
             def scores(ts: torch.Tensor) -> torch.Tensor:
@@ -157,6 +166,10 @@ def fit_sts(data: CalibrationData, bins: int = 20, t_min: float = 0.05, t_max: f
             fine = torch.logspace(math.log10(lo), math.log10(hi), refine, dtype=torch.float64)
             ef = scores(fine)
             temps[k] = fine[int(torch.argmin(ef))] if float(ef.min()) < float(e[i]) else ts[i]
+            if i in (0, grid - 1):
+                status = "edge"
+        if report is not None:
+            report.append({"position": k + 1, "trials": n, "successes": pos, "status": status})
         prefix = prefix * torch.sigmoid(logits[:, k] / temps[k])
     return temps
 

@@ -18,6 +18,19 @@ candidates of OTHER requests and `(r, j<k)` — never on `x_k`.
 Every batched function takes survivals `[G, R, γ]`: G independent batches (engine steps) of R
 requests, so the audit and the sweep run many steps in one call. `Policy.choose` is the
 engine-facing wrapper for one step.
+
+Skipping the draft. Verifying nothing still pays for the draft; a step without one is a plain
+decoding step. Before each step the engine asks `Policy.plan(R)` whether to draft at all. The
+answer may use only what happened before this step (it is made before the current drafts
+exist), so any rule is lossless; a skipped step emits one target token per request, exactly
+as plain decoding does. `static:0` never drafts. `dspark` and `dspark-async` skip when their
+SPS table knows the plain step's cost (`SPSTable.has_plain`) and the survivals of the last
+drafted step (`dspark`) or of a drafted step at least two steps old (`dspark-async`), held as
+estimates of the current ones, say that no number of verified drafts beats a plain step:
+`max_m τ*(m)/t_draft(R, R+m) ≤ R/t_plain(R)`. While skipping they draft again after 1, 2, 4, ...
+(at most `MAX_PROBE_GAP`) skipped steps, a probe whose survivals refresh the estimate; a probe
+verifies what Algorithm 1 admits on its current survivals. `Policy.run_steps` replays G
+consecutive steps (the sweep and the audit), one step at a time for such policies.
 """
 
 from __future__ import annotations
@@ -85,13 +98,20 @@ def sorted_candidates(survival: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 
 def theta_curve(vals: torch.Tensor, R: int, sps: SPSTable) -> torch.Tensor:
-    """Θ(m) for admitting the top-m candidates, m = 0..R·γ. vals: `[G, R·γ]` → `[G, R·γ + 1]`."""
+    """Θ(m) for admitting the top-m candidates, m = 0..R·γ, in tokens per second of a drafted
+    step (B = R + m). vals: `[G, R·γ]` → `[G, R·γ + 1]`."""
     G, n = vals.shape
     tau = torch.empty(G, n + 1, dtype=vals.dtype)
     tau[:, 0] = R
     torch.cumsum(vals, dim=1, out=tau[:, 1:])
     tau[:, 1:] += R
-    return tau * sps.dense(R + n)[R:].to(vals.dtype)  # B = R + m
+    return tau / sps.step_curve(R, n).to(vals.dtype)
+
+
+def plain_theta(R: int, sps: SPSTable) -> float | None:
+    """Tokens per second of a step without a draft at R requests (R tokens); None if the table does not say."""
+    t = sps.plain_seconds(R)
+    return None if t is None else R / t
 
 
 def lengths_from_count(req: torch.Tensor, count: torch.Tensor, R: int) -> torch.Tensor:
@@ -114,16 +134,28 @@ def argmax_count(theta: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------ policies
+MAX_PROBE_GAP = 32  # skipped steps between two probes, at most (the gap doubles from 1)
+
+
 @dataclass
 class PolicyState:
-    """Cross-step memory of a stateful policy (dspark-async).
+    """Cross-step memory of a stateful policy (dspark, dspark-async).
 
-    pending: capacities computed at the last steps, oldest first; the capacity used at step t
-    is the one computed at step t-2. Before two steps exist the policy uses `initial_per_request`
-    drafts per request as its capacity (K = R·initial), fixed in advance, hence still lossless.
+    pending: dspark-async without a plain-step cost: capacities computed at the last steps,
+    oldest first; the capacity used at step t is the one computed at step t-2. Before two steps
+    exist the policy uses `initial_per_request` drafts per request (K = R·initial), fixed in
+    advance, hence still lossless.
+    step: engine steps planned so far. drafted: (step, survivals `[R, γ]`) of the last two drafted
+    steps, newest last. skipped: consecutive steps planned without a draft; gap: skipped steps
+    before the next probe. probe: this step drafts only to refresh the estimate.
     """
 
     pending: list[int] = field(default_factory=list)
+    step: int = 0
+    drafted: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    skipped: int = 0
+    gap: int = 1
+    probe: bool = False
 
 
 class Policy:
@@ -153,6 +185,31 @@ class Policy:
 
     def reset(self) -> None:
         self.state = self.new_state()
+
+    @property
+    def can_skip(self) -> bool:
+        """Whether `plan` may ever answer "no draft"."""
+        return False
+
+    def plan(self, num_requests: int, state: PolicyState | None = None) -> bool:
+        """Before an engine step of `num_requests` requests: draft this step (True) or run a plain
+        step (False)? Called exactly once per step, before `choose`; decided from earlier steps only."""
+        return True
+
+    def run_steps(self, survival: torch.Tensor, state: PolicyState | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """G consecutive steps: survivals `[G, R, γ]` (used only where a step drafts) → (lengths
+        `[G, R]` long, drafted `[G]` bool). A skipped step verifies nothing and drafts nothing."""
+        G = survival.shape[0]
+        if not self.can_skip:
+            return self.choose_batched(survival, state), torch.ones(G, dtype=torch.bool)
+        state = state if state is not None else self.state
+        out = torch.zeros(survival.shape[:2], dtype=torch.long)
+        drafted = torch.zeros(G, dtype=torch.bool)
+        for g in range(G):
+            if self.plan(survival.shape[1], state):
+                drafted[g] = True
+                out[g] = self.choose_batched(survival[g: g + 1], state)[0]
+        return out, drafted
 
     def survival(self, conf_logits: torch.Tensor) -> torch.Tensor:
         return survival_from_logits(conf_logits, self.temperatures)
@@ -193,11 +250,18 @@ class Policy:
 
 class Static(Policy):
     name, arg, requires_confidence = "static", "K", False
-    why = "lossless: ℓ = K is fixed before any draft exists"
+    why = "lossless: ℓ = K is fixed before any draft exists (static:0 is plain decoding: no draft at all)"
 
     def __init__(self, spec, k: int, **kw):
         super().__init__(spec, **kw)
         self.k = k
+
+    @property
+    def can_skip(self) -> bool:
+        return self.k == 0
+
+    def plan(self, num_requests, state=None):
+        return self.k != 0
 
     def choose_batched(self, survival, state=None):
         G, R, gamma = survival.shape
@@ -243,10 +307,72 @@ class _ThetaSearch(Policy):
         return lengths_from_count(req, self.count(theta_curve(vals, R, self.sps)), R)
 
 
-class DSpark(_ThetaSearch):
+class _Gated(Policy):
+    """What dspark and dspark-async share: the decision to draft at all (see the module doc)."""
+
+    needs_sps = True
+    lag = 1  # the estimate comes from a drafted step at least this many steps old
+
+    def new_state(self) -> PolicyState:
+        return PolicyState()
+
+    @property
+    def can_skip(self) -> bool:
+        return self.sps is not None and self.sps.has_plain
+
+    def _estimate(self, state: PolicyState) -> dict | None:
+        """The newest drafted step at least `lag` steps before this one: {"survival" `[R', γ]`, ...}."""
+        for step, est in reversed(state.drafted):
+            if state.step - step >= self.lag:
+                return est
+        return None
+
+    def verdict(self, est: dict, R: int) -> tuple[bool, int]:
+        """(does drafting pay, the Θ-maximising capacity K) at R requests, with the estimate's
+        survivals `[R', γ]` standing for the current ones (R' ≠ R: their mean profile, R times).
+        Drafting pays when some K gives a drafted Θ above a plain step's. Cached per R."""
+        got = est.get(R)
+        if got is None:
+            surv = est["survival"]
+            if surv.shape[0] != R:
+                surv = surv.mean(0, keepdim=True).expand(R, -1)
+            vals, _ = sorted_candidates(surv.unsqueeze(0))
+            theta = theta_curve(vals, R, self.sps)[0]
+            plain = plain_theta(R, self.sps)
+            got = est[R] = (plain is None or float(theta.max()) > plain, int(argmax_count(theta[None])[0]))
+        return got
+
+    def plan(self, num_requests, state=None):
+        state = state if state is not None else self.state
+        state.step += 1
+        state.probe = False
+        if not self.can_skip:
+            return True
+        est = self._estimate(state)
+        if est is None or self.verdict(est, num_requests)[0]:
+            state.skipped, state.gap = 0, 1
+            return True
+        if state.skipped >= state.gap:  # a probe refreshes the estimate
+            state.skipped, state.gap, state.probe = 0, min(2 * state.gap, MAX_PROBE_GAP), True
+            return True
+        state.skipped += 1
+        return False
+
+    def _record(self, survival: torch.Tensor, state: PolicyState | None) -> None:
+        if state is not None and self.can_skip:
+            state.drafted = (state.drafted + [(state.step, {"survival": survival[-1].clone()})])[-2:]
+
+
+class DSpark(_Gated, _ThetaSearch):
     name, count = "dspark", staticmethod(early_stop_count)
     why = ("lossless: Algorithm 1 breaks at the first candidate that does not raise Θ, so admitting "
-           "(r,k) depends only on candidates ranked before it, never on x_k")
+           "(r,k) depends only on candidates ranked before it, never on x_k; whether to draft at all is "
+           "decided from earlier steps")
+
+    def choose_batched(self, survival, state=None):
+        state = state if state is not None else self.state
+        self._record(survival, state)
+        return super().choose_batched(survival, state)
 
 
 class Retrospective(_ThetaSearch):
@@ -269,23 +395,34 @@ class Budget(Policy):
         return lengths_from_count(req, torch.full((G,), min(self.b, R * gamma), dtype=torch.long), R)
 
 
-class DSparkAsync(Policy):
-    name, needs_sps = "dspark-async", True
+class DSparkAsync(_Gated):
+    name, lag = "dspark-async", 2
     why = ("lossless: capacity K comes from an unrestricted search over survivals two steps old "
            "(fixed before the current drafts exist), then top-K by current survival is a per-request "
-           "prefix whose membership for (r,k) does not depend on x_k (paper §5.2)")
+           "prefix whose membership for (r,k) does not depend on x_k (paper §5.2); whether to draft "
+           "at all is decided from the same old survivals")
 
     def __init__(self, spec, initial_per_request: int = 1, **kw):
         self.initial = initial_per_request
         super().__init__(spec, **kw)
 
-    def new_state(self) -> PolicyState:
-        return PolicyState()
-
     def choose_batched(self, survival, state=None):
         G, R, gamma = survival.shape
         state = state if state is not None else self.state
         vals, req = sorted_candidates(survival)
+        if self.can_skip:  # one step at a time (run_steps): capacity from the newest drafted step ≥ 2 old
+            caps = []
+            for g in range(G):
+                est = self._estimate(state) if state is not None else None
+                if state is not None and state.probe:  # a probe verifies what Algorithm 1 admits now
+                    cap = int(early_stop_count(theta_curve(vals[g: g + 1], R, self.sps))[0])
+                elif est is None:
+                    cap = R * self.initial
+                else:
+                    cap = self.verdict(est, R)[1]
+                caps.append(cap)
+                self._record(survival[g: g + 1], state)
+            return lengths_from_count(req, torch.tensor(caps, dtype=torch.long).clamp(max=R * gamma), R)
         own = argmax_count(theta_curve(vals, R, self.sps))  # [G] capacity each step would pick
         prior = list(state.pending[-2:]) if state is not None else []
         prior = [R * self.initial] * (2 - len(prior)) + prior  # first two steps: fixed default
@@ -338,8 +475,9 @@ def parse_policy(spec: str, sps: SPSTable | None = None,
 
 
 def expected_throughput(survival: torch.Tensor, lengths: torch.Tensor, sps: SPSTable) -> torch.Tensor:
-    """Θ = τ*·SPS(B) of given lengths. survival `[..., R, γ]`, lengths `[..., R]` → `[...]` float64."""
-    gamma = survival.shape[-1]
+    """Θ = τ* / step time(R, B) of a drafted step with given lengths (= τ*·SPS(B) for a table
+    without a grid). survival `[..., R, γ]`, lengths `[..., R]` → `[...]` float64."""
+    gamma, R = survival.shape[-1], survival.shape[-2]
     mask = torch.arange(gamma) < lengths.unsqueeze(-1)  # [..., R, γ]
     tau = (1.0 + (survival.to(torch.float64) * mask).sum(-1)).sum(-1)
-    return tau * sps.sps((lengths + 1).sum(-1))
+    return tau / sps.step_seconds(R, (lengths + 1).sum(-1).to(torch.float64))

@@ -23,7 +23,7 @@ round appends the features of the tokens the target just committed. Rows are rag
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -145,16 +145,22 @@ class ConfidenceHead(nn.Module):
 
 @dataclass
 class DraftState:
-    """Per-row context K/V for every draft layer. Row r's valid context is [:ctx_len[r]]."""
+    """Per-row context K/V for every draft layer. Row r's valid context is [:ctx_len[r]].
+
+    `pending` holds target features of tokens committed by steps that ran no draft (deferred
+    `append_context` calls, oldest first): they enter the K/V cache, in order, before the next
+    proposal, so a run of plain steps costs the draft nothing."""
 
     keys: list[Tensor]  # per layer [R, kvh, C, d]
     values: list[Tensor]
     ctx_len: Tensor  # [R] long
+    pending: list[tuple[Tensor, Tensor]] = field(default_factory=list)  # (features [R, T, F], lengths [R])
 
     def keep_rows(self, rows: Tensor) -> None:
         self.keys = [k[rows] for k in self.keys]
         self.values = [v[rows] for v in self.values]
         self.ctx_len = self.ctx_len[rows]
+        self.pending = [(f[rows], n[rows]) for f, n in self.pending]
 
 
 @dataclass
@@ -192,6 +198,19 @@ class DSparkDraft(nn.Module):
     @property
     def block_size(self) -> int:
         return self.cfg.block_size
+
+    def fingerprint(self) -> str:
+        """A short digest of the draft's own weights (not the borrowed embedding/LM head) and
+        block size: what a calibration file records, so it is never applied to another draft."""
+        import hashlib
+
+        h = hashlib.sha256(str(self.cfg.block_size).encode())
+        for name, p in sorted(self.named_parameters()):
+            if name.startswith(("embed_tokens.", "lm_head.")):
+                continue
+            h.update(name.encode())
+            h.update(p.detach().reshape(-1)[:4096].float().cpu().numpy().tobytes())
+        return h.hexdigest()[:16]
 
     def share_target_embeddings(self, embed: nn.Module, head: nn.Module) -> None:
         """Borrow the target's frozen embedding and LM head (same modules, no copy).
@@ -254,6 +273,27 @@ class DSparkDraft(nn.Module):
             state.values[i].scatter_(2, idx, v)
         state.ctx_len = state.ctx_len + lengths
 
+    MAX_PENDING = 64  # deferred appends held before they are applied anyway (bounds their memory)
+
+    def defer_context(self, state: DraftState, features: Tensor, lengths: Tensor) -> None:
+        """`append_context`, applied at the next proposal (or once MAX_PENDING are waiting)."""
+        state.pending.append((features, lengths))
+        if len(state.pending) >= self.MAX_PENDING:
+            self.flush_context(state)
+
+    @torch.no_grad()
+    def flush_context(self, state: DraftState) -> None:
+        """Apply every deferred append, in order; uniform one-token chunks go in one call."""
+        if not state.pending:
+            return
+        chunks, state.pending = state.pending, []
+        if all(bool((n == f.shape[1]).all()) for f, n in chunks):
+            feats = torch.cat([f for f, _ in chunks], dim=1)
+            self.append_context(state, feats, torch.full_like(chunks[0][1], feats.shape[1]))
+            return
+        for f, n in chunks:
+            self.append_context(state, f, n)
+
     @torch.no_grad()
     def backbone(self, state: DraftState, anchors: Tensor) -> Tensor:
         """One parallel forward over [anchor, mask × (γ-1)] -> final-normed hidden [R, γ, H]."""
@@ -274,6 +314,7 @@ class DSparkDraft(nn.Module):
     def propose(self, state: DraftState, anchors: Tensor, params: SamplingParams,
                 generator: torch.Generator | None) -> DraftProposal:
         """Draft one block for every row: parallel backbone, serial Markov loop, confidences."""
+        self.flush_context(state)
         h = self.backbone(state, anchors)  # [R, γ, H]
         base = self.lm_head(h.to(self.lm_head.weight.dtype)).float()  # [R, γ, V]
         need_h = self.markov_head is not None and self.markov_head.needs_hidden

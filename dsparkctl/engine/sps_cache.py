@@ -1,0 +1,83 @@
+"""This machine's SPS table, profiled once and cached (like the CPU kernel choice).
+
+A confidence-scheduled policy needs the engine's step costs (drafted steps on a grid of
+requests × tokens, and the plain step). When `generate` runs such a policy without
+`--sps-table`, the table is profiled here with a small grid (1, 2, 4 and 8 requests, 1..γ+1
+tokens each, 3 repeats after a warm-up; about 15 s for the embedded pair on one CPU core) and
+kept under `$DSPARKCTL_CACHE/sps/<key>.json`. The key covers what step times depend on: the
+machine and torch's threads, the kernels, device and dtype, the target's and the draft's weights,
+the grid and the context length, and a rule version. A damaged or unreadable cache file is
+profiled again; an unwritable cache is said and the table used for this run only. Delete the
+file (or pass `--sps-table`) to measure again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Callable
+
+from dsparkctl.errors import DsparkError
+from dsparkctl.math.sps import SPSTable
+
+RULE = 1  # bump when what is profiled or how it is fitted changes
+REQUESTS = (1, 2, 4, 8)
+CONTEXT = 256
+
+
+def _key(sess, gamma: int) -> str:
+    from dsparkctl.evaluation.continuations import model_fingerprint
+
+    doc = {"rule": RULE, "conditions": sess.conditions(), "target": model_fingerprint(sess.target.model),
+           "draft": sess.draft.fingerprint(), "block_size": gamma, "requests": REQUESTS, "context": CONTEXT}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def cache_path(sess) -> Path:
+    from dsparkctl.models.embedded import cache_root
+
+    return cache_root() / "sps" / f"{_key(sess, sess.draft.block_size)}.json"
+
+
+def machine_sps_table(sess, log: Callable[[str], None] = print) -> SPSTable:
+    """The session's whole-step SPS table for this machine: cached, else profiled now and cached."""
+    from dsparkctl.engine.profile import fit_table, profile_whole_step
+    from dsparkctl.engine.speculative import SpeculativeEngine
+    from dsparkctl.fsutil import cannot_create
+    from dsparkctl.math.policies import parse_policy
+    from dsparkctl.math.sampling import SamplingParams
+    from dsparkctl.provenance import provenance
+    from dsparkctl.sps_io import load_sps_table, save_sps_table
+
+    path = cache_path(sess)
+    if path.is_file():
+        try:
+            table = load_sps_table(path)
+            if table.has_plain and table.meta.get("block_size") == sess.draft.block_size:
+                return table
+        except (DsparkError, OSError, ValueError):
+            pass  # damaged: profiled again below
+    gamma = sess.draft.block_size
+    log(f"profiling this machine's step costs once (requests {','.join(map(str, REQUESTS))} × 1..{gamma + 1} "
+        f"tokens, cached in {path})")
+    engine = SpeculativeEngine(sess.adapter, sess.draft, parse_policy(f"static:{gamma}"), SamplingParams(0.0),
+                               stop_token_ids=sess.stop_ids)
+    points = profile_whole_step(engine, REQUESTS, list(range(1, gamma + 2)), CONTEXT, repeats=3, warmup=1)
+    meta = provenance(target=sess.target.name, measures="whole-step", draft=sess.draft_name,
+                      device=str(sess.device), dtype=str(sess.dtype).replace("torch.", ""),
+                      cpu_kernels=sess.cpu_kernels, context_len=CONTEXT, repeats=3, warmup=1, block_size=gamma,
+                      conditions=sess.conditions(), cached_by="generate",
+                      points=[{"requests": p.requests, "tokens_per_request": p.tokens_per_request, "plain": p.plain,
+                               "median_ms": round(p.median_ms, 4), "ms": [round(x, 4) for x in p.ms]}
+                              for p in points])
+    table, _ = fit_table(points, meta)
+    table.source = str(path)
+    if (why := cannot_create(path)) is not None:
+        log(f"note: the SPS cache {path} cannot be written ({why}); the table is used for this run only")
+        return table
+    try:
+        save_sps_table(table, path)
+    except OSError as e:
+        log(f"note: the SPS cache {path} cannot be written ({e.strerror or e}); the table is used for this run only")
+    return table

@@ -1,0 +1,145 @@
+"""Step costs (math/sps.py StepGrid, engine/profile.py fit_table, sps_io format 2, the per-machine
+cache) and the inputs that must be refused: tables without a plain step, non-monotone tables,
+probes out of order, tables from another block size, calibrations of another draft."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from dsparkctl.cli.main import app
+from dsparkctl.engine.profile import SPSPoint, fit_table
+from dsparkctl.errors import InputError
+from dsparkctl.math.policies import parse_policy
+from dsparkctl.math.sps import SPSTable, StepGrid, fit_step_grid, isotonic
+from dsparkctl.sps_io import load_sps_table, save_sps_table
+from tests.tiny_models import save_tiny_target, write_deepspec_draft
+
+runner = CliRunner()
+
+
+def test_isotonic_and_grid_fit_are_monotone():
+    assert isotonic([1, 3, 2, 4]) == [1, 2.5, 2.5, 4]
+    assert isotonic([5, 4, 3], [1, 1, 2]) == pytest.approx([3.75] * 3)
+    g = fit_step_grid([[10, 9, 12], [8, 14, 13], [20, 19, 25]])
+    for row in g:
+        assert all(b >= a for a, b in zip(row, row[1:]))
+    for j in range(3):
+        assert all(g[i + 1][j] >= g[i][j] for i in range(2))
+
+
+def _points(noisy: bool = False) -> list[SPSPoint]:
+    pts = []
+    for r in (1, 2, 4):
+        for t in (1, 2, 3):
+            base = 10.0 * (1 + 0.3 * r) * (1 + 0.2 * (t - 1))
+            if noisy and (r, t) == (2, 2):
+                base = 5.0  # faster than verifying nothing: noise the fit must overrule
+            pts.append(SPSPoint(r, t, [base, base * 1.01, base * 0.99]))
+        pts.append(SPSPoint(r, 1, [8.0 * (1 + 0.3 * r)] * 3, plain=True))
+    return pts
+
+
+def test_fit_table_keeps_raw_probes_and_warns_where_they_contradict_the_fit(tmp_path):
+    table, warnings = fit_table(_points(noisy=True), {"block_size": 2})
+    assert any("2 request(s) × 2 token(s): raw median 5.00 ms" in w for w in warnings)
+    assert table.has_plain and table.grid.plain_ms == pytest.approx([10.4, 12.8, 17.6])
+    assert all(b <= a for a, b in zip(table.steps_per_sec, table.steps_per_sec[1:]))  # monotone 1-D twin
+    # lookups: the grid at its probes, interpolated between request counts, plain steps
+    assert float(table.step_seconds(4, torch.tensor(12.0))) == pytest.approx(table.grid.step_ms[2][2] / 1000)
+    assert table.plain_seconds(3) == pytest.approx((12.8 + 17.6) / 2 / 1000)
+    path = tmp_path / "t.json"
+    save_sps_table(table, path)
+    back = load_sps_table(path)
+    assert json.loads(path.read_text())["format"] == "dsparkctl-sps/2"
+    assert back.grid.step_ms == table.grid.to_json()["step_ms"] and back.has_plain
+
+
+@pytest.mark.parametrize("edit,msg", [
+    (lambda d: d["grid"]["step_ms"][0].reverse(), "not monotone"),
+    (lambda d: d["grid"].update(requests=[4, 2, 1]), "not strictly increasing"),
+    (lambda d: d["grid"].update(plain_ms=[30.0, 20.0, 10.0]), "plain step time falls"),
+    (lambda d: d["grid"].update(plain_ms=[1.0]), "plain_ms must hold 3"),
+    (lambda d: d.pop("grid"), "needs a 'grid'"),
+    (lambda d: d.update(steps_per_sec=[1.0] + d["steps_per_sec"][1:-1] + [1e6]), "not monotone"),
+    (lambda d: d.update(batch_tokens=list(reversed(d["batch_tokens"]))), "not strictly increasing"),
+])
+def test_damaged_tables_are_refused_in_one_line(tmp_path, edit, msg):
+    table, _ = fit_table(_points(), {"block_size": 2})
+    path = tmp_path / "t.json"
+    save_sps_table(table, path)
+    doc = json.loads(path.read_text())
+    edit(doc)
+    path.write_text(json.dumps(doc))
+    with pytest.raises(InputError, match=msg):
+        load_sps_table(path)
+
+
+def test_sglang_table_that_speeds_up_with_more_tokens_is_refused(tmp_path):
+    p = tmp_path / "s.json"
+    p.write_text(json.dumps({"sample_batch_tokens": [1, 2, 4], "sample_steps_per_sec": [10.0, 12.0, 8.0],
+                             "max_batch_tokens": 4}))
+    with pytest.raises(InputError, match="steps/s rises"):
+        load_sps_table(p)
+
+
+def test_policies_use_the_plain_step_only_when_the_table_has_one():
+    table, _ = fit_table(_points(), {"block_size": 2})
+    old = SPSTable(table.batch_tokens, table.steps_per_sec)
+    assert parse_policy("dspark-async", sps=table).can_skip and not parse_policy("dspark-async", sps=old).can_skip
+    assert parse_policy("static:0").can_skip and not parse_policy("static:1").can_skip
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair")
+    return (save_tiny_target(root / "target", "qwen3", vocab=64, layers=4),
+            write_deepspec_draft(root / "draft", vocab=64, hidden=32, taps=(0, 1), rank=8, block_size=4),
+            write_deepspec_draft(root / "other", vocab=64, hidden=32, taps=(0, 1), rank=8, block_size=4, seed=7))
+
+
+def _gen(target, draft, *extra):
+    return runner.invoke(app, ["generate", "--target", str(target), "--draft", str(draft), "--no-chat",
+                               "--max-new-tokens", "8", "--json", *map(str, extra), "w1 w2", "w3"])
+
+
+def test_machine_table_is_profiled_once_and_cached(pair, tmp_path, monkeypatch):
+    target, draft, _ = pair
+    monkeypatch.setenv("DSPARKCTL_CACHE", str(tmp_path / "cache"))
+    first = _gen(target, draft, "--policy", "dspark")
+    assert first.exit_code == 0, first.output
+    assert "profiling this machine's step costs once" in first.stderr
+    cached = list((tmp_path / "cache" / "sps").glob("*.json"))
+    assert len(cached) == 1 and load_sps_table(cached[0]).has_plain
+    again = _gen(target, draft, "--policy", "dspark-async")
+    assert again.exit_code == 0 and "profiling" not in again.stderr, again.output
+
+
+def test_inputs_from_another_draft_or_block_size_are_refused(pair, tmp_path):
+    target, draft, other = pair
+    sps = tmp_path / "sps5.json"
+    table, _ = fit_table([SPSPoint(r, t, [10.0 * r * t] * 2) for r in (1, 2) for t in (1, 2)], {"block_size": 5})
+    save_sps_table(table, sps)
+    res = _gen(target, draft, "--policy", "dspark", "--sps-table", sps)
+    assert res.exit_code == 2 and "block size 5" in res.stderr and res.stdout == ""
+    trace = tmp_path / "t.jsonl"
+    assert _gen(target, other, "--trace", trace).exit_code == 0
+    cal = tmp_path / "cal.json"
+    assert runner.invoke(app, ["calibrate", str(trace), "--out", str(cal), "--bins", "2",
+                               "--holdout", "0.5"]).exit_code == 0
+    res = _gen(target, draft, "--policy", "static:2", "--calibration", cal)
+    assert res.exit_code == 2 and "another draft" in res.stderr and res.stdout == ""
+    res = _gen(target, other, "--policy", "static:2", "--calibration", cal)
+    assert res.exit_code == 0, res.output
+
+
+def test_a_table_without_a_plain_step_is_used_with_a_note(pair, tmp_path):
+    target, draft, _ = pair
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"format": "dsparkctl-sps/1", "batch_tokens": [1, 2, 4], "steps_per_sec": [10, 9, 8]}))
+    res = _gen(target, draft, "--policy", "dspark-async", "--sps-table", old)
+    assert res.exit_code == 0, res.output
+    assert "no plain-step entry" in res.stderr and "does not say what machine" in res.stderr
