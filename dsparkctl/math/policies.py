@@ -135,6 +135,7 @@ def argmax_count(theta: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------ policies
 MAX_PROBE_GAP = 32  # skipped steps between two probes, at most (the gap doubles from 1)
+EMA_WEIGHT = 0.2  # weight of the newest drafted step in the gate's moving average survival profile
 
 
 @dataclass
@@ -152,10 +153,13 @@ class PolicyState:
 
     pending: list[int] = field(default_factory=list)
     step: int = 0
-    drafted: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    drafted: list[tuple[int, dict]] = field(default_factory=list)
     skipped: int = 0
     gap: int = 1
     probe: bool = False
+    profile: torch.Tensor | None = None  # moving average of the mean survival profile `[γ]` (the gate's estimate)
+    unfolded: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # drafted steps not yet `lag` old
+    verdicts: dict[int, bool] = field(default_factory=dict)  # drafting_pays per R for the current profile
 
 
 class Policy:
@@ -327,19 +331,35 @@ class _Gated(Policy):
                 return est
         return None
 
-    def verdict(self, est: dict, R: int) -> tuple[bool, int]:
-        """(does drafting pay, the Θ-maximising capacity K) at R requests, with the estimate's
-        survivals `[R', γ]` standing for the current ones (R' ≠ R: their mean profile, R times).
-        Drafting pays when some K gives a drafted Θ above a plain step's. Cached per R."""
+    def _fold(self, state: PolicyState) -> None:
+        """Fold the mean survival profile of every drafted step at least `lag` steps old into the
+        moving average the gate reads (weight EMA_WEIGHT for the newest)."""
+        while state.unfolded and state.step - state.unfolded[0][0] >= self.lag:
+            _, prof = state.unfolded.pop(0)
+            state.profile = prof if state.profile is None else (1 - EMA_WEIGHT) * state.profile + EMA_WEIGHT * prof
+            state.verdicts = {}
+
+    def drafting_pays(self, state: PolicyState, R: int) -> bool:
+        """Does some number of verified drafts beat a plain step at R requests, with the moving
+        average survival profile (R requests alike) as the estimate of what a draft will bring?
+        Cached per R until the profile moves."""
+        got = state.verdicts.get(R)
+        if got is None:
+            surv = state.profile.unsqueeze(0).expand(R, -1)
+            vals, _ = sorted_candidates(surv.unsqueeze(0))
+            got = state.verdicts[R] = float(theta_curve(vals, R, self.sps).max()) > plain_theta(R, self.sps)
+        return got
+
+    def capacity(self, est: dict, R: int) -> int:
+        """The Θ-maximising capacity K with the estimate's survivals `[R', γ]` standing for the
+        current ones (R' ≠ R: their mean profile, R times). Cached per R."""
         got = est.get(R)
         if got is None:
             surv = est["survival"]
             if surv.shape[0] != R:
                 surv = surv.mean(0, keepdim=True).expand(R, -1)
             vals, _ = sorted_candidates(surv.unsqueeze(0))
-            theta = theta_curve(vals, R, self.sps)[0]
-            plain = plain_theta(R, self.sps)
-            got = est[R] = (plain is None or float(theta.max()) > plain, int(argmax_count(theta[None])[0]))
+            got = est[R] = int(argmax_count(theta_curve(vals, R, self.sps))[0])
         return got
 
     def plan(self, num_requests, state=None):
@@ -348,8 +368,8 @@ class _Gated(Policy):
         state.probe = False
         if not self.can_skip:
             return True
-        est = self._estimate(state)
-        if est is None or self.verdict(est, num_requests)[0]:
+        self._fold(state)
+        if state.profile is None or self.drafting_pays(state, num_requests):
             state.skipped, state.gap = 0, 1
             return True
         if state.skipped >= state.gap:  # a probe refreshes the estimate
@@ -359,8 +379,11 @@ class _Gated(Policy):
         return False
 
     def _record(self, survival: torch.Tensor, state: PolicyState | None) -> None:
-        if state is not None and self.can_skip:
-            state.drafted = (state.drafted + [(state.step, {"survival": survival[-1].clone()})])[-2:]
+        if state is not None:
+            last = survival[-1]
+            state.drafted = (state.drafted + [(state.step, {"survival": last.clone()})])[-2:]
+            if self.can_skip:
+                state.unfolded.append((state.step, last.mean(0).clone()))
 
 
 class DSpark(_Gated, _ThetaSearch):
@@ -414,12 +437,11 @@ class DSparkAsync(_Gated):
             caps = []
             for g in range(G):
                 est = self._estimate(state) if state is not None else None
+                stop = int(early_stop_count(theta_curve(vals[g: g + 1], R, self.sps))[0])
                 if state is not None and state.probe:  # a probe verifies what Algorithm 1 admits now
-                    cap = int(early_stop_count(theta_curve(vals[g: g + 1], R, self.sps))[0])
-                elif est is None:
-                    cap = R * self.initial
-                else:
-                    cap = self.verdict(est, R)[1]
+                    cap = stop
+                else:  # capacity fixed in advance, then Algorithm 1's break within it
+                    cap = min(R * self.initial if est is None else self.capacity(est, R), stop)
                 caps.append(cap)
                 self._record(survival[g: g + 1], state)
             return lengths_from_count(req, torch.tensor(caps, dtype=torch.long).clamp(max=R * gamma), R)
