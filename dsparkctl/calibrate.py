@@ -34,6 +34,8 @@ def calibration_data(traces: Sequence[Trace]) -> tuple[CalibrationData, torch.Te
     gamma = None
     for fi, t in enumerate(traces):
         for r in t.rounds:
+            if not r.drafted:  # a plain step the policy chose: no draft, nothing to calibrate
+                continue
             if r.confidence_logits is None:
                 raise InputError(f"{t.path}: request {r.request} round {r.round} has no confidence logits",
                                  "calibration needs a draft with a confidence head (DSpark, not DFlash)")
@@ -154,7 +156,13 @@ def run_calibration(trace_paths: Sequence[str | os.PathLike], holdout: float = 0
     if train.logits.shape[0] == 0 or held.logits.shape[0] == 0:
         raise InputError("too few requests to split into training and held-out parts",
                          f"record more requests or change {n['holdout']}")
-    temps = fit_sts(train, bins=bins)
+    fit_report: list[dict] = []
+    temps = fit_sts(train, bins=bins, report=fit_report)
+    warnings = [f"position {r['position']}: T = {float(temps[r['position'] - 1]):.3g} is at the edge of the search "
+                "grid [0.05, 20]: no temperature calibrates it (its confidences are off by a bias, not a scale)"
+                if r["status"] == "edge" else
+                f"position {r['position']}: {r['trials']} trials ({r['successes']} accepted) are too few to fit; "
+                "T = 1 kept" for r in fit_report if r["status"] != "fitted"]
     ones = torch.ones_like(temps)
     before, after = position_metrics(held, ones, bins), position_metrics(held, temps, bins)
     train_fit = position_metrics(train, temps, bins)
@@ -163,6 +171,9 @@ def run_calibration(trace_paths: Sequence[str | os.PathLike], holdout: float = 0
         "block_size": data.gamma,
         "temperatures": [float(t) for t in temps],
         "method": "sequential temperature scaling (grid search of T_k minimising survival ECE, left to right)",
+        "fit": fit_report, "warnings": warnings,
+        "draft_fingerprints": sorted({str(t.header["draft_fingerprint"]) for t in traces
+                                      if isinstance(t.header.get("draft_fingerprint"), str)}),
         "bins": bins, "holdout": holdout, "seed": seed,
         "rounds": {"train": int(train.logits.shape[0]), "heldout": int(held.logits.shape[0]),
                    "requests_heldout": int(torch.unique(keys[hold]).numel()),
@@ -198,6 +209,21 @@ def strip_diagrams(result: dict[str, Any]) -> dict[str, Any]:
         for m in out["metrics_heldout"][side]:
             m.pop("diagram", None)
     return out
+
+
+def calibration_draft_notes(path: str | os.PathLike, fingerprint: str) -> list[str]:
+    """Refuse a calibration fitted on another draft's traces (its fingerprints exclude this one);
+    a file that does not say (SGLang's STS file, older files) gets a note instead."""
+    obj = read(Path(path), "calibration file", "write one with `dsparkctl calibrate`")
+    fps = obj.get("draft_fingerprints") if isinstance(obj, dict) else None
+    if not isinstance(fps, list) or not fps:
+        return [f"{path} does not say which draft it was fitted for; make sure it is this draft's"]
+    if fingerprint not in fps:
+        raise InputError(f"{path} was fitted on traces of another draft (fingerprint {', '.join(map(str, fps))}; "
+                         f"this draft's is {fingerprint})",
+                         "calibrate this draft's traces: `dsparkctl generate --policy static:γ --trace t.jsonl`, "
+                         "then `dsparkctl calibrate t.jsonl`")
+    return []
 
 
 def load_temperatures(path: str | os.PathLike, gamma: int | None = None) -> list[float]:

@@ -110,3 +110,12 @@ def test_reduced_vocabulary_draft_is_served_through_its_full_vocabulary_copy(tmp
     w2 = full.markov_head.markov_w2.weight
     assert torch.count_nonzero(w2[1::2]) == 0  # no Markov bias outside the old subset
     torch.testing.assert_close(w2[keep], d.markov_head.markov_w2.weight.to(w2.dtype), atol=1e-2, rtol=1e-2)
+
+
+def test_k_table_says_zero_where_plain_decoding_wins():
+    """static:0 (no draft) in a sweep: vLLM's table turns speculation off where it wins (k = 0 is valid
+    in vllm/v1/spec_decode/dynamic/utils.py)."""
+    rows = [{"policy": p, "concurrency": c, "throughput_tok_s": t} for p, c, t in (
+        ("static:0", 1, 10.0), ("static:2", 1, 12.0), ("static:0", 8, 50.0), ("static:2", 8, 40.0),
+        ("static:0", 32, 90.0), ("static:2", 32, 60.0))]
+    assert k_table_from_sweep({"rows": rows}, 5, max_batch_size=64) == [[1, 7, 2], [8, 64, 0]]

@@ -143,3 +143,27 @@ def test_a_table_without_a_plain_step_is_used_with_a_note(pair, tmp_path):
     res = _gen(target, draft, "--policy", "dspark-async", "--sps-table", old)
     assert res.exit_code == 0, res.output
     assert "no plain-step entry" in res.stderr and "does not say what machine" in res.stderr
+
+
+def test_traces_mark_plain_steps_and_calibration_skips_them(tmp_path):
+    from dsparkctl.calibrate import run_calibration
+    from dsparkctl.trace import TRACE_FORMAT, read_trace
+
+    lines = [{"format": TRACE_FORMAT}]
+    for req in range(8):
+        for rnd in range(30):
+            plain = rnd % 3 == 2
+            lines.append({"request": req, "round": rnd, "block_size": 2, "batch_tokens": 8,
+                          "confidence_logits": None if plain else [0.5 * (rnd % 5) - 1, -0.5],
+                          "verify_length": 0 if plain else 2, "accepted": 0 if plain else (rnd + req) % 3,
+                          "draft_ms": 0.0 if plain else 1.0, "verify_ms": 5.0, **({"drafted": False} if plain else {})})
+    p = tmp_path / "t.jsonl"
+    p.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    assert sum(not r.drafted for r in read_trace(p).rounds) == 80
+    res = run_calibration([p], holdout=0.25, bins=4)
+    assert res["rounds"]["train"] + res["rounds"]["heldout"] == 160  # the 80 plain steps carry no labels
+    bad = tmp_path / "bad.jsonl"
+    lines[1] = {**lines[1], "drafted": False}  # a plain step cannot have verified drafts
+    bad.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    with pytest.raises(InputError, match="without a draft must have verify_length 0"):
+        read_trace(bad)

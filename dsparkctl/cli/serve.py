@@ -57,9 +57,35 @@ def serve_config(
         check_script_destination(out_path)
     if export_full_vocab is not None:
         check_draft_destination(export_full_vocab, overwrite=True)
+    own = None
+    if calibration is None:  # the draft's own calibration, shipped beside it (checked against it below)
+        from dsparkctl.engine.session import CALIBRATION_NAME
+        from dsparkctl.models.loading import default_draft_dir
+
+        folder = (default_draft_dir() if draft in (None, "", "default") else
+                  Path(draft).expanduser() if Path(draft).expanduser().is_dir() else None)
+        if folder is not None and (folder / CALIBRATION_NAME).is_file():
+            calibration = own = folder / CALIBRATION_NAME
     files = read_serve_inputs(sps_table, calibration, sweep)  # before the models load
     sess = open_session(target, draft, "cpu", "fp32", revision, log=lambda m: err.print(styled((m, "dim"))))
+    if calibration is not None:
+        from dsparkctl.calibrate import calibration_draft_notes
+        from dsparkctl.errors import InputError
+
+        try:
+            cal_notes = calibration_draft_notes(calibration, sess.draft.fingerprint())
+        except InputError:
+            if own is None:
+                raise
+            import dataclasses
+
+            cal_notes = [f"{own} is not this draft's calibration: not used"]
+            files = dataclasses.replace(files, sts_file=None)
+        if own is not None and files.sts_file is not None:
+            cal_notes.append(f"the confidences are calibrated with the draft's own {own} (--calibration to override)")
     result = plan_serving(sess, draft, target, target_id, files, export_full_vocab)
+    if calibration is not None:
+        result["notes"] = cal_notes + result["notes"]
     if out_path is not None:
         write_script(out_path, result)
     if json_out:
