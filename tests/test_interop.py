@@ -32,6 +32,37 @@ def test_written_draft_config_loads_with_the_targets_transformers_config_class(t
     assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["tie_word_embeddings"] is False
     if family == "qwen3":
         assert cfg["layer_types"] == ["full_attention"] * 2 and loaded.layer_types == ["full_attention"] * 2
+    else:  # as vLLM 0.32.0 and SGLang 0.5.23 read it (benchmarks/interop_check.sh): non-causal full attention
+        assert cfg["model_type"] == "llama" and "layer_types" not in cfg
+
+
+def test_shipped_draft_config_is_llama_without_layer_types():
+    """docs/serving.md says what we ship: the SmolLM2 target's llama config plus the draft fields."""
+    from dsparkctl.models.loading import default_draft_dir
+
+    folder = default_draft_dir()
+    if folder is None:
+        pytest.skip("no shipped draft in this install")
+    cfg = json.loads((folder / "config.json").read_text())
+    assert (cfg["model_type"], cfg["architectures"], cfg["tie_word_embeddings"]) == ("llama", ["Qwen3DSparkModel"], False)
+    assert "layer_types" not in cfg and cfg["draft_vocab_size"] == 8192 and cfg["vocab_size"] == 49152
+
+
+@pytest.mark.parametrize("d2t, message", [(torch.zeros(2, 16, dtype=torch.long), "1-D integer"),
+                                          (torch.zeros(16), "1-D integer"),
+                                          (torch.full((16,), 60, dtype=torch.long), "outside the vocabulary")])
+def test_vllm_form_with_a_bad_d2t_is_refused(tmp_path, d2t, message):
+    from safetensors.torch import load_file, save_file
+
+    tgt = TargetAdapter(tiny_target("qwen3"), [0, 1])
+    draft = random_draft(tgt, num_layers=1, layer_ids=[0, 1], markov_rank=8, draft_vocab_size=16)
+    folder = save_draft(draft, tmp_path / "d")
+    t = load_file(str(folder / "model.safetensors"))
+    del t["draft_vocab_ids"]
+    t["d2t"] = d2t
+    save_file(t, str(folder / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=message):
+        load_draft(folder, tgt)
 
 
 # ------------------------------------------------------------------ nested dflash_config / dspark_config

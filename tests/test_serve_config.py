@@ -53,12 +53,31 @@ def test_sglang_and_vllm_commands(files):
     assert argv[argv.index("--speculative-dspark-block-size") + 1] == "4"
     assert argv[argv.index("--speculative-dspark-sps-table-path") + 1] == str(files["sps"])
     assert argv[argv.index("--speculative-dspark-confidence-sts-path") + 1] == str(files["sts"])
-    assert r["sglang"]["env"]["SGLANG_RAGGED_VERIFY_MODE"] == "compact"  # else SGLang ignores both files
+    # else SGLang ignores both files; nothing else: every variable must exist in SGLang 0.5.23's environ.py
+    assert r["sglang"]["env"] == {"SGLANG_RAGGED_VERIFY_MODE": "compact"}
     v = r["vllm"]["speculative_config"]
     assert set(v) <= VLLM_FIELDS and v["method"] == "dspark" and v["num_speculative_tokens"] == 4
     assert v["num_speculative_tokens_per_batch_size"] == [[1, 3, 4], [4, 7, 3], [8, 15, 2], [16, 1024, 1]]
+    assert any("covered concurrency 1..16; batch sizes 17..1024 reuse the length at 16" in n for n in r["notes"])
     text = script.read_text()
     assert "SGLANG_RAGGED_VERIFY_MODE=compact" in text and "--speculative-config" in text
+    assert "SGLANG_PREP_IN_CUDA_GRAPH" not in text  # does not exist in SGLang 0.5.23
+
+
+def test_length_table_note_names_the_sweeps_real_range(files):
+    """A sweep whose largest concurrency was 8 is named 1..8 (it was once named by the table's
+    last range, "4..1024")."""
+    rows = [{"policy": f"static:{k}", "concurrency": c, "throughput_tok_s": 10.0 - abs(k - (4 if c < 4 else 3))}
+            for c in (1, 2, 4, 8) for k in (1, 2, 3, 4)]
+    files["sweep"].write_text(json.dumps({"format": "dsparkctl-sweep/1", "rows": rows}))
+    res = CliRunner().invoke(app, ["serve-config", "--draft", str(files["draft"]), "--target", str(files["target"]),
+                                   "--sweep", str(files["sweep"]), "--json"])
+    assert res.exit_code == 0, res.output
+    r = json.loads(res.stdout)
+    assert r["vllm"]["speculative_config"]["num_speculative_tokens_per_batch_size"] == [[1, 3, 4], [4, 1024, 3]]
+    notes = [n for n in r["notes"] if "length table" in n]
+    assert notes == ["vLLM's length table: the sweep covered concurrency 1..8; batch sizes 9..1024 reuse the length "
+                     "at 8; sweep higher loads to measure them"]
 
 
 def test_k_table_merges_equal_neighbours_and_needs_static_policies():
@@ -91,20 +110,28 @@ def test_bad_inputs_one_line_nothing_written(files, name, mutate, message):
     assert not script.exists()
 
 
-def test_reduced_vocabulary_draft_is_served_through_its_full_vocabulary_copy(tmp_path):
+def _reduced_pair(tmp_path):
     target = save_tiny_target(tmp_path / "target", "qwen3")
     tgt = TargetAdapter(tiny_target("qwen3"), [0, 1])
     d = random_draft(tgt, num_layers=1, layer_ids=[0, 1], markov_rank=8, draft_vocab_size=32, block_size=3)
     keep = torch.arange(0, 64, 2)
     d.set_draft_vocab(keep)
+    d.share_target_embeddings(tgt.embed_tokens(), tgt.lm_head())  # the head rows follow the new ids
     folder = save_draft(d, tmp_path / "reduced", extra_config={"dsparkctl": {"test": True}})
+    return target, tgt, d, keep, folder
+
+
+def test_reduced_vocabulary_draft_is_served_through_its_full_vocabulary_copy(tmp_path):
+    target, _, d, keep, folder = _reduced_pair(tmp_path)
     args = ["serve-config", "--draft", str(folder), "--target", str(target), "--json"]
     res = CliRunner().invoke(app, args)
-    assert res.exit_code != 0 and "--export-full-vocab" in res.output
+    assert res.exit_code != 0 and "--export-full-vocab" in res.output and "--export-vllm" in res.output
     full_dir = tmp_path / "full"
     res = CliRunner().invoke(app, args + ["--export-full-vocab", str(full_dir)])
     assert res.exit_code == 0, res.output
-    assert json.loads(res.stdout)["draft"] == str(full_dir)
+    r = json.loads(res.stdout)
+    assert r["draft"] == r["sglang"]["draft"] == r["vllm"]["draft"] == str(full_dir)  # vLLM loads the copy too
+    assert r["exports"] == {"sglang": str(full_dir)} and any("--export-vllm" in n for n in r["notes"])
     full = load_draft(full_dir, TargetAdapter(tiny_target("qwen3"), [0, 1]))
     assert full.draft_vocab_ids is None and full.markov_head.markov_w2.weight.shape == (64, 8)
     w2 = full.markov_head.markov_w2.weight
@@ -119,3 +146,54 @@ def test_k_table_says_zero_where_plain_decoding_wins():
         ("static:0", 1, 10.0), ("static:2", 1, 12.0), ("static:0", 8, 50.0), ("static:2", 8, 40.0),
         ("static:0", 32, 90.0), ("static:2", 32, 60.0))]
     assert k_table_from_sweep({"rows": rows}, 5, max_batch_size=64) == [[1, 7, 2], [8, 64, 0]]
+def test_reduced_vocabulary_draft_in_vllms_form(tmp_path):
+    """vLLM's Qwen3DSparkForCausalLM.load_weights (vllm 0.32.0, models/qwen3_dspark.py) takes a
+    reduced draft as `d2t` [K] (target id = draft id + d2t[draft id]) plus `lm_head.weight` [K, H],
+    and maps every other name to `model.<name>`: no `draft_vocab_ids`, which it would not know."""
+    from safetensors.torch import load_file
+
+    target, tgt, d, keep, folder = _reduced_pair(tmp_path)
+    full_dir, vllm_dir = tmp_path / "full", tmp_path / "vllm"
+    res = CliRunner().invoke(app, ["serve-config", "--draft", str(folder), "--target", str(target), "--json",
+                                   "--export-full-vocab", str(full_dir), "--export-vllm", str(vllm_dir)])
+    assert res.exit_code == 0, res.output
+    r = json.loads(res.stdout)
+    assert r["sglang"]["draft"] == str(full_dir) and r["vllm"]["draft"] == str(vllm_dir)
+    assert r["vllm"]["speculative_config"]["model"] == str(vllm_dir) and r["exports"] == {
+        "sglang": str(full_dir), "vllm": str(vllm_dir)}
+    assert str(vllm_dir) not in r["sglang"]["command"]
+    t = load_file(str(vllm_dir / "model.safetensors"))
+    K = 32
+    assert "draft_vocab_ids" not in t and "embed_tokens.weight" not in t
+    assert t["d2t"].dtype == torch.int64 and t["d2t"].shape == (K,)
+    assert torch.equal(torch.arange(K) + t["d2t"], keep)  # target = draft id + d2t[draft id]
+    head = tgt.lm_head().weight
+    assert t["lm_head.weight"].shape == (K, head.shape[1])
+    assert torch.equal(t["lm_head.weight"], head[keep].to(torch.bfloat16))  # the target head's rows at our ids
+    assert torch.equal(t["markov_head.markov_w2.weight"], d.markov_head.markov_w2.weight.to(torch.bfloat16))
+    cfg = json.loads((vllm_dir / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == K and cfg["vocab_size"] == 64 and cfg["dsparkctl"]["engine"] == "vllm"
+    back = load_draft(vllm_dir, TargetAdapter(tiny_target("qwen3"), [0, 1]))  # we read vLLM's form too
+    assert torch.equal(back.draft_vocab_ids, keep)
+    # run again: both exports are ours, so they are replaced
+    res = CliRunner().invoke(app, ["serve-config", "--draft", str(folder), "--target", str(target), "--json",
+                                   "--export-full-vocab", str(full_dir), "--export-vllm", str(vllm_dir)])
+    assert res.exit_code == 0, res.output
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--export-vllm", "V"], "--export-vllm comes with --export-full-vocab"),
+    (["--export-full-vocab", "F", "--export-vllm", "F"], "same path"),
+])
+def test_export_options_refused_in_one_line(tmp_path, extra, message):
+    target, _, _, _, folder = _reduced_pair(tmp_path)
+    extra = [str(tmp_path / a) if a in ("V", "F") else a for a in extra]
+    res = CliRunner().invoke(app, ["serve-config", "--draft", str(folder), "--target", str(target)] + extra)
+    assert res.exit_code != 0 and message in res.output, res.output
+    assert len(res.output.strip().splitlines()) == 1 and not (tmp_path / "V").exists()
+
+
+def test_full_vocabulary_draft_refuses_exports(files, tmp_path):
+    res = CliRunner().invoke(app, ["serve-config", "--draft", str(files["draft"]), "--target", str(files["target"]),
+                                   "--export-full-vocab", str(tmp_path / "F")])
+    assert res.exit_code != 0 and "reduced-vocabulary drafts" in res.output and not (tmp_path / "F").exists()

@@ -30,8 +30,11 @@ def serve_config(
     sweep: Annotated[Optional[Path], typer.Option("--sweep", help="sweep-scheduler --out result: vLLM's per-batch-"
                                                   "size length table from its best static:K per concurrency.")] = None,
     export_full_vocab: Annotated[Optional[Path], typer.Option("--export-full-vocab", help="For a reduced-vocabulary "
-                                                              "draft: write its full-vocabulary copy here (the "
-                                                              "engines read no index map); the commands use it.")] = None,
+                                                              "draft: write its full-vocabulary copy here, for SGLang "
+                                                              "(which uses the target's head); vLLM loads it too.")] = None,
+    export_vllm: Annotated[Optional[Path], typer.Option("--export-vllm", help="For a reduced-vocabulary draft: also "
+                                                        "write vLLM's reduced form here (d2t + lm_head [K, hidden], a "
+                                                        "K/V head); vLLM's config uses it. SGLang cannot read it.")] = None,
     out_path: Annotated[Optional[Path], typer.Option("--out", help="Also write a shell script with both commands.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -43,7 +46,9 @@ def serve_config(
 
     check_outputs([o for o in (Output(out_path, "--out") if out_path else None,
                                Output(export_full_vocab, "--export-full-vocab", "folder")
-                               if export_full_vocab else None) if o is not None],
+                               if export_full_vocab else None,
+                               Output(export_vllm, "--export-vllm", "folder") if export_vllm else None)
+                   if o is not None],
                   local_inputs(sps_table, calibration, sweep, target=target, drafts=[draft]))
     if draft == "random":
         raise UsageError("--draft random is an untrained draft: there is nothing to serve",
@@ -51,12 +56,16 @@ def serve_config(
     if draft in (None, "", "default") and target not in (None, "", "embedded"):
         raise UsageError("serve-config needs --draft for this target: the shipped draft is the embedded target's",
                          "pass the draft folder or hub id you will serve")
+    if export_vllm is not None and export_full_vocab is None:
+        raise UsageError("--export-vllm comes with --export-full-vocab: SGLang's command needs the "
+                         "full-vocabulary copy (it cannot read vLLM's reduced form)", "add --export-full-vocab DIR")
     if target_id is not None:
         check_target_id(target_id)
     if out_path is not None:
         check_script_destination(out_path)
-    if export_full_vocab is not None:
-        check_draft_destination(export_full_vocab, overwrite=True)
+    for folder in (export_full_vocab, export_vllm):
+        if folder is not None:
+            check_draft_destination(folder, overwrite=True)
     own = None
     if calibration is None:  # the draft's own calibration, shipped beside it (checked against it below)
         from dsparkctl.engine.session import CALIBRATION_NAME
@@ -83,7 +92,7 @@ def serve_config(
             files = dataclasses.replace(files, sts_file=None)
         if own is not None and files.sts_file is not None:
             cal_notes.append(f"the confidences are calibrated with the draft's own {own} (--calibration to override)")
-    result = plan_serving(sess, draft, target, target_id, files, export_full_vocab)
+    result = plan_serving(sess, draft, target, target_id, files, export_full_vocab, export_vllm)
     if calibration is not None:
         result["notes"] = cal_notes + result["notes"]
     if out_path is not None:

