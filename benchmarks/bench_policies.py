@@ -1,0 +1,211 @@
+"""Verify-length policies under load: measured tokens/s beside what `sweep-scheduler` predicts.
+
+For each batch size B (--batch-sizes), `--groups` groups of B prompts (consecutive prompts of the
+set, wrapping around) are decoded greedily by every decoder in one process, in a rotating order
+per group so drift on a shared machine hits all alike:
+    plain           plain decoding (the engine's baseline, `plain_generate`)
+    static:k        speculative, k drafts verified every round (k = 1..γ)
+    threshold:t     stop at the first conditional confidence below t (t chosen beforehand on the
+                    calibration traces, --threshold; never on this prompt set)
+    dspark          Algorithm 1 on the current survivals; the draft skipped when the last drafted
+                    step's survivals say a plain step is faster
+    dspark-async    capacity from survivals two steps old, the same skip rule (paper §5.2)
+The confidence policies use the calibration (--calibration, default the shipped draft's) and the
+SPS table (--sps-table, profiled on this machine minutes before).
+
+Per (B, policy): decode tokens/s (tokens after the first / seconds after prefill: what the
+scheduler controls; whole-run tokens/s is reported too), its median over groups, the median of
+the per-group ratios to plain with a 95% bootstrap interval over groups, the mean verified
+length ℓ (skipped steps count as 0), the share of steps that ran the draft, the draft's share of
+step time, and greedy identity with plain decoding. The static:γ runs' rounds (full
+verification) are pooled over all batch sizes into a replay pool, and `dsparkctl.sweep.replay`
+predicts each cell's tokens/s from that pool and the same SPS table: the error of the prediction
+is reported beside the measurement.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_policies.py --sps-table T.json \
+        --out benchmarks/results/policies.json --plot benchmarks/results/policies.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from dsparkctl.calibrate import load_temperatures
+from dsparkctl.data.prompts import encode_prompts, load_prompts
+from dsparkctl.engine.session import open_session
+from dsparkctl.engine.speculative import SpeculativeEngine, plain_generate
+from dsparkctl.fsutil import cannot_create, write_json
+from dsparkctl.math.policies import parse_policy
+from dsparkctl.math.sampling import SamplingParams
+from dsparkctl.sps_io import load_sps_table
+from dsparkctl.sweep import replay
+
+
+def bootstrap(xs: list[float], n: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile interval of the median of xs, resampling xs."""
+    if len(xs) < 2:
+        return (xs[0], xs[0]) if xs else (float("nan"), float("nan"))
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(n))
+    return meds[int(0.025 * n)], meds[int(0.975 * n) - 1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dataset", default="mt-bench")
+    ap.add_argument("--batch-sizes", default="1,4,8,16,32")
+    ap.add_argument("--groups", default="8,4,4,3,3", help="prompt groups per batch size")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--sps-table", required=True)
+    ap.add_argument("--calibration", default=None, help="default: the shipped draft's")
+    ap.add_argument("--threshold", type=float, default=0.4)
+    ap.add_argument("--static", default=None, help="static:k lengths (default 1..γ)")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "policies.json")
+    ap.add_argument("--plot", type=Path, default=Path(__file__).parent / "results" / "policies.png")
+    args = ap.parse_args()
+    for p in (args.out, args.plot):
+        if why := cannot_create(p):
+            ap.error(f"{p} cannot be created: {why}")
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    groups = [int(x) for x in args.groups.split(",")]
+    if len(groups) != len(sizes):
+        ap.error("--groups needs one count per batch size")
+    sess = open_session(None, None, "cpu", "fp32", log=lambda m: None, cpu_kernels="auto")
+    gamma = sess.draft.block_size
+    cal = args.calibration or sess.default_calibration()
+    temps = load_temperatures(cal, gamma) if cal else None
+    sps = load_sps_table(args.sps_table)
+    statics = [int(k) for k in args.static.split(",")] if args.static else list(range(1, gamma + 1))
+    specs = [f"static:{k}" for k in statics] + [f"threshold:{args.threshold}", "dspark", "dspark-async"]
+    greedy = SamplingParams(0.0)
+    engines = {s: SpeculativeEngine(sess.adapter, sess.draft, parse_policy(s, sps=sps, temperatures=temps), greedy,
+                                    stop_token_ids=sess.stop_ids) for s in specs}
+    plain_adapter = sess.plain_adapter()
+    prompts = encode_prompts(sess.target.tokenizer, load_prompts(args.dataset))
+    N = args.max_new_tokens
+    names = ["plain", *specs]
+    for f in [lambda: plain_generate(plain_adapter, [prompts[0][:16]], 4, greedy)] + \
+             [lambda e=e: e.generate([prompts[0][:16]], 2 * gamma + 2) for e in engines.values()]:
+        f()  # warm-up: allocations, every verify width
+    cells, pool_logits, pool_acc = [], [], []
+    t_start = time.time()
+    for B, G in zip(sizes, groups):
+        runs: dict[str, list[dict]] = {n: [] for n in names}
+        for g in range(G):
+            group = [prompts[(g * B + i) % len(prompts)] for i in range(B)]
+            order = names[g % len(names):] + names[: g % len(names)]
+            outs = {}
+            for name in order:
+                rows = [] if name == f"static:{gamma}" else None
+                t0 = time.perf_counter()
+                if name == "plain":
+                    rep = plain_generate(plain_adapter, group, N, greedy, stop_token_ids=sess.stop_ids)
+                else:
+                    rep = engines[name].generate(group, N, on_round=rows.extend if rows is not None else None)
+                wall = time.perf_counter() - t0
+                outs[name] = [o.tokens for o in rep.outputs]
+                gen = rep.generated
+                pre = rep.times_ms.get("prefill", 0.0) / 1000.0
+                st = rep.stats if name != "plain" else None
+                runs[name].append({
+                    "tokens": gen, "wall_s": wall, "tok_s": gen / wall,
+                    "decode_tok_s": (gen - len(group)) / max(wall - pre, 1e-9), "steps": rep.rounds,
+                    "mean_verify": (st.verified / st.rounds) if st and st.rounds else 0.0,
+                    "drafted_share": (rep.drafted_steps / rep.rounds) if name != "plain" and rep.rounds else 0.0,
+                    "draft_share_of_time": rep.times_ms.get("draft", 0.0) / max(rep.times_ms.get("total", 1.0), 1e-9),
+                    "tau": st.tau if st else 1.0})
+                if rows is not None:
+                    for r in rows:
+                        if r.verify_length == gamma and not r.budget_capped:
+                            pool_logits.append(r.confidence_logits)
+                            pool_acc.append(r.accepted)
+            for name in specs:
+                runs[name][-1]["identical"] = outs[name] == outs["plain"]
+            print(f"B={B} group {g}: " + "  ".join(f"{n} {runs[n][-1]['decode_tok_s']:.1f}" for n in names)
+                  + f"  ({time.time() - t_start:.0f} s)", flush=True)
+        for name in names:
+            rs = runs[name]
+            ratios = [r["decode_tok_s"] / p["decode_tok_s"] for r, p in zip(rs, runs["plain"])]
+            cells.append({"batch_size": B, "policy": name, "groups": len(rs),
+                          "decode_tok_s": statistics.median(r["decode_tok_s"] for r in rs),
+                          "tok_s": statistics.median(r["tok_s"] for r in rs),
+                          "ratio_to_plain": statistics.median(ratios), "ratio_interval": bootstrap(ratios),
+                          "mean_verify": statistics.mean(r["mean_verify"] for r in rs),
+                          "drafted_share": statistics.mean(r["drafted_share"] for r in rs),
+                          "draft_share_of_time": statistics.mean(r["draft_share_of_time"] for r in rs),
+                          "tau": statistics.mean(r["tau"] for r in rs),
+                          "identical": all(r.get("identical", True) for r in rs), "runs": rs})
+    # predictions from the same run's full-verification rounds and the same SPS table
+    pool = {"logits": torch.tensor(pool_logits, dtype=torch.float64), "accepted": torch.tensor(pool_acc),
+            "gamma": gamma, "has_confidence": True, "skipped": 0}
+    for B in sizes:
+        pred = replay(pool, ["static:0", *specs], [B], sps, temps, rounds=20_000, seed=0)
+        by = {r["policy"]: r for r in pred}
+        by["plain"] = by.pop("static:0")
+        for c in cells:
+            if c["batch_size"] == B:
+                p = by[c["policy"]]
+                c["predicted_tok_s"] = p["throughput_tok_s"]
+                c["prediction_error"] = p["throughput_tok_s"] / c["decode_tok_s"] - 1.0
+                c["predicted_mean_verify"] = p["mean_verify"]
+                c["predicted_drafted_share"] = p["drafted_share"]
+    for B in sizes:
+        here = [c for c in cells if c["batch_size"] == B]
+        meas = sorted(here, key=lambda c: -c["decode_tok_s"])
+        predr = sorted(here, key=lambda c: -c["predicted_tok_s"])
+        for c in here:
+            c["measured_rank"] = meas.index(c) + 1
+            c["predicted_rank"] = predr.index(c) + 1
+    doc = {"dataset": args.dataset, "max_new_tokens": N, "sps_table": args.sps_table, "calibration": cal,
+           "temperatures": temps, "threads": torch.get_num_threads(), "cpu_kernels": sess.cpu_kernels,
+           "replay_pool_rounds": len(pool_acc), "cells": cells, "seconds": time.time() - t_start}
+    write_json(args.out, doc)
+    print(f"{'B':>3} {'policy':>16} {'tok/s':>7} {'× plain [95% CI]':>22} {'pred':>7} {'err':>6} "
+          f"{'rank m/p':>8} {'mean ℓ':>6} {'drafted':>7} {'draft%':>6} same")
+    for c in cells:
+        lo, hi = c["ratio_interval"]
+        print(f"{c['batch_size']:>3} {c['policy']:>16} {c['decode_tok_s']:7.1f} {c['ratio_to_plain']:6.3f} "
+              f"[{lo:.3f}, {hi:.3f}] {c['predicted_tok_s']:7.1f} {100 * c['prediction_error']:+5.1f}% "
+              f"{c['measured_rank']:>3}/{c['predicted_rank']:<3} {c['mean_verify']:6.2f} "
+              f"{100 * c['drafted_share']:6.0f}% {100 * c['draft_share_of_time']:5.1f}% {c['identical']}")
+    plot(cells, sizes, names, args.plot)
+    print(f"wrote {args.out}, {args.plot}")
+
+
+def plot(cells, sizes, names, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from dsparkctl.fsutil import atomic_open
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name in names:
+        xs = [c for c in cells if c["policy"] == name]
+        style = "-" if name in ("plain", "dspark", "dspark-async") else ":"
+        a1.plot([c["batch_size"] for c in xs], [c["decode_tok_s"] for c in xs], style, marker="o", label=name)
+        a2.plot([c["batch_size"] for c in xs], [c["ratio_to_plain"] for c in xs], style, marker="o", label=name)
+    for a in (a1, a2):
+        a.set_xscale("log", base=2)
+        a.set_xticks(sizes, [str(s) for s in sizes])
+        a.set_xlabel("batch size (requests decoded together)")
+        a.grid(alpha=0.3)
+    a1.set_ylabel("decode tokens/s (all requests)")
+    a2.set_ylabel("× plain decoding (median of groups)")
+    a2.axhline(1.0, color="k", lw=0.8)
+    a2.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    with atomic_open(path, "wb") as fh:
+        fig.savefig(fh, format="png", dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
