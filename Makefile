@@ -2,6 +2,6 @@
 setup:
 	./scripts/setup.sh
 demo: setup
-	.venv/bin/dsparkctl generate --dataset mt-bench --limit 4 --batch-size 1 --max-new-tokens 64 --policy static:2 --baseline --repeats 3
+	.venv/bin/dsparkctl generate --dataset mt-bench --limit 4 --batch-size 1 --max-new-tokens 64 --baseline --repeats 3
 test: setup
 	.venv/bin/python -m pytest

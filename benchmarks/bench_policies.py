@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from dsparkctl.calibrate import load_temperatures
+from dsparkctl.calibrate import load_survival_prior, load_temperatures
 from dsparkctl.data.prompts import encode_prompts, load_prompts
 from dsparkctl.engine.session import open_session
 from dsparkctl.engine.speculative import SpeculativeEngine, plain_generate
@@ -80,11 +80,13 @@ def main() -> None:
     gamma = sess.draft.block_size
     cal = args.calibration or sess.default_calibration()
     temps = load_temperatures(cal, gamma) if cal else None
+    prior = load_survival_prior(cal, gamma) if cal else None
     sps = load_sps_table(args.sps_table)
     statics = [int(k) for k in args.static.split(",")] if args.static else list(range(1, gamma + 1))
     specs = [f"static:{k}" for k in statics] + [f"threshold:{args.threshold}", "dspark", "dspark-async"]
     greedy = SamplingParams(0.0)
-    engines = {s: SpeculativeEngine(sess.adapter, sess.draft, parse_policy(s, sps=sps, temperatures=temps), greedy,
+    engines = {s: SpeculativeEngine(sess.adapter, sess.draft, parse_policy(s, sps=sps, temperatures=temps,
+                                                                           prior=prior), greedy,
                                     stop_token_ids=sess.stop_ids) for s in specs}
     plain_adapter = sess.plain_adapter()
     prompts = encode_prompts(sess.target.tokenizer, load_prompts(args.dataset))
@@ -145,7 +147,7 @@ def main() -> None:
     pool = {"logits": torch.tensor(pool_logits, dtype=torch.float64), "accepted": torch.tensor(pool_acc),
             "gamma": gamma, "has_confidence": True, "skipped": 0}
     for B in sizes:
-        pred = replay(pool, ["static:0", *specs], [B], sps, temps, rounds=20_000, seed=0)
+        pred = replay(pool, ["static:0", *specs], [B], sps, temps, rounds=20_000, seed=0, prior=prior)
         by = {r["policy"]: r for r in pred}
         by["plain"] = by.pop("static:0")
         for c in cells:

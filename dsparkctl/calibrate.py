@@ -226,6 +226,20 @@ def calibration_draft_notes(path: str | os.PathLike, fingerprint: str) -> list[s
     return []
 
 
+def load_survival_prior(path: str | os.PathLike, gamma: int) -> list[float] | None:
+    """The observed survival rate per position on the calibration's held-out rounds (our format
+    only): the draft's typical survival profile, where the skip decision starts. None if absent."""
+    obj = read(Path(path), "calibration file", "write one with `dsparkctl calibrate`")
+    try:
+        rates = [m["survival_rate"] for m in obj["metrics_heldout"]["after"]]
+    except (KeyError, TypeError):
+        return None
+    if len(rates) != gamma or not all(isinstance(r, (int, float)) and not isinstance(r, bool)
+                                       and math.isfinite(r) and 0.0 <= r <= 1.0 for r in rates):
+        return None
+    return [float(r) for r in rates]
+
+
 def load_temperatures(path: str | os.PathLike, gamma: int | None = None) -> list[float]:
     """Temperatures from our calibration JSON or SGLang's STS file; checks the block size."""
     path = Path(path)

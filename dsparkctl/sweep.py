@@ -86,9 +86,12 @@ def _full_hint(header: dict[str, Any], gamma: int) -> str:
 
 
 def replay(pool: dict[str, Any], policy_specs: Sequence[str], concurrency: Sequence[int], sps: SPSTable,
-           temperatures: Sequence[float] | None = None, rounds: int = 20_000, seed: int = 0) -> list[dict[str, Any]]:
-    """Run every (policy, concurrency) cell; returns one row per cell."""
-    policies = [parse_policy(s, sps=sps, temperatures=temperatures) for s in policy_specs]  # validate all first
+           temperatures: Sequence[float] | None = None, rounds: int = 20_000, seed: int = 0,
+           prior: Sequence[float] | None = None) -> list[dict[str, Any]]:
+    """Run every (policy, concurrency) cell; returns one row per cell. `prior`: the calibration's
+    survival profile, where dspark/dspark-async start their skip decision."""
+    policies = [parse_policy(s, sps=sps, temperatures=temperatures, prior=prior)
+                for s in policy_specs]  # validate all first
     need_conf = [p.spec for p in policies if p.requires_confidence]
     if need_conf and not pool["has_confidence"]:
         raise InputError(f"policies {', '.join(need_conf)} need confidence logits but the traces have none",
@@ -127,7 +130,7 @@ def run_sweep(trace_paths, sps_path, policy_specs=DEFAULT_POLICIES, concurrency=
     """Read the traces, the SPS table and the calibration, replay every cell, return the sweep document.
 
     `names` says how messages call `rounds` and `concurrency` (the CLI passes its flags)."""
-    from dsparkctl.calibrate import load_temperatures
+    from dsparkctl.calibrate import load_survival_prior, load_temperatures
 
     n = {"rounds": "rounds", "concurrency": "concurrency", **(names or {})}
     if rounds < 1:
@@ -148,7 +151,8 @@ def run_sweep(trace_paths, sps_path, policy_specs=DEFAULT_POLICIES, concurrency=
                          "candidates one cell may hold in memory",
                          f"use {n['rounds']} ≤ {MAX_CANDIDATES // pool['gamma']:,}; the default 20000 is plenty")
     temps = load_temperatures(calibration, pool["gamma"]) if calibration else None
-    rows = replay(pool, policy_specs, concurrency, sps, temps, rounds, seed)
+    prior = load_survival_prior(calibration, pool["gamma"]) if calibration else None
+    rows = replay(pool, policy_specs, concurrency, sps, temps, rounds, seed, prior=prior)
     return {"format": SWEEP_FORMAT, "block_size": pool["gamma"], "pooled_rounds": int(pool["accepted"].numel()),
             "budget_capped_rounds_skipped": pool["skipped"], "rounds_per_cell": rounds, "temperatures": temps,
             "policies": list(policy_specs), "concurrency": list(concurrency), "rows": rows,

@@ -10,5 +10,6 @@ def _private_continuations_cache(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("DSPARKCTL_CONTINUATIONS_CACHE", str(tmp_path_factory.mktemp("continuations")))
     mp.setenv("DSPARKCTL_CPU_KERNELS_CACHE", str(tmp_path_factory.mktemp("kernels") / "cpu_kernels.json"))
+    mp.setenv("DSPARKCTL_SPS_CACHE", str(tmp_path_factory.mktemp("sps")))
     yield
     mp.undo()

@@ -108,7 +108,7 @@ def _gen(target, draft, *extra):
 
 def test_machine_table_is_profiled_once_and_cached(pair, tmp_path, monkeypatch):
     target, draft, _ = pair
-    monkeypatch.setenv("DSPARKCTL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("DSPARKCTL_SPS_CACHE", str(tmp_path / "cache" / "sps"))
     first = _gen(target, draft, "--policy", "dspark")
     assert first.exit_code == 0, first.output
     assert "profiling this machine's step costs once" in first.stderr

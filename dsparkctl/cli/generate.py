@@ -46,7 +46,9 @@ def generate(
     draft: DraftOpt = None,
     revision: RevisionOpt = None,
     policy: Annotated[Optional[str], typer.Option("--policy", help=f"Verify-length policy: {POLICY_SPECS} (default "
-                                                  "static:γ, every draft; retrospective is biased: for replay "
+                                                  "dspark, with this machine's SPS table and the draft's own "
+                                                  "calibration; static:γ for a draft without a confidence head; "
+                                                  "static:0 is plain decoding; retrospective is biased: for replay "
                                                   "studies only).")] = None,
     sps_table: Annotated[Optional[Path], typer.Option("--sps-table", help=f"SPS table for {', '.join(NEEDS_SPS)} "
                                                       "(from profile-sps); default: this machine's, profiled once "
@@ -77,8 +79,8 @@ def generate(
 ) -> None:
     from dsparkctl.cli.checks import Output, check_outputs, local_inputs
     from dsparkctl.data.prompts import apply_preset_wrap, encode_prompts, prompt_texts
-    from dsparkctl.engine.generate import (GenerateOptions, calibration_notes, generate_report, load_policy,
-                                           policy_notes)
+    from dsparkctl.engine.generate import (GenerateOptions, calibration_notes, default_policy, generate_report,
+                                           load_policy, policy_notes)
     from dsparkctl.engine.session import open_session
     from dsparkctl.math.sampling import SamplingParams
     from dsparkctl.provenance import provenance
@@ -105,7 +107,8 @@ def generate(
     if calibration is None and (calibration := sess.default_calibration()) is not None:
         sess.notes.append(f"confidences calibrated with {calibration} (the draft's own; --calibration to override)")
         err.print(styled(("note:", "yellow"), f" {sess.notes[-1]}"))
-    machine_table = (policy or "").partition(":")[0].strip() in NEEDS_SPS and sps_table is None
+    policy = policy or default_policy(sess)
+    machine_table = policy.partition(":")[0].strip() in NEEDS_SPS and sps_table is None
     pol = load_policy(policy, sess.draft.block_size, sps_table, calibration, placeholder=machine_table)
     cal_notes = calibration_notes(calibration, sess)
     sess.settle_kernels(lambda m: err.print(styled((m, "dim"))))  # said even under --json: it takes seconds

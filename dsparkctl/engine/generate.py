@@ -21,15 +21,25 @@ from dsparkctl.math.policies import Policy, check_fits, parse_policy
 from dsparkctl.math.sampling import SamplingParams
 
 
+DEFAULT_POLICY = "dspark"  # what won at batch 1 in benchmarks/bench_policies.py (docs/scheduling.md)
+
+
+def default_policy(sess: Session) -> str:
+    """The policy `generate` runs without --policy: DEFAULT_POLICY for a draft with a confidence
+    head (with this machine's cached SPS table and the draft's calibration), else static:γ."""
+    return DEFAULT_POLICY if sess.draft.confidence_head is not None else f"static:{sess.draft.block_size}"
+
+
 def load_policy(spec: str | None, block_size: int, sps_table: Path | None, calibration: Path | None,
                 sps: "SPSTable | None" = None, placeholder: bool = False):
     """A verify-length policy from its spec, with the SPS table (a file, or `sps` itself) and STS
     temperatures it may need. `placeholder`: check the spec and the calibration only, with a stand-in
     table (the caller builds the policy again once this machine's table exists, `machine_sps_table`)."""
-    temps = None
+    temps = prior = None
     if calibration is not None:
-        from dsparkctl.calibrate import load_temperatures
+        from dsparkctl.calibrate import load_survival_prior, load_temperatures
         temps = load_temperatures(calibration, gamma=block_size)
+        prior = load_survival_prior(calibration, block_size)
     from dsparkctl.sps_io import load_sps_table
 
     from dsparkctl.sps_io import check_block_size
@@ -42,7 +52,8 @@ def load_policy(spec: str | None, block_size: int, sps_table: Path | None, calib
         sps = SPSTable([1, 2], [1.0, 1.0])  # names and arguments are checked, not costs
     if sps is not None:
         check_block_size(sps, block_size)
-    return check_fits(parse_policy(spec or f"static:{block_size}", sps=sps, temperatures=temps), block_size)
+    return check_fits(parse_policy(spec or f"static:{block_size}", sps=sps, temperatures=temps, prior=prior),
+                      block_size)
 
 
 def calibration_notes(calibration: Path | None, sess: Session) -> list[str]:

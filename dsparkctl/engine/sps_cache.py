@@ -4,7 +4,7 @@ A confidence-scheduled policy needs the engine's step costs (drafted steps on a 
 requests × tokens, and the plain step). When `generate` runs such a policy without
 `--sps-table`, the table is profiled here with a small grid (1, 2, 4 and 8 requests, 1..γ+1
 tokens each, 3 repeats after a warm-up; about 15 s for the embedded pair on one CPU core) and
-kept under `$DSPARKCTL_CACHE/sps/<key>.json`. The key covers what step times depend on: the
+kept under `$DSPARKCTL_CACHE/sps/<key>.json` (`$DSPARKCTL_SPS_CACHE` names the folder itself). The key covers what step times depend on: the
 machine and torch's threads, the kernels, device and dtype, the target's and the draft's weights,
 the grid and the context length, and a rule version. A damaged or unreadable cache file is
 profiled again; an unwritable cache is said and the table used for this run only. Delete the
@@ -34,10 +34,17 @@ def _key(sess, gamma: int) -> str:
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:24]
 
 
-def cache_path(sess) -> Path:
+def cache_dir() -> Path:
+    """`$DSPARKCTL_SPS_CACHE`, else `$DSPARKCTL_CACHE/sps` (~/.cache/dsparkctl/sps)."""
+    import os
+
     from dsparkctl.models.embedded import cache_root
 
-    return cache_root() / "sps" / f"{_key(sess, sess.draft.block_size)}.json"
+    return Path(os.environ["DSPARKCTL_SPS_CACHE"]) if os.environ.get("DSPARKCTL_SPS_CACHE") else cache_root() / "sps"
+
+
+def cache_path(sess) -> Path:
+    return cache_dir() / f"{_key(sess, sess.draft.block_size)}.json"
 
 
 def machine_sps_table(sess, log: Callable[[str], None] = print) -> SPSTable:
@@ -59,14 +66,18 @@ def machine_sps_table(sess, log: Callable[[str], None] = print) -> SPSTable:
         except (DsparkError, OSError, ValueError):
             pass  # damaged: profiled again below
     gamma = sess.draft.block_size
+    from dsparkctl.engine.profile import position_limit
+
+    limit = position_limit(sess.target.model)
+    context = CONTEXT if limit is None else max(1, min(CONTEXT, limit - gamma - 2))
     log(f"profiling this machine's step costs once (requests {','.join(map(str, REQUESTS))} × 1..{gamma + 1} "
         f"tokens, cached in {path})")
     engine = SpeculativeEngine(sess.adapter, sess.draft, parse_policy(f"static:{gamma}"), SamplingParams(0.0),
                                stop_token_ids=sess.stop_ids)
-    points = profile_whole_step(engine, REQUESTS, list(range(1, gamma + 2)), CONTEXT, repeats=3, warmup=1)
+    points = profile_whole_step(engine, REQUESTS, list(range(1, gamma + 2)), context, repeats=3, warmup=1)
     meta = provenance(target=sess.target.name, measures="whole-step", draft=sess.draft_name,
                       device=str(sess.device), dtype=str(sess.dtype).replace("torch.", ""),
-                      cpu_kernels=sess.cpu_kernels, context_len=CONTEXT, repeats=3, warmup=1, block_size=gamma,
+                      cpu_kernels=sess.cpu_kernels, context_len=context, repeats=3, warmup=1, block_size=gamma,
                       conditions=sess.conditions(), cached_by="generate",
                       points=[{"requests": p.requests, "tokens_per_request": p.tokens_per_request, "plain": p.plain,
                                "median_ms": round(p.median_ms, 4), "ms": [round(x, 4) for x in p.ms]}

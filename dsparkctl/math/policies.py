@@ -24,13 +24,17 @@ decoding step. Before each step the engine asks `Policy.plan(R)` whether to draf
 answer may use only what happened before this step (it is made before the current drafts
 exist), so any rule is lossless; a skipped step emits one target token per request, exactly
 as plain decoding does. `static:0` never drafts. `dspark` and `dspark-async` skip when their
-SPS table knows the plain step's cost (`SPSTable.has_plain`) and the survivals of the last
-drafted step (`dspark`) or of a drafted step at least two steps old (`dspark-async`), held as
-estimates of the current ones, say that no number of verified drafts beats a plain step:
-`max_m τ*(m)/t_draft(R, R+m) ≤ R/t_plain(R)`. While skipping they draft again after 1, 2, 4, ...
-(at most `MAX_PROBE_GAP`) skipped steps, a probe whose survivals refresh the estimate; a probe
-verifies what Algorithm 1 admits on its current survivals. `Policy.run_steps` replays G
-consecutive steps (the sweep and the audit), one step at a time for such policies.
+SPS table knows the plain step's cost (`SPSTable.has_plain`) and their estimate of what a draft
+brings says that no number of verified drafts beats a plain step at this load:
+`max_m τ*(m)/t_draft(R, R+m) ≤ R/t_plain(R)`, with every request taken at the estimated survival
+profile. The estimate is a moving average of the mean survival profile of drafted steps at least
+`lag` steps old (1 for dspark, 2 for dspark-async), started from the calibration's held-out
+survival rates when there is one (`prior`); it carries over from one batch to the next. While
+skipping they draft again after 1, 2, 4, ... (at most `MAX_PROBE_GAP`) skipped steps: a probe that
+refreshes the estimate and verifies what Algorithm 1 admits on its current survivals. (Gating on
+the last drafted step's own per-request survivals instead lost to plain decoding at 4 requests in
+replay: it drafted where survivals had been high, and they regress to the mean.) `Policy.run_steps`
+replays G consecutive steps (the sweep and the audit), one step at a time for such policies.
 """
 
 from __future__ import annotations
@@ -134,7 +138,7 @@ def argmax_count(theta: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------ policies
-MAX_PROBE_GAP = 32  # skipped steps between two probes, at most (the gap doubles from 1)
+MAX_PROBE_GAP = 64  # skipped steps between two probes, at most (the gap doubles from 1)
 EMA_WEIGHT = 0.2  # weight of the newest drafted step in the gate's moving average survival profile
 
 
@@ -173,10 +177,12 @@ class Policy:
     why = ""
 
     def __init__(self, spec: str, sps: SPSTable | None = None,
-                 temperatures: torch.Tensor | Sequence[float] | None = None):
+                 temperatures: torch.Tensor | Sequence[float] | None = None,
+                 prior: torch.Tensor | Sequence[float] | None = None):
         self.spec = spec
         self.sps = sps
         self.temperatures = None if temperatures is None else torch.as_tensor(temperatures, dtype=torch.float64)
+        self.prior = None if prior is None else torch.as_tensor(prior, dtype=torch.float64).flatten()
         self.state = self.new_state()
         if self.needs_sps and sps is None:
             raise UsageError(f"policy {spec!r} needs an SPS table", "give it the engine's steps-per-second table")
@@ -318,7 +324,21 @@ class _Gated(Policy):
     lag = 1  # the estimate comes from a drafted step at least this many steps old
 
     def new_state(self) -> PolicyState:
-        return PolicyState()
+        state = PolicyState()
+        if self.prior is not None:
+            state.profile = self.prior.clone()
+        return state
+
+    def reset(self) -> None:
+        """A new batch of requests: per-request memory starts over; what the gate learned about the
+        draft (its survival profile, the probe gap) carries over, as an engine serving one request
+        after another keeps it. Decided before any draft of the new batch exists, so still lossless."""
+        old = self.state
+        self.state = self.new_state()
+        if old is not None:
+            self._fold(old, everything=True)
+            if old.profile is not None:
+                self.state.profile, self.state.gap = old.profile, old.gap
 
     @property
     def can_skip(self) -> bool:
@@ -331,10 +351,10 @@ class _Gated(Policy):
                 return est
         return None
 
-    def _fold(self, state: PolicyState) -> None:
-        """Fold the mean survival profile of every drafted step at least `lag` steps old into the
-        moving average the gate reads (weight EMA_WEIGHT for the newest)."""
-        while state.unfolded and state.step - state.unfolded[0][0] >= self.lag:
+    def _fold(self, state: PolicyState, everything: bool = False) -> None:
+        """Fold the mean survival profile of every drafted step at least `lag` steps old (all of
+        them with `everything`) into the moving average the gate reads (weight EMA_WEIGHT for the newest)."""
+        while state.unfolded and (everything or state.step - state.unfolded[0][0] >= self.lag):
             _, prof = state.unfolded.pop(0)
             state.profile = prof if state.profile is None else (1 - EMA_WEIGHT) * state.profile + EMA_WEIGHT * prof
             state.verdicts = {}
@@ -472,10 +492,13 @@ def check_fits(policy: Policy, block_size: int) -> Policy:
 
 
 def parse_policy(spec: str, sps: SPSTable | None = None,
-                 temperatures: torch.Tensor | Sequence[float] | None = None) -> Policy:
-    """A policy from its spec, one of POLICY_SPECS (`static:K`, `threshold:t`, ..., `retrospective`)."""
+                 temperatures: torch.Tensor | Sequence[float] | None = None,
+                 prior: torch.Tensor | Sequence[float] | None = None) -> Policy:
+    """A policy from its spec, one of POLICY_SPECS (`static:K`, `threshold:t`, ..., `retrospective`).
+    `prior`: the draft's typical survival profile `[γ]` (a calibration's held-out survival rates),
+    where dspark and dspark-async start their skip decision before any step has drafted."""
     name, _, arg = spec.strip().partition(":")
-    kw = {"sps": sps, "temperatures": temperatures}
+    kw = {"sps": sps, "temperatures": temperatures, "prior": prior}
     hint = f"policies: {POLICY_SPECS}"
     cls = POLICIES.get(name)
     if cls is None:
