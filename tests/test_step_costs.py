@@ -167,3 +167,30 @@ def test_traces_mark_plain_steps_and_calibration_skips_them(tmp_path):
     bad.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     with pytest.raises(InputError, match="without a draft must have verify_length 0"):
         read_trace(bad)
+
+
+def test_the_gate_starts_from_the_prior_and_keeps_what_it_learned_across_batches():
+    """At a load where a plain step wins, a prior survival profile makes the first step plain,
+    and a reset (a new batch) keeps the learned profile and the probe gap."""
+    table, _ = fit_table(_points(), {"block_size": 2})
+    low = parse_policy("dspark-async", sps=table, prior=[0.05, 0.01])
+    assert low.plan(4) is False  # no draft has run yet: the prior decides
+    high = parse_policy("dspark-async", sps=table)
+    assert high.plan(4) is True  # no prior, no estimate: draft and learn
+    for _ in range(12):
+        if low.plan(4):
+            low.choose(torch.full((4, 2), -4.0))
+    gap = low.state.gap
+    low.reset()
+    assert low.state.profile is not None and low.state.gap == gap and low.state.step == 0
+
+
+def test_a_damaged_machine_table_is_profiled_again(pair, tmp_path, monkeypatch):
+    target, draft, _ = pair
+    monkeypatch.setenv("DSPARKCTL_SPS_CACHE", str(tmp_path / "sps"))
+    assert _gen(target, draft, "--policy", "dspark").exit_code == 0
+    (path,) = (tmp_path / "sps").glob("*.json")
+    path.write_text("{not json")
+    res = _gen(target, draft, "--policy", "dspark")
+    assert res.exit_code == 0 and "profiling this machine's step costs once" in res.stderr, res.output
+    assert load_sps_table(path).has_plain
