@@ -194,3 +194,20 @@ def test_a_damaged_machine_table_is_profiled_again(pair, tmp_path, monkeypatch):
     res = _gen(target, draft, "--policy", "dspark")
     assert res.exit_code == 0 and "profiling this machine's step costs once" in res.stderr, res.output
     assert load_sps_table(path).has_plain
+
+
+def test_the_draft_fingerprint_does_not_depend_on_the_kernels():
+    """A calibration records the draft's fingerprint; packing the draft's linears for the CPU
+    kernels (biases become buffers) must not change it, another draft must."""
+    from dsparkctl.models.cpu_kernels import pack_linears, packing_supported
+    from dsparkctl.models.draft_io import random_draft
+    from dsparkctl.models.target import TargetAdapter
+    from tests.tiny_models import tiny_target
+
+    tgt = TargetAdapter(tiny_target("llama"), [0, 1])
+    d = random_draft(tgt, seed=1, block_size=3, markov_rank=4, layer_ids=[0, 1])
+    fp = d.fingerprint()
+    assert random_draft(tgt, seed=2, block_size=3, markov_rank=4, layer_ids=[0, 1]).fingerprint() != fp
+    if packing_supported(tgt.model):
+        pack_linears(d, keep_weight=True)
+        assert d.fingerprint() == fp

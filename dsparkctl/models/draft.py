@@ -205,11 +205,16 @@ class DSparkDraft(nn.Module):
         import hashlib
 
         h = hashlib.sha256(str(self.cfg.block_size).encode())
-        for name, p in sorted(self.named_parameters()):
-            if name.startswith(("embed_tokens.", "lm_head.")):
+        # module by module, weight and bias by name: the same whether a linear was packed for the
+        # CPU kernels (its bias then a buffer) or not
+        for name, module in sorted(self.named_modules(), key=lambda nm: nm[0]):
+            if name.split(".")[0] in ("embed_tokens", "lm_head"):
                 continue
-            h.update(name.encode())
-            h.update(p.detach().reshape(-1)[:4096].float().cpu().numpy().tobytes())
+            for attr in ("weight", "bias"):
+                t = getattr(module, attr, None)
+                if isinstance(t, torch.Tensor):
+                    h.update(f"{name}.{attr}".encode())
+                    h.update(t.detach().reshape(-1)[:4096].float().cpu().numpy().tobytes())
         return h.hexdigest()[:16]
 
     def share_target_embeddings(self, embed: nn.Module, head: nn.Module) -> None:
