@@ -14,7 +14,7 @@ from dsparkctl.checkpoint.extract import extract
 from dsparkctl.checkpoint.inspect import inspect_report
 from dsparkctl.checkpoint.source import Checkpoint, open_local
 from dsparkctl.cli.common import JsonOpt, RevisionOpt, err, guarded, out, print_json, progress_bar, styled
-from dsparkctl.cli.checks import Output, check_outputs
+from dsparkctl.cli.checks import Output, check_outputs, local_inputs
 from dsparkctl.errors import UsageError
 from dsparkctl.signals import terminate_as_interrupt
 
@@ -146,7 +146,9 @@ def extract_cmd(
     limit = parse_size(max_shard_size)
     if out_dir.exists():
         raise UsageError(f"{out_dir} already exists", hint="choose a new output folder or delete the old one")
-    check_outputs([Output(out_dir, "OUT", "folder")])
+    inputs = local_inputs(source)
+    inputs += [p.parent for p in inputs if p.is_file()]  # a checkpoint file: its folder is the model
+    check_outputs([Output(out_dir, "OUT", "folder")], inputs)  # never inside the input model
     with terminate_as_interrupt():  # TERM/HUP unwind like Ctrl-C: no partial OUT is left behind
         res, layout = _extract(source, out_dir, revision, bool(dequantize), limit, with_head, verify)
     doc = {"out": res.out, "layout": layout, "tensors": res.tensors, "bytes": res.bytes_written,
@@ -184,6 +186,9 @@ def fixture_cmd(
 
     if layout not in FIXTURE_LAYOUTS:
         raise UsageError(f"no fixture for {layout!r}", hint=f"choose one of {', '.join(FIXTURE_LAYOUTS)}")
+    if out_dir.is_symlink() or (out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir()))):
+        raise UsageError(f"{out_dir} already exists", hint="choose a new output folder or delete the old one")
+    check_outputs([Output(out_dir, "OUT", "folder")])
     out.print(str(write_fixture(out_dir, layout)))
 
 

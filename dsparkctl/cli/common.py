@@ -183,6 +183,27 @@ def progress_bar(label: str, total: int, unit: str = "", enabled: bool = True, d
         yield update
 
 
+ENVIRONMENT_HINTS = {"the disk is full": "free some space (or write elsewhere) and run it again",
+                     "the disk quota is exhausted": "free some space (or write elsewhere) and run it again",
+                     "the file system is read-only": "write to a folder on a writable file system",
+                     "permission denied": "write to a folder you may write to",
+                     "operation not permitted": "write to a folder you may write to",
+                     "the file is too large for the file system": "write to another file system"}
+
+
+def _environment_error(exc: BaseException, say: Callable[..., None], label: str) -> None:
+    """A full disk, a read-only file system, a missing permission (as an OSError, or wrapped in a
+    library's own exception): one line with a fix, exit 2 (the writers are atomic: nothing
+    partial is left). Returns when `exc` is none of those."""
+    from dsparkctl.fsutil import os_error_words
+
+    words = os_error_words(exc)
+    if words is None or words[0].split(" (")[0] not in ENVIRONMENT_HINTS:
+        return
+    say(error_line(label, f"{words[0]} (fix: {ENVIRONMENT_HINTS[words[0].split(' (')[0]]})"), highlight=False)
+    raise typer.Exit(2) from None
+
+
 def guarded(fn: F) -> F:
     """Run a command; map library errors to a one-line message and a non-zero exit."""
 
@@ -221,11 +242,13 @@ def guarded(fn: F) -> F:
         except (OSError, MemoryError) as exc:
             if STATE["debug"]:
                 raise
+            _environment_error(exc, say, label)
             say(error_line(label, f"{type(exc).__name__}: {exc}"), highlight=False)
             raise typer.Exit(1) from None
         except Exception as exc:  # noqa: BLE001 - last-resort one-liner
             if STATE["debug"]:
                 raise
+            _environment_error(exc, say, label)  # a library's wrapped "No space left on device" is no bug of ours
             msg = str(exc).splitlines()[0] if str(exc) else ""
             say(error_line("internal error:", f"{type(exc).__name__}: {msg} "
                                  "(fix: rerun with --debug for the traceback and report it)"), highlight=False)

@@ -1,0 +1,188 @@
+"""Nothing of a user's is replaced (issue 20, class 1 and 5): `fsutil.replace_refusal` is the one
+rule ("a new path, or a regular file we wrote"), applied by `check_outputs` to every file output,
+by `save_figure`, and by the kernel-choice cache; `fsutil.staged` makes a command's outputs appear
+together or not at all. Each case asserts exit code, message and the files left."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from dsparkctl.cli import common
+from dsparkctl.cli.main import app
+from dsparkctl.fsutil import os_error_words, replace_refusal, staged, write_json, written_by_us
+from dsparkctl.math.synthetic import SyntheticModel
+from dsparkctl.trace import write_synthetic_trace
+from tests.helpers import snapshot
+
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def _one_line(monkeypatch):
+    monkeypatch.setattr(common.err, "soft_wrap", True)
+
+
+def _make(path: Path, kind: str, tmp: Path) -> None:
+    if kind == "user json":
+        path.write_text('{"my": "settings"}\n')
+    elif kind == "user json with a format":
+        path.write_text('{"format": "something-else/1"}\n')
+    elif kind == "user png":
+        path.write_bytes(b"\x89PNG\r\n\x1a\n my holiday photo")
+    elif kind == "user text":
+        path.write_text("notes\n")
+    elif kind == "symlink to ours":
+        (tmp / "ours.json").write_text(json.dumps({"format": "dsparkctl-calibration/1"}))
+        path.symlink_to(tmp / "ours.json")
+    elif kind == "dangling symlink":
+        path.symlink_to(tmp / "nowhere")
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "ours json":
+        write_json(path, {"format": "dsparkctl-calibration/1", "x": 1})
+    elif kind == "ours provenance":
+        write_json(path, {"provenance": {"tool": "dsparkctl"}})
+    elif kind == "sglang sts":
+        write_json(path, {"temperatures": [1.0], "dataset": "t", "num_samples": 1, "ece_before": [0.0],
+                          "ece_after": [0.0]})
+
+
+@pytest.mark.parametrize("kind,refusal", [
+    ("user json", "exists and was not written by dsparkctl"),
+    ("user json with a format", "exists and was not written by dsparkctl"),
+    ("user png", "exists and was not written by dsparkctl"),
+    ("user text", "exists and was not written by dsparkctl"),
+    ("symlink to ours", "is a symbolic link"),
+    ("dangling symlink", "is a symbolic link"),
+    ("fifo", "is not a regular file (a FIFO, socket or device)"),
+    ("ours json", None),
+    ("ours provenance", None),
+    ("sglang sts", None),
+    ("nothing", None),
+])
+def test_replace_refusal(tmp_path, kind, refusal):
+    p = tmp_path / "x.json"
+    _make(p, kind, tmp_path)
+    assert replace_refusal(p) == refusal
+
+
+def test_a_device_is_never_ours():
+    assert replace_refusal("/dev/null") == "is not a regular file (a FIFO, socket or device)"
+    assert not written_by_us("/dev/zero")
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("trace")
+    write_synthetic_trace(d / "t.jsonl", SyntheticModel(), 40, 10, seed=1)
+    return d / "t.jsonl"
+
+
+@pytest.mark.parametrize("kind,where,code,message", [
+    ("user json", "out", 2, "--out {p} exists and was not written by dsparkctl; refusing to replace it"),
+    ("symlink to ours", "out", 2, "--out {p} is a symbolic link; refusing to replace it"),
+    ("fifo", "out", 2, "--out {p} is not a regular file"),
+    ("user json", "sglang", 2, "--sglang-out {p} exists and was not written by dsparkctl"),
+    ("user png", "png", 2, "{p} exists and was not written by dsparkctl; refusing to replace it"),
+    ("ours json", "out", 0, None),
+])
+def test_calibrate_replaces_only_what_it_wrote(tmp_path, trace, kind, where, code, message):
+    out = tmp_path / "calib.json"
+    plots = tmp_path / "calib_reliability"
+    plots.mkdir()
+    p = {"out": out, "sglang": tmp_path / "calib.sglang-sts.json", "png": plots / "reliability_pos2.png"}[where]
+    _make(p, kind, tmp_path)
+    before = snapshot(tmp_path)
+    r = runner.invoke(app, ["calibrate", str(trace), "--out", str(out)])
+    assert r.exit_code == code, r.output
+    if code:
+        assert message.format(p=p) in r.output and len(r.output.strip().splitlines()) == 1
+        assert snapshot(tmp_path) == before  # nothing left, created or changed: not one PNG
+    else:
+        assert json.loads(out.read_text())["format"] == "dsparkctl-calibration/1"
+        r = runner.invoke(app, ["calibrate", str(trace), "--out", str(out)])  # our own outputs: replaced again
+        assert r.exit_code == 0, r.output
+
+
+def test_calibrate_on_a_full_disk_leaves_no_output(tmp_path, trace, monkeypatch):
+    import dsparkctl.plots as plots
+
+    real, calls = plots.save_figure, []
+
+    def full_after_two(fig, path, **kw):
+        calls.append(path)
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        real(fig, path, **kw)
+    monkeypatch.setattr(plots, "save_figure", full_after_two)
+    r = runner.invoke(app, ["calibrate", str(trace), "--out", str(tmp_path / "calib.json")])
+    assert r.exit_code == 2 and r.output.startswith("error: the disk is full") and "fix:" in r.output, r.output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_staged_outputs_appear_together_or_not_at_all(tmp_path):
+    with pytest.raises(RuntimeError):
+        with staged() as stage:
+            write_json(stage(tmp_path / "a.json"), {})
+            write_json(stage(tmp_path / "new" / "b.json"), {})
+            raise RuntimeError
+    assert list(tmp_path.iterdir()) == []
+    with staged() as stage:
+        write_json(stage(tmp_path / "a.json"), {})
+        write_json(stage(tmp_path / "new" / "b.json"), {})
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == ["a.json", "new", "new/b.json"]
+
+
+@pytest.mark.parametrize("exc,words", [
+    (OSError(errno.ENOSPC, "No space left on device", "/x"), "the disk is full (/x)"),
+    (OSError(errno.EROFS, "Read-only file system"), "the file system is read-only"),
+    (RuntimeError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "
+                  "\"No space left on device\" })"), "the disk is full"),
+    (ValueError("not an OS error"), None),
+])
+def test_os_error_words(exc, words):
+    got = os_error_words(exc)
+    assert (got[0] if got else None) == words
+
+
+@pytest.mark.parametrize("setup,code,message,left", [
+    ("existing folder with a config", 2, "already exists", ["config.json"]),
+    ("a file", 2, "already exists", None),
+    ("empty folder", 0, None, None),
+    ("new", 0, None, None),
+])
+def test_dev_fixture_never_writes_over_a_folder_of_the_users(tmp_path, setup, code, message, left):
+    out = tmp_path / "fx"
+    if setup == "existing folder with a config":
+        out.mkdir()
+        (out / "config.json").write_text('{"mine": 1}')
+    elif setup == "a file":
+        out.write_text("x")
+    elif setup == "empty folder":
+        out.mkdir()
+    before = snapshot(tmp_path)
+    r = runner.invoke(app, ["dev-fixture", str(out)])
+    assert r.exit_code == code, r.output
+    if code:
+        assert message in r.output and snapshot(tmp_path) == before
+        if left:
+            assert sorted(p.name for p in out.iterdir()) == left and (out / "config.json").read_text() == '{"mine": 1}'
+    else:
+        assert (out / "config.json").is_file()
+
+
+@pytest.mark.parametrize("dest", ["{src}/sub", "{src}/model.safetensors.d", "{src}"])
+def test_extract_never_writes_inside_its_input(tmp_path, dest):
+    src = tmp_path / "fx"
+    assert runner.invoke(app, ["dev-fixture", str(src), "--layout", "deepspec-dspark"]).exit_code == 0
+    before = snapshot(tmp_path)
+    r = runner.invoke(app, ["extract", str(src), dest.format(src=src)])
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1, r.output
+    assert "inside the input folder" in r.output or "already exists" in r.output
+    assert snapshot(tmp_path) == before
