@@ -106,8 +106,27 @@ def vllm_config(draft: str, block_size: int, k_table: list[list[int]] | None) ->
     return cfg
 
 
+def refuse_control_characters(what: str, value: str) -> str:
+    """`value` unchanged when it holds no control character (newline, carriage return, tab, escape,
+    NUL, DEL, other Unicode controls and line/paragraph separators); otherwise an InputError naming
+    `what`. Anything that reaches a script or a printed command passes here first: quoting keeps
+    a value one word, but a newline would still end a comment line and run what follows."""
+    import unicodedata
+
+    bad = [c for c in value if unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp", "Cs", "Co", "Cn")]
+    if bad:
+        raise InputError(f"{what} {value!r} holds the control character {bad[0]!r}, which a shell script cannot "
+                         "carry safely", "rename it (or pass a path without control characters)")
+    return value
+
+
+def shell_word(value: str, what: str = "a value") -> str:
+    """One shell word for `value`: control characters refused, everything else quoted."""
+    return shlex.quote(refuse_control_characters(what, str(value)))
+
+
 def shell_line(env: dict[str, str], argv: list[str]) -> str:
-    return " ".join([f"{k}={shlex.quote(v)}" for k, v in env.items()] + [shlex.quote(a) for a in argv])
+    return " ".join([f"{k}={shell_word(v, k)}" for k, v in env.items()] + [shell_word(a) for a in argv])
 
 
 def check_sglang_sps(path: Path) -> dict[str, Any]:
@@ -193,9 +212,9 @@ def check_script_destination(path: Path) -> None:
 
 def check_target_id(tid: str) -> None:
     """A target name the server can take: a hub id or a path, one line, no spaces."""
-    if not tid.strip() or any(c.isspace() or not c.isprintable() for c in tid):
+    if not tid.strip() or tid.startswith("-") or any(c.isspace() or not c.isprintable() for c in tid):
         raise InputError(f"--target-id {tid!r} must be a non-empty hub id or path without spaces or control "
-                         "characters", "e.g. --target-id Qwen/Qwen3-8B")
+                         "characters, not starting with '-'", "e.g. --target-id Qwen/Qwen3-8B")
 
 
 def sglang_file(path: Path, kind: str) -> Path:
