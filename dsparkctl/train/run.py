@@ -20,7 +20,8 @@ from dsparkctl.provenance import provenance
 from dsparkctl.strict_json import finite
 from dsparkctl.train.data import Sequence, build_dataset
 from dsparkctl.train.recipe import Recipe
-from dsparkctl.train.trainer import StepLog, Trainer, anchor_range, trainable
+from dsparkctl.train.trainer import (StepLog, Trainer, anchor_range, read_checkpoint_tensors, read_latest,
+                                     trainable)
 
 
 def default_cache_dir() -> Path:
@@ -260,8 +261,20 @@ def prepare(recipe: Recipe, model: Any, tokenizer: Any, stop_ids: list[int], cac
 
 
 def check_against_target(recipe: Recipe, model: Any) -> None:
-    """What the recipe asks of the target, checked before any data is built."""
+    """What the recipe asks of the target, checked before any data is built (init_from included:
+    a draft of another target is refused now, not after the data parts were regenerated)."""
     vocab = model.get_input_embeddings().weight.shape[0]
+    if recipe.optim.init_from:
+        from dsparkctl.models.draft_io import read_draft_config, resolve_folder
+        from dsparkctl.models.draft_io import check_compatible
+
+        src = recipe.optim.init_from
+        cfg = read_draft_config(resolve_folder(src), f"optim.init_from {src}")
+        check_compatible(cfg, TargetAdapter(model), f"optim.init_from {src}")
+        if bool(cfg.draft_vocab_size) != bool(recipe.draft.vocab_size):
+            raise InputError(f"optim.init_from {src}: has {'a reduced' if cfg.draft_vocab_size else 'the full'} "
+                             f"vocabulary, the recipe {'a reduced' if recipe.draft.vocab_size else 'the full'} one",
+                             "set draft.vocab_size to match the draft you start from")
     if recipe.draft.vocab_size > vocab:
         raise InputError(f"draft.vocab_size {recipe.draft.vocab_size} exceeds the target's vocabulary ({vocab})",
                          "use a smaller K, or 0 for the full vocabulary")
@@ -284,9 +297,11 @@ def run_training(recipe: Recipe, *, model: Any, tokenizer: Any, stop_ids: list[i
         check_draft_destination(out, overwrite=True)  # fail now, not after the training
         check_embeddings_export(recipe.draft.vocab_size, with_embeddings)
     check_against_target(recipe, model)
-    if (run_dir / "latest.json").is_file() and not resume:
+    if os.path.lexists(run_dir / "latest.json") and not resume:
         raise InputError(f"{run_dir} already holds checkpoints of this recipe",
                          "pass --resume to continue it, or delete the folder to start over")
+    if resume:
+        read_latest(run_dir)  # a damaged run folder is refused now, not after the data are built
     adapter, train_seqs, held, draft, scale = prepare(recipe, model, tokenizer, stop_ids, cache_dir, log, on_data)
     run_dir.mkdir(parents=True, exist_ok=True)
     coverage = vocab_coverage(held, draft.draft_vocab_ids, adapter.vocab_size)
@@ -328,7 +343,6 @@ def export_checkpoint(recipe: Recipe, step: int, *, model: Any, tokenizer: Any, 
                       cache_dir: Path | None = None, runs_dir: Path | None = None,
                       with_embeddings: bool = False) -> Path:
     """Write the kept checkpoint of `step` (see optim.keep_checkpoints) as a DeepSpec draft folder."""
-    from safetensors.torch import load_file
 
     cache_dir = cache_dir or default_cache_dir()
     run_dir = run_dir_for(recipe, cache_dir, runs_dir)
@@ -341,11 +355,10 @@ def export_checkpoint(recipe: Recipe, step: int, *, model: Any, tokenizer: Any, 
         raise InputError(f"no checkpoint for step {step} in {run_dir}",
                          f"kept checkpoints: {', '.join(kept) or 'none'} (list steps in optim.keep_checkpoints)")
     _, _, _, draft, scale = prepare(recipe, model, tokenizer, stop_ids, cache_dir, lambda s: None, None)
-    tensors = load_file(str(path))
+    tensors = read_checkpoint_tensors(path, trainable(draft))
     with torch.no_grad():
-        for n, p in draft.named_parameters():
-            if n in tensors:
-                p.copy_(tensors[n])
+        for n, p in trainable(draft).items():
+            p.copy_(tensors[n])
     extra = {"dsparkctl": provenance(recipe=recipe.to_dict(), recipe_hash=recipe.digest(), steps=step,
                                      target=recipe.target.model, exported_from=str(path))}
     return export_draft(draft, out, scale, extra, with_embeddings)
