@@ -15,7 +15,7 @@ import re
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, Callable, Iterator, TypeVar
+from typing import Annotated, Any, Callable, Iterator, Sequence, TypeVar
 
 import typer
 from rich.console import Console
@@ -118,15 +118,34 @@ def with_preset(preset_name: str | None, temperature: float | None,
     return preset, t, n
 
 
-def int_list(text: str, option: str) -> list[int]:
-    """A comma-separated list of positive integers given to `option` (e.g. "--requests 1,2,4")."""
+INT_LIST_MAX = 1 << 16  # no load level, request count or token count we profile or sweep is larger
+
+
+def int_list(text: str, option: str, maximum: int = INT_LIST_MAX) -> list[int]:
+    """A comma-separated list of positive integers up to `maximum` given to `option` (e.g.
+    "--requests 1,2,4"): a typo such as 99999999999 is refused here, not by an allocation of
+    terabytes later."""
     try:
         vals = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise UsageError(f"{option} must be comma-separated integers, got {text!r}", f"e.g. {option} 1,2,4") from None
     if not vals or any(v < 1 for v in vals):
         raise UsageError(f"{option} must be positive integers, got {text!r}", f"e.g. {option} 1,2,4")
+    big = [v for v in vals if v > maximum]
+    if big:
+        raise UsageError(f"{option} {big[0]} is larger than {maximum}", f"use values in 1..{maximum}, e.g. {option} 1,2,4")
     return vals
+
+
+def check_batch_tokens(requests: Sequence[int], tokens: Sequence[int], context_len: int,
+                       limit: int = 1 << 22, option: str = "--requests") -> None:
+    """Refuse a profiling grid whose largest batch (requests × (context + tokens)) would not fit a
+    sane allocation (`limit` token positions, 4M by default): one line before any model loads."""
+    worst = max(requests) * (context_len + max(tokens))
+    if worst > limit:
+        raise UsageError(f"{option} {max(requests)} with --context-len {context_len} and {max(tokens)} tokens per "
+                         f"request is {worst:,} token positions in one batch (at most {limit:,})",
+                         "profile fewer requests or a shorter context")
 
 
 def print_json(obj: Any) -> None:
