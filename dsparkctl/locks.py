@@ -21,7 +21,16 @@ from typing import Callable
 
 from dsparkctl.errors import InputError
 
-WAIT_LIMIT_S = float(os.environ.get("DSPARKCTL_LOCK_WAIT_S", "") or 1800)  # at most this long behind one lock
+def _wait_limit() -> float:
+    """`$DSPARKCTL_LOCK_WAIT_S` (seconds, >= 0), else 30 min: at most this long behind one lock."""
+    try:
+        value = float(os.environ.get("DSPARKCTL_LOCK_WAIT_S", "") or 1800)
+    except ValueError:
+        return 1800.0
+    return value if value >= 0 and value == value else 1800.0
+
+
+WAIT_LIMIT_S = _wait_limit()
 
 
 def _start_ticks(pid: int) -> int | None:

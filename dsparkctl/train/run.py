@@ -26,7 +26,9 @@ from dsparkctl.train.trainer import (StepLog, Trainer, anchor_range, read_checkp
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dsparkctl" / "train"
+    from dsparkctl.fsutil import env_path
+
+    return (env_path("XDG_CACHE_HOME") or Path.home() / ".cache") / "dsparkctl" / "train"  # empty: unset
 
 
 @contextlib.contextmanager
