@@ -99,6 +99,22 @@ def sglang_command(target: str, draft: str, block_size: int, dspark: bool, sps_t
     return env, argv + list(extra)
 
 
+def sweep_notes(sweep: Any, block_size: int, k_table: list[list[int]]) -> list[str]:
+    """What a user must know about a length table from `sweep`: a sweep of another block size (its
+    pooled rounds measured another draft), and the batch sizes above the largest swept
+    concurrency, which reuse its length."""
+    notes = []
+    swept = sweep.get("block_size") if isinstance(sweep, dict) else None
+    if type(swept) is int and swept != block_size:
+        notes.append(f"the sweep was run for block size {swept}, this draft's is {block_size}; its lengths were "
+                     "chosen for another draft: sweep with this one")
+    top = max(int(r["concurrency"]) for r in sweep["rows"] if str(r.get("policy", "")).startswith("static:"))
+    if k_table[-1][1] > top:
+        notes.append(f"vLLM's length table: batch sizes {top + 1}..{k_table[-1][1]}, above the largest swept "
+                     f"concurrency {top}, reuse its length ({k_table[-1][2]}); sweep higher loads to measure them")
+    return notes
+
+
 def vllm_config(draft: str, block_size: int, k_table: list[list[int]] | None) -> dict[str, Any]:
     cfg: dict[str, Any] = {"method": "dspark", "model": draft, "num_speculative_tokens": block_size}
     if k_table:
@@ -339,8 +355,7 @@ def plan_serving(sess: Any, draft: str | None, target: str | None, target_id: st
                                str(files.sts_file.resolve()) if files.sts_file else None)
     k_table = k_table_from_sweep(files.sweep, gamma) if files.sweep is not None else None
     if k_table:
-        notes.append(f"vLLM's length table: batch sizes above the largest swept concurrency "
-                     f"({k_table[-1][0]}..{k_table[-1][1]}) reuse its length; sweep higher loads to measure them")
+        notes += sweep_notes(files.sweep, gamma, k_table)
     vllm = vllm_config(draft_path, gamma, k_table)
     vllm_argv = ["vllm", "serve", tid, "--speculative-config", json.dumps(vllm, separators=(",", ":"))]
     if not dspark:

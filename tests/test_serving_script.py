@@ -84,3 +84,20 @@ def test_a_script_with_odd_but_legal_names_runs_nothing_else(tmp_path, models):
     out = subprocess.run(["bash", str(script)], cwd=tmp_path, capture_output=True, text=True,
                          env={"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin"})
     assert out.returncode == 0 and str(odd) in out.stdout.splitlines() and not (tmp_path / "PWNED").exists()
+
+
+@pytest.mark.parametrize("rows,swept,notes", [
+    ([(1, 4), (2, 4), (4, 3), (8, 2), (16, 1)], 4,
+     ["vLLM's length table: batch sizes 17..1024, above the largest swept concurrency 16, reuse its length (1)"]),
+    ([(1, 2), (4, 2), (16, 2)], 4,
+     ["vLLM's length table: batch sizes 17..1024, above the largest swept concurrency 16, reuse its length (2)"]),
+    ([(1, 2), (16, 2)], 6, ["the sweep was run for block size 6, this draft's is 4",
+                            "batch sizes 17..1024, above the largest swept concurrency 16"]),
+])
+def test_sweep_notes_name_the_right_range_and_another_block_size(rows, swept, notes):
+    from dsparkctl.serving import k_table_from_sweep, sweep_notes
+
+    sweep = {"format": "dsparkctl-sweep/1", "block_size": swept,
+             "rows": [{"policy": f"static:{k}", "concurrency": c, "throughput_tok_s": 1.0} for c, k in rows]}
+    got = sweep_notes(sweep, 4, k_table_from_sweep(sweep, 4))
+    assert len(got) == len(notes) and all(n in g for n, g in zip(notes, got)), got
