@@ -186,3 +186,69 @@ def test_extract_never_writes_inside_its_input(tmp_path, dest):
     assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1, r.output
     assert "inside the input folder" in r.output or "already exists" in r.output
     assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("kind,written", [
+    ("user json", False), ("user json with a format", False), ("symlink to ours", False), ("dangling symlink", False),
+    ("fifo", False), ("user text", False), ("nothing", True), ("ours kernel cache", True)])
+def test_the_kernel_choice_cache_writes_only_its_own_file(tmp_path, monkeypatch, kind, written):
+    from dsparkctl.models.cpu_kernels import remember_choice
+    from tests.tiny_models import tiny_target
+
+    path = tmp_path / "k.json"
+    if kind == "ours kernel cache":
+        path.write_text('{"format": "dsparkctl-cpu-kernels/1", "choices": {}}')
+    else:
+        _make(path, kind, tmp_path)
+    monkeypatch.setenv("DSPARKCTL_CPU_KERNELS_CACHE", str(path))
+    before = snapshot(tmp_path)
+    logs: list[str] = []
+    remember_choice(tiny_target("llama"), 2, {}, logs.append)
+    if written:
+        assert json.loads(path.read_text())["format"] == "dsparkctl-cpu-kernels/1" and logs == []
+    else:
+        assert snapshot(tmp_path) == before and len(logs) == 1 and "left as it is" in logs[0]
+
+
+def test_the_kernel_choice_cache_never_touches_a_device(monkeypatch):
+    from dsparkctl.models.cpu_kernels import remember_choice
+    from tests.tiny_models import tiny_target
+
+    monkeypatch.setenv("DSPARKCTL_CPU_KERNELS_CACHE", "/dev/null")
+    st = os.stat("/dev/null")
+    logs: list[str] = []
+    remember_choice(tiny_target("llama"), 2, {}, logs.append)
+    assert "is not a regular file" in logs[0] and os.stat("/dev/null").st_rdev == st.st_rdev
+    assert not [p for p in os.listdir("/dev") if p.startswith(".null.")]
+
+
+@pytest.mark.parametrize("exc,code,line", [
+    (RuntimeError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on '
+                  'device" })'), 2, "error: the disk is full (fix: free some space"),
+    (OSError(errno.EROFS, "Read-only file system", "/x/y"), 2, "error: the file system is read-only (/x/y) (fix:"),
+    (OSError(errno.ENOSPC, "No space left on device"), 2, "error: the disk is full (fix:"),
+    (OSError(errno.EIO, "Input/output error"), 1, "error: OSError: [Errno 5] Input/output error"),
+])
+def test_environment_errors_are_one_line_exit_2(monkeypatch, exc, code, line):
+    import typer
+
+    from dsparkctl.cli.common import guarded
+
+    @guarded
+    def cmd() -> None:
+        raise exc
+    app_ = typer.Typer()
+    app_.command()(cmd)
+    r = runner.invoke(app_, [])
+    assert r.exit_code == code and r.output.startswith(line) and r.output.count("\n") == 1, r.output
+
+
+def test_an_unwritable_dsparkctl_cache_is_said_before_the_conversion(tmp_path, monkeypatch):
+    from dsparkctl.errors import InputError
+    from dsparkctl.models import embedded
+
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setenv("DSPARKCTL_CACHE", str(tmp_path / "file" / "cache"))
+    monkeypatch.setattr(embedded, "gguf_path", lambda: tmp_path / "model.gguf")
+    with pytest.raises(InputError, match=f"cannot be converted into {tmp_path}/file/cache/.*is not a folder"):
+        embedded.embedded_target_dir(log=lambda m: pytest.fail("started converting"))
