@@ -252,3 +252,27 @@ def test_an_unwritable_dsparkctl_cache_is_said_before_the_conversion(tmp_path, m
     monkeypatch.setattr(embedded, "gguf_path", lambda: tmp_path / "model.gguf")
     with pytest.raises(InputError, match=f"cannot be converted into {tmp_path}/file/cache/.*is not a folder"):
         embedded.embedded_target_dir(log=lambda m: pytest.fail("started converting"))
+
+
+@pytest.mark.parametrize("setup,refused", [("user files", True), ("empty", False), ("previous download", False)])
+def test_download_never_writes_into_a_folder_of_the_users(tmp_path, monkeypatch, setup, refused):
+    from dsparkctl.checkpoint import hub
+
+    d = tmp_path / "dl"
+    d.mkdir()
+    if setup == "user files":
+        (d / "config.json").write_text('{"mine": 1}')
+    elif setup == "previous download":
+        (d / ".cache" / "huggingface").mkdir(parents=True)
+        (d / "config.json").write_text("{}")
+    from dsparkctl.errors import InputError
+
+    def reached(*a, **k):
+        raise InputError("reached the download")
+    monkeypatch.setattr(hub, "download", reached)
+    before = snapshot(tmp_path)
+    r = runner.invoke(app, ["download", "org/name", "--local-dir", str(d)])
+    if refused:
+        assert r.exit_code == 2 and "holds files that no download wrote" in r.output and snapshot(tmp_path) == before
+    else:
+        assert "reached the download" in r.output, r.output

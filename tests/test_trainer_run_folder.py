@@ -126,3 +126,23 @@ def test_a_stray_checkpoint_folder_is_left_alone(tiny, tmp_path):
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000006", "step_12", "step_old"]
     again = _trainer(model, seqs, run)
     assert again.load_latest() == 6 and json.loads((run / "latest.json").read_text())["path"] == "step_000006"
+
+
+@pytest.mark.parametrize("name,make,why", [
+    ("log.jsonl", "fifo", "is not a regular file"), ("evals.jsonl", "symlink", "is not a regular file"),
+    ("latest.json", "folder", "is not a regular file"), ("checkpoints", "file", "is not a folder"),
+    ("final", "symlink", "is not a folder"), ("log.jsonl", "file", None)])
+def test_run_files_that_a_writer_would_block_on_or_follow_are_refused(tmp_path, name, make, why):
+    import os
+
+    from dsparkctl.train.trainer import check_run_files
+
+    p = tmp_path / name
+    {"fifo": lambda: os.mkfifo(p), "symlink": lambda: p.symlink_to(tmp_path.parent), "folder": p.mkdir,
+     "file": lambda: p.write_text("{}\n")}[make]()
+    if why is None:
+        check_run_files(tmp_path)
+        return
+    with pytest.raises(InputError) as e:
+        check_run_files(tmp_path)
+    assert f"{p}: {why}; the run folder is damaged" in e.value.one_line()

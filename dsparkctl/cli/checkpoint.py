@@ -115,6 +115,10 @@ def download_cmd(
     hub.check_repo_id(repo)
     if local_dir is not None:
         check_outputs([Output(local_dir, "--local-dir", "folder")])
+        if local_dir.is_symlink() or (local_dir.is_dir() and any(local_dir.iterdir())
+                                      and not (local_dir / ".cache" / "huggingface").is_dir()):
+            raise UsageError(f"--local-dir {local_dir} holds files that no download wrote; the download would "
+                             "replace them", hint="download into a new or empty folder (or the one a download used)")
     res = hub.download(repo, revision, local_dir, with_head, on_file=on_file)
     doc = {"folder": res.folder, "revision": res.revision,
            "fetched": [{"file": f, "bytes": b} for f, b in res.fetched],

@@ -21,8 +21,8 @@ from dsparkctl.provenance import provenance
 from dsparkctl.strict_json import finite
 from dsparkctl.train.data import Sequence, build_dataset
 from dsparkctl.train.recipe import Recipe
-from dsparkctl.train.trainer import (StepLog, Trainer, anchor_range, read_checkpoint_tensors, read_latest,
-                                     trainable)
+from dsparkctl.train.trainer import (StepLog, Trainer, anchor_range, check_run_files, read_checkpoint_tensors,
+                                     read_latest, trainable)
 
 
 def default_cache_dir() -> Path:
@@ -324,6 +324,7 @@ def run_training(recipe: Recipe, *, model: Any, tokenizer: Any, stop_ids: list[i
         if os.path.lexists(run_dir / "latest.json") and not resume:
             raise InputError(f"{run_dir} already holds checkpoints of this recipe",
                              "pass --resume to continue it, or delete the folder to start over")
+        check_run_files(run_dir)  # a FIFO or link where we append or write would block or lead elsewhere
         if resume:
             read_latest(run_dir)  # a damaged run folder is refused now, not after the data are built
         adapter, train_seqs, held, draft, scale = prepare(recipe, model, tokenizer, stop_ids, cache_dir, log, on_data)

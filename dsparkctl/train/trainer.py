@@ -186,6 +186,25 @@ def checkpoint_folders(run_dir: Path) -> list[tuple[Path, int]]:
     return sorted(out, key=lambda x: x[1])
 
 
+RUN_FILES = {"latest.json": "file", "log.jsonl": "file", "evals.jsonl": "file", "checkpoints": "folder",
+             "final": "folder"}
+
+
+def check_run_files(run_dir: Path) -> None:
+    """Every entry of ours in a run folder is what we write there (a regular file, a real folder),
+    never a FIFO a writer would block on, a link leading elsewhere or a device: else `damaged`."""
+    import stat
+
+    for name, kind in RUN_FILES.items():
+        try:
+            st = os.lstat(run_dir / name)
+        except OSError:
+            continue
+        ok = stat.S_ISREG(st.st_mode) if kind == "file" else stat.S_ISDIR(st.st_mode)
+        if not ok:
+            raise damaged(run_dir / name, f"is not a {'regular file' if kind == 'file' else 'folder'}")
+
+
 def read_latest(run_dir: Path) -> tuple[int, Path] | None:
     """(step, checkpoint folder) from `latest.json`, or None when the run has none. Refused
     (`damaged`): not a regular file, not strict JSON, not {"step": int >= 0, "path": "step_NNNNNN"}
