@@ -54,6 +54,11 @@ def check_outputs(outputs: Sequence[Output], inputs: Sequence[Path] = ()) -> Non
             if i.is_dir() and key.is_relative_to(i.resolve()):
                 raise UsageError(f"{o.option} {o.path} is inside the input folder {i}; writing there could "
                                  "overwrite or corrupt the model", hint="write the output somewhere else")
+        if o.kind != "folder":  # a new path, or a regular file we wrote: never a user's file, link or device
+            why = replace_refusal(o.path)
+            if why:
+                raise UsageError(f"{o.option} {o.path} {why}; refusing to replace it",
+                                 hint="choose a new path, or remove it yourself")
 
 
 def _check_one(o: Output) -> None:
@@ -66,11 +71,6 @@ def _check_one(o: Output) -> None:
         if o.kind != "folder" and not p.is_file():
             what = "a folder" if p.is_dir() else "not a regular file"
             raise UsageError(f"{o.option} {p} is {what}", hint="give a file path, e.g. <folder>/result.json")
-    if o.kind != "folder":  # a new path, or a regular file we wrote: never a user's file, link or device
-        why = replace_refusal(p)
-        if why:
-            raise UsageError(f"{o.option} {p} {why}; refusing to replace it",
-                             hint="choose a new path, or remove it yourself")
     if o.kind == "figure":
         fmt = p.suffix.lower().lstrip(".") or "png"  # save_figure's rule
         formats = figure_formats()
