@@ -163,6 +163,9 @@ def temp_dir(parent: str | os.PathLike, name: str, suffix: str = ".partial") -> 
     return tmp
 
 
+WRITTEN: list[Path] = []  # every file or folder this process put in place, so an interruption can say so
+
+
 @contextlib.contextmanager
 def atomic_open(path: str | os.PathLike, mode: str = "w") -> Iterator[IO[Any]]:
     """Open a temporary file next to `path`; on success fsync and rename it over `path`.
@@ -181,6 +184,7 @@ def atomic_open(path: str | os.PathLike, mode: str = "w") -> Iterator[IO[Any]]:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
+        WRITTEN.append(path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
@@ -291,6 +295,7 @@ def staged(folder_hint: str | os.PathLike | None = None) -> Iterator[Callable[[s
         yield stage
         for tmp, final in pairs:
             os.replace(tmp, final)
+            WRITTEN.append(final)
     except BaseException:
         for tmp, _ in pairs:
             with contextlib.suppress(OSError):
@@ -327,6 +332,7 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
         yield tmp
         seal_dir(tmp)
         os.replace(tmp, path)
+        WRITTEN.append(path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

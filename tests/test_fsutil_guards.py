@@ -276,3 +276,26 @@ def test_download_never_writes_into_a_folder_of_the_users(tmp_path, monkeypatch,
         assert r.exit_code == 2 and "holds files that no download wrote" in r.output and snapshot(tmp_path) == before
     else:
         assert "reached the download" in r.output, r.output
+
+
+@pytest.mark.parametrize("writes,line", [(False, "interrupted; nothing was written"),
+                                          (True, "interrupted; 1 file(s) were complete before it, e.g. ")])
+def test_an_interruption_never_says_nothing_was_written_beside_a_written_output(tmp_path, monkeypatch, writes, line):
+    import typer
+
+    from dsparkctl import fsutil
+    from dsparkctl.cli.common import guarded
+
+    monkeypatch.setattr(fsutil, "WRITTEN", [])
+
+    @guarded
+    def cmd() -> None:
+        if writes:
+            write_json(tmp_path / "out.json", {})
+        raise KeyboardInterrupt
+    app_ = typer.Typer()
+    app_.command()(cmd)
+    r = runner.invoke(app_, [])
+    assert r.exit_code == 130 and r.output.startswith(line), r.output
+    if writes:
+        assert str(tmp_path / "out.json") in r.output

@@ -256,7 +256,13 @@ def guarded(fn: F) -> F:
             say(error_line(label, exc.one_line()), highlight=False)
             raise typer.Exit(exc.exit_code) from None
         except KeyboardInterrupt:
-            say(styled(("interrupted", "red"), "; nothing was written"))
+            from dsparkctl.fsutil import WRITTEN
+
+            who = f"rank {w.rank} " if w.distributed else ""
+            done = sorted({str(p) for p in WRITTEN if ".staged-" not in p.name})
+            said = (f"; {len(done)} file(s) were complete before it, e.g. {done[-1]}; nothing partial was left"
+                    if done else "; nothing was written" + (" by this rank" if w.distributed else ""))
+            say(styled((f"{who}interrupted", "red"), said))
             raise typer.Exit(130) from None
         except (OSError, MemoryError) as exc:
             if STATE["debug"]:
