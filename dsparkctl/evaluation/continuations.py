@@ -86,7 +86,9 @@ def read_entry(path: Path, key: str, n_prompts: int, vocab_size: int, max_new_to
         if not isinstance(c, list) or len(c) > max_new_tokens or not all(
                 type(t) is int and 0 <= t < vocab_size for t in c):
             return None, "holds a continuation that is not a list of token ids of this model"
-    if doc.get("sha256") != _digest(conts):
+    if "sha256" not in doc:
+        return None, "was written by an older version (no digest)"
+    if doc["sha256"] != _digest(conts):
         return None, "does not match its own digest (damaged)"
     return conts, None
 
@@ -114,7 +116,8 @@ def cached_continuations(model: torch.nn.Module, prompts: Sequence[Sequence[int]
 
     key = continuations_key(model, prompts, params, max_new_tokens, stop_ids, seed, batch_size)
     path = cache_dir() / f"{key}.json"
-    vocab = int(getattr(model.config, "vocab_size", 0) or model.get_output_embeddings().weight.shape[0])
+    head = model.get_output_embeddings()
+    vocab = max(int(getattr(model.config, "vocab_size", 0) or 0), int(head.weight.shape[0]) if head is not None else 0)
     conts, why = read_entry(path, key, len(prompts), vocab, max_new_tokens)
     if conts is not None:
         return conts, True
