@@ -67,8 +67,11 @@ class Holder:
 
 def holder(lock: Path) -> Holder:
     """Who holds `lock`, and whether that process still runs (the same pid, start time and boot)."""
+    from dsparkctl.fsutil import regular_file
     from dsparkctl.strict_json import loads
 
+    if not regular_file(lock):  # a FIFO would block the read: not a lock of ours, stale
+        return Holder(None, False)
     try:
         owner = loads(lock.read_bytes())
     except (OSError, ValueError, RecursionError):

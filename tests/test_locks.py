@@ -35,12 +35,16 @@ def _owner(pid, **change):
     ("live pid, before a reboot", lambda p: json.dumps(_owner(p.pid, boot="another-boot")), True),
     ("dead pid", lambda p: json.dumps(_owner(2 ** 22 + 7, start=5)), True),
     ("damaged", lambda p: '{"pid": ', True),
+    ("a FIFO", None, True),
     ("live owner", lambda p: json.dumps(_owner(p.pid)), False),
     ("another host", lambda p: json.dumps(_owner(p.pid, host="elsewhere")), False),
 ])
 def test_wait_for_a_lock(tmp_path, sleeper, case, content, stale):
     lock = tmp_path / "part_00000.lock"
-    lock.write_text(content(sleeper))
+    if content is None:
+        os.mkfifo(lock)  # a read would block
+    else:
+        lock.write_text(content(sleeper))
     logs: list[str] = []
     if stale:
         locks.wait_for(lock, lambda: False, "data part 00000", log=logs.append, poll=0.01, limit_s=5)
