@@ -156,6 +156,20 @@ def os_error_words(exc: BaseException) -> tuple[str, int] | None:
     return os_error_words(cause) if cause is not None and cause is not exc else None
 
 
+def full_disk_error(exc: BaseException, folder: str | os.PathLike, margin: int = 16 << 20) -> OSError | None:
+    """An OSError(ENOSPC) for a writer's opaque failure (torch.save: "unexpected pos ...") when the
+    file system of `folder` is (nearly) full, so it is said as a full disk; else None."""
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return None
+    if free >= margin:
+        return None
+    err = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder))
+    err.__cause__ = exc
+    return err
+
+
 def temp_dir(parent: str | os.PathLike, name: str, suffix: str = ".partial") -> Path:
     """A hidden temporary folder beside `parent/name`, with the umask's mode."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=suffix, dir=parent))

@@ -299,3 +299,17 @@ def test_an_interruption_never_says_nothing_was_written_beside_a_written_output(
     assert r.exit_code == 130 and r.output.startswith(line), r.output
     if writes:
         assert str(tmp_path / "out.json") in r.output
+
+
+def test_an_opaque_writer_failure_on_a_full_disk_is_said_as_a_full_disk(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from dsparkctl.fsutil import full_disk_error
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(100, 100, 0))
+    e = full_disk_error(RuntimeError("unexpected pos 704 vs 598"), tmp_path)
+    assert e.errno == errno.ENOSPC and os_error_words(e)[0] == f"the disk is full ({tmp_path})"
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(1 << 40, 0, 1 << 40))
+    assert full_disk_error(RuntimeError("x"), tmp_path) is None

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 
 from dsparkctl.errors import InputError
-from dsparkctl.fsutil import atomic_dir, write_json
+from dsparkctl.fsutil import atomic_dir, full_disk_error, write_json
 from dsparkctl.strict_json import finite
 from dsparkctl.models.draft import DSparkDraft
 from dsparkctl.train.data import Sequence
@@ -346,11 +346,19 @@ class Trainer:
             return path
         if path.exists():
             shutil.rmtree(path)
-        with atomic_dir(path) as tmp:
-            save_file({n: p.detach().contiguous() for n, p in trainable(self.draft).items()}, str(tmp / "draft.safetensors"))
-            with open(tmp / "state.pt", "wb") as fh:
-                torch.save({"step": self.step, "optimizer": self.opt.state_dict(), "generator": self.gen.get_state(),
-                            "recipe_digest": self.recipe.digest("draft", "optim")}, fh)
+        try:
+            with atomic_dir(path) as tmp:
+                save_file({n: p.detach().contiguous() for n, p in trainable(self.draft).items()},
+                          str(tmp / "draft.safetensors"))
+                with open(tmp / "state.pt", "wb") as fh:
+                    torch.save({"step": self.step, "optimizer": self.opt.state_dict(),
+                                "generator": self.gen.get_state(),
+                                "recipe_digest": self.recipe.digest("draft", "optim")}, fh)
+        except RuntimeError as exc:  # torch.save on a full disk: "unexpected pos ...", no errno
+            full = full_disk_error(exc, self.run_dir)
+            if full is None:
+                raise
+            raise full from exc
         write_json(self.run_dir / "latest.json", {"step": self.step, "path": path.name})
         keep = set(self.recipe.optim.keep_checkpoints) | {self.step}
         for old, step in checkpoint_folders(self.run_dir):  # only names of ours: a stray folder is left alone
