@@ -107,17 +107,56 @@ def rank_device(device: str) -> str:
     return device
 
 
+FILE_DIGEST_LIMIT = 256 << 20  # files named on the command line up to this size are compared by content
+
+
+def _arg_files(argv: Sequence[str]) -> list[tuple[str, str]]:
+    """(argument, sha256 of the content) of every argument (or --opt=value value) naming a regular
+    file: two ranks given `recipe.toml` in other folders, or one file that differs between hosts,
+    must not run as if they agreed."""
+    import stat
+
+    out = []
+    for a in argv:
+        for cand in {a, a.split("=", 1)[1]} if a.startswith("--") and "=" in a else {a}:
+            try:
+                st = os.stat(cand)
+            except (OSError, ValueError):
+                continue
+            if not stat.S_ISREG(st.st_mode) or st.st_size > FILE_DIGEST_LIMIT:
+                continue
+            h = hashlib.sha256()
+            try:
+                with open(cand, "rb") as fh:
+                    for block in iter(lambda: fh.read(1 << 20), b""):
+                        h.update(block)
+            except OSError:
+                continue
+            out.append((cand, h.hexdigest()))
+    return out
+
+
 def check_same_everywhere(argv: Sequence[str] | None = None) -> None:
-    """Refuse to run when ranks were given different arguments (compares a digest)."""
+    """Refuse to run when ranks were given different arguments, or files of one name that hold
+    different contents (compares digests of both)."""
     w = world()
     if not w.distributed:
         return
-    digest = hashlib.sha256("\0".join(argv if argv is not None else sys.argv[1:]).encode()).hexdigest()
-    digests = all_gather(digest)
-    if len(set(digests)) > 1:
-        bad = [r for r, d in enumerate(digests) if d != digests[0]]
+    argv = list(argv if argv is not None else sys.argv[1:])
+    args = hashlib.sha256("\0".join(argv).encode()).hexdigest()
+    files = _arg_files(argv)
+    mine = (args, hashlib.sha256(repr(files).encode()).hexdigest(), files)
+    everyone = all_gather(mine)
+    bad = [r for r, d in enumerate(everyone) if d[0] != everyone[0][0]]
+    if bad:
         raise UsageError(f"ranks {bad} were started with other arguments than rank 0",
                          "launch every rank with the same command line (torchrun does)")
+    bad = [r for r, d in enumerate(everyone) if d[1] != everyone[0][1]]
+    if bad:
+        theirs = dict(everyone[bad[0]][2])
+        differ = [a for a, h in everyone[0][2] if theirs.get(a) != h] or [a for a in theirs if a not in dict(everyone[0][2])]
+        raise UsageError(f"ranks {bad} read other contents than rank 0 from {', '.join(differ) or 'the files named'}",
+                         "give every rank the same files (one shared path, or identical copies)")
 
 
 def mine(n: int) -> list[int]:
@@ -164,7 +203,7 @@ def all_reduce_sum_(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def shutdown() -> None:
+def shutdown(barrier: bool = True) -> None:
     """Leave the process group in order: the ranks first meet at a barrier so none tears gloo down
     while a peer still talks to it (a rank that exited with the group alive could abort its peer at
     interpreter exit: "terminate called without an active exception"). The command's result is
@@ -175,7 +214,8 @@ def shutdown() -> None:
         import torch.distributed as dist
         if dist.is_initialized():
             try:
-                dist.barrier()
+                if barrier:
+                    dist.barrier()
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - the peer's failure is reported by the peer
                 pass

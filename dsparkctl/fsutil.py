@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
 import stat
 import tempfile
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any, Callable, Iterator
 
 
 def current_umask() -> int:
@@ -36,11 +37,147 @@ def cannot_create(path: str | os.PathLike) -> str | None:
     return None
 
 
+def cache_root() -> Path:
+    """`$DSPARKCTL_CACHE`, else ~/.cache/dsparkctl. An empty variable counts as unset (never the
+    current folder)."""
+    return env_path("DSPARKCTL_CACHE") or Path.home() / ".cache" / "dsparkctl"
+
+
+def env_path(name: str) -> Path | None:
+    """The path an environment variable names, or None when it is unset or empty (or blank)."""
+    value = os.environ.get(name, "")
+    return Path(value).expanduser() if value.strip() else None
+
+
+# ------------------------------------------------------------------ may we replace this path?
+MARK = "dsparkctl"
+# files we write in other tools' formats, which carry no marker of ours: recognised by their exact keys
+FOREIGN_SCHEMAS = (frozenset({"sample_batch_tokens", "sample_steps_per_sec", "max_batch_tokens"}),  # SGLang SPS
+                   frozenset({"temperatures", "dataset", "num_samples", "ece_before", "ece_after"}))  # SGLang STS
+_SNIFF = 64 * 1024
+_WHOLE_JSON = 64 * 1024 * 1024
+
+
+def json_is_ours(obj: Any) -> bool:
+    """A JSON document we wrote: an object whose `format` is one of ours ("dsparkctl-..."), or that
+    carries our provenance (`provenance` / `dsparkctl` with tool "dsparkctl"), or a file of another
+    tool's format that we write (FOREIGN_SCHEMAS, by its exact keys)."""
+    if not isinstance(obj, dict):
+        return False
+    fmt = obj.get("format")
+    if isinstance(fmt, str) and fmt.startswith(MARK + "-"):
+        return True
+    for key in ("provenance", MARK):
+        block = obj.get(key)
+        if isinstance(block, dict) and block.get("tool") == MARK:
+            return True
+    return frozenset(obj) in FOREIGN_SCHEMAS
+
+
+def written_by_us(path: str | os.PathLike) -> bool:
+    """Whether a regular file carries our own marker. JSON (and JSON lines): see `json_is_ours`,
+    on the first line or the whole document; anything else (figures, scripts): the bytes
+    "dsparkctl" in its first or last 64 KiB (PNG text chunk, PDF/SVG creator, script header)."""
+    from dsparkctl.strict_json import loads
+
+    try:
+        size = os.stat(path).st_size
+        with open(path, "rb") as fh:
+            head = fh.read(_SNIFF)
+            fh.seek(max(0, size - _SNIFF))
+            tail = fh.read(_SNIFF)
+            if head.lstrip()[:1] == b"{":
+                first = head.split(b"\n", 1)[0]
+                try:
+                    if json_is_ours(loads(first.decode("utf-8"))):
+                        return True
+                except (ValueError, RecursionError):
+                    pass
+                if size > _WHOLE_JSON:
+                    return False
+                fh.seek(0)
+                return json_is_ours(loads(fh.read().decode("utf-8")))
+    except (OSError, ValueError, RecursionError):
+        return False
+    return MARK.encode() in head or MARK.encode() in tail
+
+
+def replace_refusal(path: str | os.PathLike, ours: Callable[[Path], bool] | None = None) -> str | None:
+    """The one rule for every file we write where a user may have put something: None (may write)
+    when nothing is at `path`, or when it is a regular file (not a link) that we wrote (`ours`,
+    default `written_by_us`); otherwise why not, as words to follow the path ("is a symbolic
+    link", "was not written by dsparkctl", ...). Nothing is opened but a regular file."""
+    try:
+        st = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):  # nothing there (`cannot_create` says why it cannot be)
+        return None
+    except OSError as e:
+        return f"cannot be examined ({e.strerror})"
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link"
+    if stat.S_ISDIR(st.st_mode):
+        return "is a folder"
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file (a FIFO, socket or device)"
+    if not (ours or written_by_us)(Path(path)):
+        return f"exists and was not written by {MARK}"
+    return None
+
+
+def regular_file(path: str | os.PathLike) -> bool:
+    """True for a regular file (not a link to one, not a FIFO or device): the only thing a cache
+    reader may open (a FIFO would block it, a device stream into it)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+# ------------------------------------------------------------------ OS errors in words
+_ENV_ERRNOS = {errno.ENOSPC: "the disk is full", errno.EROFS: "the file system is read-only",
+               errno.EDQUOT: "the disk quota is exhausted", errno.EACCES: "permission denied",
+               errno.EPERM: "operation not permitted", errno.EFBIG: "the file is too large for the file system",
+               errno.ENAMETOOLONG: "a file name is too long", errno.EMFILE: "too many open files",
+               errno.ENOTDIR: "a part of the path is not a folder", errno.EISDIR: "it is a folder",
+               errno.ENOENT: "no such file or folder", errno.EEXIST: "it already exists"}
+
+
+def os_error_words(exc: BaseException) -> tuple[str, int] | None:
+    """(one line, errno) for an OSError, or for another library's exception that wraps one in its
+    message (safetensors, torch.save: "No space left on device"); None otherwise."""
+    if isinstance(exc, OSError) and exc.errno in _ENV_ERRNOS:
+        where = f" ({exc.filename})" if exc.filename else ""
+        return f"{_ENV_ERRNOS[exc.errno]}{where}", exc.errno
+    text = str(exc)
+    for num, words in _ENV_ERRNOS.items():
+        if num in (errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG) and os.strerror(num) in text:
+            return words, num
+    cause = exc.__cause__ or exc.__context__
+    return os_error_words(cause) if cause is not None and cause is not exc else None
+
+
+def full_disk_error(exc: BaseException, folder: str | os.PathLike, margin: int = 16 << 20) -> OSError | None:
+    """An OSError(ENOSPC) for a writer's opaque failure (torch.save: "unexpected pos ...") when the
+    file system of `folder` is (nearly) full, so it is said as a full disk; else None."""
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return None
+    if free >= margin:
+        return None
+    err = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder))
+    err.__cause__ = exc
+    return err
+
+
 def temp_dir(parent: str | os.PathLike, name: str, suffix: str = ".partial") -> Path:
     """A hidden temporary folder beside `parent/name`, with the umask's mode."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=suffix, dir=parent))
     honour_umask(tmp, directory=True)
     return tmp
+
+
+WRITTEN: list[Path] = []  # every file or folder this process put in place, so an interruption can say so
 
 
 @contextlib.contextmanager
@@ -61,6 +198,7 @@ def atomic_open(path: str | os.PathLike, mode: str = "w") -> Iterator[IO[Any]]:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
+        WRITTEN.append(path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
@@ -123,12 +261,63 @@ def write_json(path: str | os.PathLike, obj: Any) -> None:
         fh.write("\n")
 
 
-def save_figure(fig: Any, path: str | os.PathLike, dpi: int = 120) -> None:
-    """Atomically save a matplotlib figure (format from the suffix)."""
+FIGURE_MARK = {"png": {"Software": MARK}, "pdf": {"Creator": MARK}, "svg": {"Creator": MARK},
+               "ps": {"Creator": MARK}, "eps": {"Creator": MARK}}
+
+
+def save_figure(fig: Any, path: str | os.PathLike, dpi: int = 120, as_path: str | os.PathLike | None = None) -> None:
+    """Atomically save a matplotlib figure (format from the suffix), marked as ours where the
+    format has a place for it. An existing file at `path` is replaced only if we wrote it
+    (`replace_refusal`); `as_path` is the name the figure will finally have (when `path` is a
+    staging name, see `staged`)."""
+    from dsparkctl.errors import InputError
+
     path = Path(path)
-    fmt = path.suffix.lstrip(".") or "png"
+    final = Path(as_path) if as_path is not None else path
+    why = replace_refusal(final)
+    if why:
+        raise InputError(f"{final} {why}; refusing to replace it", "choose a new path, or remove it yourself")
+    fmt = final.suffix.lower().lstrip(".") or "png"
     with atomic_open(path, "wb") as fh:
-        fig.savefig(fh, format=fmt, dpi=dpi, bbox_inches="tight")
+        fig.savefig(fh, format=fmt, dpi=dpi, bbox_inches="tight", metadata=FIGURE_MARK.get(fmt))
+
+
+@contextlib.contextmanager
+def staged(folder_hint: str | os.PathLike | None = None) -> Iterator[Callable[[str | os.PathLike], Path]]:
+    """Several outputs that appear together or not at all: `stage(final)` gives a hidden name
+    beside `final` to write to (with the atomic writers above); when the block ends without an
+    error every staged file is renamed onto its final name (renames in one folder need no space,
+    so a full disk fails while writing, before any output appears), and folders created for
+    them stay; on an error every staged file, and every folder created for them, is removed."""
+    pairs: list[tuple[Path, Path]] = []
+    made: list[Path] = []
+
+    def stage(final: str | os.PathLike) -> Path:
+        final = Path(final)
+        missing = []
+        parent = final.parent
+        while not parent.exists():
+            missing.append(parent)
+            parent = parent.parent
+        final.parent.mkdir(parents=True, exist_ok=True)
+        made.extend(reversed(missing))
+        tmp = final.with_name(f".{final.name}.staged-{os.getpid()}")
+        pairs.append((tmp, final))
+        return tmp
+
+    try:
+        yield stage
+        for tmp, final in pairs:
+            os.replace(tmp, final)
+            WRITTEN.append(final)
+    except BaseException:
+        for tmp, _ in pairs:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        for d in reversed(made):
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        raise
 
 
 def seal_dir(folder: str | os.PathLike) -> None:
@@ -157,6 +346,7 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
         yield tmp
         seal_dir(tmp)
         os.replace(tmp, path)
+        WRITTEN.append(path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

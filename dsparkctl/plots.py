@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import matplotlib
 
@@ -15,7 +15,7 @@ from dsparkctl.fsutil import save_figure  # noqa: E402
 
 
 def reliability_diagram(before: dict[str, Any], after: dict[str, Any], temperature: float,
-                        path: str | os.PathLike) -> None:
+                        path: str | os.PathLike, as_path: str | os.PathLike | None = None) -> None:
     """One position: predicted survival vs observed survival rate per bin, before and after STS."""
     fig, ax = plt.subplots(figsize=(5.2, 5.0))
     ax.plot([0, 1], [0, 1], color="0.6", ls="--", lw=1, label="perfect calibration")
@@ -32,19 +32,29 @@ def reliability_diagram(before: dict[str, Any], after: dict[str, Any], temperatu
     ax.set_title(f"Reliability, position {before['position']} (held-out n={before['n']}, {before['bins']} bins)")
     ax.legend(loc="upper left", fontsize=8)
     ax.grid(alpha=0.3)
-    save_figure(fig, path)
-    plt.close(fig)
+    try:
+        save_figure(fig, path, as_path=as_path)
+    finally:
+        plt.close(fig)
 
 
-def reliability_diagrams(result: dict[str, Any], out_dir: str | os.PathLike) -> list[str]:
+def reliability_diagrams(result: dict[str, Any], out_dir: str | os.PathLike,
+                         stage: Callable[[Path], Path] | None = None) -> list[str]:
+    """One PNG per position in `out_dir`; with `stage` (fsutil.staged) each is written to its
+    staging name, so all appear together or none."""
+    from dsparkctl.errors import InputError
+    from dsparkctl.fsutil import replace_refusal
+
     out_dir = Path(out_dir)
-    paths = []
-    for b, a, t in zip(result["metrics_heldout"]["before"], result["metrics_heldout"]["after"],
-                       result["temperatures"]):
-        p = out_dir / f"reliability_pos{b['position']}.png"
-        reliability_diagram(b, a, t, p)
-        paths.append(str(p))
-    return paths
+    rows = list(zip(result["metrics_heldout"]["before"], result["metrics_heldout"]["after"], result["temperatures"]))
+    paths = [out_dir / f"reliability_pos{b['position']}.png" for b, _, _ in rows]
+    for p in paths:  # every name first: a user's file among them stops the command before any is drawn
+        why = replace_refusal(p)
+        if why:
+            raise InputError(f"{p} {why}; refusing to replace it", "choose another --plot-dir, or remove it yourself")
+    for (b, a, t), p in zip(rows, paths):
+        reliability_diagram(b, a, t, stage(p) if stage else p, as_path=p)
+    return [str(p) for p in paths]
 
 
 def frontier_plot(rows: Sequence[dict[str, Any]], path: str | os.PathLike, title: str = "") -> None:

@@ -102,6 +102,24 @@ def sglang_command(target: str, draft: str, block_size: int, dspark: bool, sps_t
     return env, argv + list(extra)
 
 
+def sweep_notes(sweep: Any, block_size: int, k_table: list[list[int]]) -> list[str]:
+    """What a user must know about a length table from `sweep`: a sweep of another block size (its
+    pooled rounds measured another draft), and the batch sizes above the largest swept
+    concurrency, which reuse its length."""
+    notes = []
+    swept = sweep.get("block_size") if isinstance(sweep, dict) else None
+    if type(swept) is int and swept != block_size:
+        notes.append(f"the sweep was run for block size {swept}, this draft's is {block_size}; its lengths were "
+                     "chosen for another draft: sweep with this one")
+    swept_c = swept_concurrencies(sweep)
+    end = k_table[-1][1]
+    if swept_c and swept_c[-1] < end:
+        notes.append(f"vLLM's length table: the sweep covered concurrency {swept_c[0]}..{swept_c[-1]}; batch sizes "
+                     f"{swept_c[-1] + 1}..{end} reuse the length at {swept_c[-1]} ({k_table[-1][2]}); sweep higher "
+                     "loads to measure them")
+    return notes
+
+
 def vllm_config(draft: str, block_size: int, k_table: list[list[int]] | None) -> dict[str, Any]:
     cfg: dict[str, Any] = {"method": "dspark", "model": draft, "num_speculative_tokens": block_size}
     if k_table:
@@ -109,8 +127,27 @@ def vllm_config(draft: str, block_size: int, k_table: list[list[int]] | None) ->
     return cfg
 
 
+def refuse_control_characters(what: str, value: str) -> str:
+    """`value` unchanged when it holds no control character (newline, carriage return, tab, escape,
+    NUL, DEL, other Unicode controls and line/paragraph separators); otherwise an InputError naming
+    `what`. Anything that reaches a script or a printed command passes here first: quoting keeps
+    a value one word, but a newline would still end a comment line and run what follows."""
+    import unicodedata
+
+    bad = [c for c in value if unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp", "Cs", "Co", "Cn")]
+    if bad:
+        raise InputError(f"{what} {value!r} holds the control character {bad[0]!r}, which a shell script cannot "
+                         "carry safely", "rename it (or pass a path without control characters)")
+    return value
+
+
+def shell_word(value: str, what: str = "a value") -> str:
+    """One shell word for `value`: control characters refused, everything else quoted."""
+    return shlex.quote(refuse_control_characters(what, str(value)))
+
+
 def shell_line(env: dict[str, str], argv: list[str]) -> str:
-    return " ".join([f"{k}={shlex.quote(v)}" for k, v in env.items()] + [shlex.quote(a) for a in argv])
+    return " ".join([f"{k}={shell_word(v, k)}" for k, v in env.items()] + [shell_word(a) for a in argv])
 
 
 def check_sglang_sps(path: Path) -> dict[str, Any]:
@@ -196,9 +233,9 @@ def check_script_destination(path: Path) -> None:
 
 def check_target_id(tid: str) -> None:
     """A target name the server can take: a hub id or a path, one line, no spaces."""
-    if not tid.strip() or any(c.isspace() or not c.isprintable() for c in tid):
+    if not tid.strip() or tid.startswith("-") or any(c.isspace() or not c.isprintable() for c in tid):
         raise InputError(f"--target-id {tid!r} must be a non-empty hub id or path without spaces or control "
-                         "characters", "e.g. --target-id Qwen/Qwen3-8B")
+                         "characters, not starting with '-'", "e.g. --target-id Qwen/Qwen3-8B")
 
 
 def sglang_file(path: Path, kind: str) -> Path:
@@ -361,10 +398,7 @@ def plan_serving(sess: Any, draft: str | None, target: str | None, target_id: st
                                str(files.sts_file.resolve()) if files.sts_file else None)
     k_table = k_table_from_sweep(files.sweep, gamma) if files.sweep is not None else None
     if k_table:
-        swept, end = swept_concurrencies(files.sweep), k_table[-1][1]
-        if swept and swept[-1] < end:
-            notes.append(f"vLLM's length table: the sweep covered concurrency {swept[0]}..{swept[-1]}; batch sizes "
-                         f"{swept[-1] + 1}..{end} reuse the length at {swept[-1]}; sweep higher loads to measure them")
+        notes += sweep_notes(files.sweep, gamma, k_table)
     vllm = vllm_config(vllm_draft, gamma, k_table)
     vllm_argv = ["vllm", "serve", tid, "--speculative-config", json.dumps(vllm, separators=(",", ":"))]
     if not dspark:

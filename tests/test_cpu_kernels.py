@@ -223,7 +223,9 @@ def test_a_timed_choice_is_cached_for_this_machine_and_model(tmp_path, monkeypat
     assert cached_choice(model) is None
     rows, ms = choose_kernels(model, forward, log=lambda m: None, repeats=2)
     assert rows == stock_rows_from(ms) and cached_choice(model) == rows
-    (entry,) = json.loads(cache.read_text()).values()
+    doc = json.loads(cache.read_text())
+    assert doc["format"] == "dsparkctl-cpu-kernels/1"  # the marker: only such a file is ever rewritten
+    (entry,) = doc["choices"].values()
     assert entry["stock_rows"] == rows and set(entry["forward_ms"]) == {"packed", "stock"}
     assert cache.stat().st_mode & 0o777 == 0o666 & ~current_umask()
     other = tiny_target("llama")
@@ -239,10 +241,19 @@ def test_a_timed_choice_is_cached_for_this_machine_and_model(tmp_path, monkeypat
 threads_at_start = torch.get_num_threads()
 
 
-@pytest.mark.parametrize("content", ["{not json", "[" * 100000, "[]", '"x"', "{KEY: 1}", '{KEY: {"stock_rows": true}}',
-                                     '{KEY: {"stock_rows": 5}}', '{KEY: {"stock_rows": -1}}',
-                                     '{KEY: {"stock_rows": 1e400}}', '{KEY: {"stock_rows": "3"}}', b"\xff\xfe"])
-def test_a_damaged_cache_is_never_an_error_and_never_a_wrong_route(tmp_path, monkeypatch, content):
+MARKED = '{"format": "dsparkctl-cpu-kernels/1", "choices": CHOICES}'
+
+
+@pytest.mark.parametrize("content,rewritten", [
+    ("{not json", False), ("[" * 100000, False), ("[]", False), ('"x"', False), ("{KEY: 1}", False),
+    ('{"my": "settings"}', False), ('{"format": "other/1", "choices": {}}', False), (b"\xff\xfe", False),
+    ('{KEY: {"stock_rows": 1e400}}', False),
+    ('{KEY: {"stock_rows": true}}', True), ('{KEY: {"stock_rows": 5}}', True),  # unmarked caches of older versions
+    (MARKED.replace("CHOICES", '{KEY: {"stock_rows": -1}}'), True),
+    (MARKED.replace("CHOICES", '{KEY: {"stock_rows": "3"}}'), True), (MARKED.replace("CHOICES", "[]"), False)])
+def test_a_damaged_cache_is_never_an_error_and_never_a_wrong_route(tmp_path, monkeypatch, content, rewritten):
+    """A cache of ours (marked, or an older unmarked one) with a bad entry is rewritten; anything
+    else at the path is someone's: timed around, left as it is, said in a note."""
     cache = tmp_path / "cpu_kernels.json"
     monkeypatch.setenv("DSPARKCTL_CPU_KERNELS_CACHE", str(cache))
     model, forward = _routed_llama()
@@ -250,9 +261,15 @@ def test_a_damaged_cache_is_never_an_error_and_never_a_wrong_route(tmp_path, mon
         cache.write_bytes(content)
     else:
         cache.write_text(content.replace("KEY", json.dumps(choice_key(model))))
+    before = cache.read_bytes()
     assert cached_choice(model) is None
-    rows, _ = choose_kernels(model, forward, log=lambda m: None, repeats=1)  # timed again and rewritten
-    assert cached_choice(model) == rows
+    logs = []
+    rows, _ = choose_kernels(model, forward, log=logs.append, repeats=1)  # timed again
+    if rewritten:
+        assert cached_choice(model) == rows and not any("left as it is" in m for m in logs)
+    else:
+        assert cache.read_bytes() == before and any("left as it is" in m for m in logs)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cpu_kernels.json"]
 
 
 def test_a_cache_path_that_is_no_file_is_timed_around_and_said(tmp_path, monkeypatch):
@@ -266,7 +283,7 @@ def test_a_cache_path_that_is_no_file_is_timed_around_and_said(tmp_path, monkeyp
     monkeypatch.setenv("DSPARKCTL_CPU_KERNELS_CACHE", str(tmp_path))  # a directory
     logs = []
     choose_kernels(model, forward, log=logs.append, repeats=1)
-    assert any("could not cache" in m and "--cpu-kernels" in m for m in logs)
+    assert any("is a folder" in m and "left as it is" in m and "--cpu-kernels" in m for m in logs)
 
 
 def test_someone_elses_file_at_the_cache_path_is_left_alone(tmp_path, monkeypatch):
@@ -313,8 +330,8 @@ def _seed_choice(model_dir, rows):
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     path = cache_path()
-    doc = json.loads(path.read_text()) if path.is_file() else {}
-    doc[choice_key(model)] = {"stock_rows": rows}
+    doc = json.loads(path.read_text()) if path.is_file() else {"format": "dsparkctl-cpu-kernels/1", "choices": {}}
+    doc["choices"][choice_key(model)] = {"stock_rows": rows}
     path.write_text(json.dumps(doc))
 
 

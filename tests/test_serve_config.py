@@ -77,7 +77,7 @@ def test_length_table_note_names_the_sweeps_real_range(files):
     assert r["vllm"]["speculative_config"]["num_speculative_tokens_per_batch_size"] == [[1, 3, 4], [4, 1024, 3]]
     notes = [n for n in r["notes"] if "length table" in n]
     assert notes == ["vLLM's length table: the sweep covered concurrency 1..8; batch sizes 9..1024 reuse the length "
-                     "at 8; sweep higher loads to measure them"]
+                     "at 8 (3); sweep higher loads to measure them"]
 
 
 def test_k_table_merges_equal_neighbours_and_needs_static_policies():

@@ -14,7 +14,7 @@ from dsparkctl.checkpoint.extract import extract
 from dsparkctl.checkpoint.inspect import inspect_report
 from dsparkctl.checkpoint.source import Checkpoint, open_local
 from dsparkctl.cli.common import JsonOpt, RevisionOpt, err, guarded, out, print_json, progress_bar, styled
-from dsparkctl.cli.checks import Output, check_outputs
+from dsparkctl.cli.checks import Output, check_outputs, local_inputs
 from dsparkctl.errors import UsageError
 from dsparkctl.signals import terminate_as_interrupt
 
@@ -115,6 +115,10 @@ def download_cmd(
     hub.check_repo_id(repo)
     if local_dir is not None:
         check_outputs([Output(local_dir, "--local-dir", "folder")])
+        if local_dir.is_symlink() or (local_dir.is_dir() and any(local_dir.iterdir())
+                                      and not (local_dir / ".cache" / "huggingface").is_dir()):
+            raise UsageError(f"--local-dir {local_dir} holds files that no download wrote; the download would "
+                             "replace them", hint="download into a new or empty folder (or the one a download used)")
     res = hub.download(repo, revision, local_dir, with_head, on_file=on_file)
     doc = {"folder": res.folder, "revision": res.revision,
            "fetched": [{"file": f, "bytes": b} for f, b in res.fetched],
@@ -146,7 +150,9 @@ def extract_cmd(
     limit = parse_size(max_shard_size)
     if out_dir.exists():
         raise UsageError(f"{out_dir} already exists", hint="choose a new output folder or delete the old one")
-    check_outputs([Output(out_dir, "OUT", "folder")])
+    inputs = local_inputs(source)
+    inputs += [p.parent for p in inputs if p.is_file()]  # a checkpoint file: its folder is the model
+    check_outputs([Output(out_dir, "OUT", "folder")], inputs)  # never inside the input model
     with terminate_as_interrupt():  # TERM/HUP unwind like Ctrl-C: no partial OUT is left behind
         res, layout = _extract(source, out_dir, revision, bool(dequantize), limit, with_head, verify)
     doc = {"out": res.out, "layout": layout, "tensors": res.tensors, "bytes": res.bytes_written,
@@ -184,6 +190,9 @@ def fixture_cmd(
 
     if layout not in FIXTURE_LAYOUTS:
         raise UsageError(f"no fixture for {layout!r}", hint=f"choose one of {', '.join(FIXTURE_LAYOUTS)}")
+    if out_dir.is_symlink() or (out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir()))):
+        raise UsageError(f"{out_dir} already exists", hint="choose a new output folder or delete the old one")
+    check_outputs([Output(out_dir, "OUT", "folder")])
     out.print(str(write_fixture(out_dir, layout)))
 
 

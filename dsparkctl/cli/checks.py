@@ -4,6 +4,8 @@ A command that computes for minutes and then cannot write its result has wasted 
 that writes two of three outputs and fails on the third leaves a mix. So each command names all
 its outputs first and `check_outputs` refuses, before anything runs:
   - a file output that exists as a folder (or a FIFO, a device), a folder output that is a file;
+  - a file output that exists and is not ours (a link, or a regular file without our marker,
+    `fsutil.replace_refusal`): a user's file is never replaced;
   - a path whose nearest existing parent is a file, or a folder we may not write to;
   - a figure whose suffix matplotlib cannot write (`--plot j.xyz`);
   - two outputs that are the same file, or an output that is one of the command's inputs.
@@ -18,7 +20,7 @@ from pathlib import Path
 from typing import Sequence
 
 from dsparkctl.errors import UsageError
-from dsparkctl.fsutil import cannot_create
+from dsparkctl.fsutil import cannot_create, replace_refusal
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,11 @@ def check_outputs(outputs: Sequence[Output], inputs: Sequence[Path] = ()) -> Non
             if i.is_dir() and key.is_relative_to(i.resolve()):
                 raise UsageError(f"{o.option} {o.path} is inside the input folder {i}; writing there could "
                                  "overwrite or corrupt the model", hint="write the output somewhere else")
+        if o.kind != "folder":  # a new path, or a regular file we wrote: never a user's file, link or device
+            why = replace_refusal(o.path)
+            if why:
+                raise UsageError(f"{o.option} {o.path} {why}; refusing to replace it",
+                                 hint="choose a new path, or remove it yourself")
 
 
 def _check_one(o: Output) -> None:

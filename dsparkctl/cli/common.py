@@ -15,7 +15,7 @@ import re
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, Callable, Iterator, TypeVar
+from typing import Annotated, Any, Callable, Iterator, Sequence, TypeVar
 
 import typer
 from rich.console import Console
@@ -118,15 +118,34 @@ def with_preset(preset_name: str | None, temperature: float | None,
     return preset, t, n
 
 
-def int_list(text: str, option: str) -> list[int]:
-    """A comma-separated list of positive integers given to `option` (e.g. "--requests 1,2,4")."""
+INT_LIST_MAX = 1 << 16  # no load level, request count or token count we profile or sweep is larger
+
+
+def int_list(text: str, option: str, maximum: int = INT_LIST_MAX) -> list[int]:
+    """A comma-separated list of positive integers up to `maximum` given to `option` (e.g.
+    "--requests 1,2,4"): a typo such as 99999999999 is refused here, not by an allocation of
+    terabytes later."""
     try:
         vals = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise UsageError(f"{option} must be comma-separated integers, got {text!r}", f"e.g. {option} 1,2,4") from None
     if not vals or any(v < 1 for v in vals):
         raise UsageError(f"{option} must be positive integers, got {text!r}", f"e.g. {option} 1,2,4")
+    big = [v for v in vals if v > maximum]
+    if big:
+        raise UsageError(f"{option} {big[0]} is larger than {maximum}", f"use values in 1..{maximum}, e.g. {option} 1,2,4")
     return vals
+
+
+def check_batch_tokens(requests: Sequence[int], tokens: Sequence[int], context_len: int,
+                       limit: int = 1 << 22, option: str = "--requests") -> None:
+    """Refuse a profiling grid whose largest batch (requests × (context + tokens)) would not fit a
+    sane allocation (`limit` token positions, 4M by default): one line before any model loads."""
+    worst = max(requests) * (context_len + max(tokens))
+    if worst > limit:
+        raise UsageError(f"{option} {max(requests)} with --context-len {context_len} and {max(tokens)} tokens per "
+                         f"request is {worst:,} token positions in one batch (at most {limit:,})",
+                         "profile fewer requests or a shorter context")
 
 
 def print_json(obj: Any) -> None:
@@ -183,6 +202,27 @@ def progress_bar(label: str, total: int, unit: str = "", enabled: bool = True, d
         yield update
 
 
+ENVIRONMENT_HINTS = {"the disk is full": "free some space (or write elsewhere) and run it again",
+                     "the disk quota is exhausted": "free some space (or write elsewhere) and run it again",
+                     "the file system is read-only": "write to a folder on a writable file system",
+                     "permission denied": "write to a folder you may write to",
+                     "operation not permitted": "write to a folder you may write to",
+                     "the file is too large for the file system": "write to another file system"}
+
+
+def _environment_error(exc: BaseException, say: Callable[..., None], label: str) -> None:
+    """A full disk, a read-only file system, a missing permission (as an OSError, or wrapped in a
+    library's own exception): one line with a fix, exit 2 (the writers are atomic: nothing
+    partial is left). Returns when `exc` is none of those."""
+    from dsparkctl.fsutil import os_error_words
+
+    words = os_error_words(exc)
+    if words is None or words[0].split(" (")[0] not in ENVIRONMENT_HINTS:
+        return
+    say(error_line(label, f"{words[0]} (fix: {ENVIRONMENT_HINTS[words[0].split(' (')[0]]})"), highlight=False)
+    raise typer.Exit(2) from None
+
+
 def guarded(fn: F) -> F:
     """Run a command; map library errors to a one-line message and a non-zero exit."""
 
@@ -216,16 +256,24 @@ def guarded(fn: F) -> F:
             say(error_line(label, exc.one_line()), highlight=False)
             raise typer.Exit(exc.exit_code) from None
         except KeyboardInterrupt:
-            say(styled(("interrupted", "red"), "; nothing was written"))
+            from dsparkctl.fsutil import WRITTEN
+
+            who = f"rank {w.rank} " if w.distributed else ""
+            done = sorted({str(p) for p in WRITTEN if ".staged-" not in p.name})
+            said = (f"; {len(done)} file(s) were complete before it, e.g. {done[-1]}; nothing partial was left"
+                    if done else "; nothing was written" + (" by this rank" if w.distributed else ""))
+            say(styled((f"{who}interrupted", "red"), said))
             raise typer.Exit(130) from None
         except (OSError, MemoryError) as exc:
             if STATE["debug"]:
                 raise
+            _environment_error(exc, say, label)
             say(error_line(label, f"{type(exc).__name__}: {exc}"), highlight=False)
             raise typer.Exit(1) from None
         except Exception as exc:  # noqa: BLE001 - last-resort one-liner
             if STATE["debug"]:
                 raise
+            _environment_error(exc, say, label)  # a library's wrapped "No space left on device" is no bug of ours
             msg = str(exc).splitlines()[0] if str(exc) else ""
             say(error_line("internal error:", f"{type(exc).__name__}: {msg} "
                                  "(fix: rerun with --debug for the traceback and report it)"), highlight=False)

@@ -35,9 +35,24 @@ def _root(
     STATE["debug"] = debug
     from dsparkctl import distributed
 
-    if distributed.env_world().distributed:  # launched by torchrun: join the group, same argv everywhere
-        distributed.init()
-        distributed.check_same_everywhere()
+    from dsparkctl.errors import DsparkError
+
+    try:
+        if distributed.env_world().distributed:  # launched by torchrun: join the group, same argv everywhere
+            distributed.init()
+            distributed.check_same_everywhere()
+    except DsparkError as exc:  # every rank sees the same verdict: each says it in one line, leaves the group, exits
+        import sys
+
+        from dsparkctl.cli.common import err, error_line
+
+        w = distributed.env_world()
+        label = f"rank {w.rank} error:" if w.distributed else "error:"
+        err.quiet = False
+        err.print(error_line(label, exc.one_line()), highlight=False)
+        distributed.shutdown(barrier=False)
+        sys.stderr.flush()
+        raise typer.Exit(exc.exit_code) from None
 
 
 for _module in (checkpoint, generate, evaluate, schedule, profile, train, serve):

@@ -11,7 +11,7 @@ from rich.table import Table
 from dsparkctl.cli.checks import Output, check_outputs
 from dsparkctl.cli.common import JsonOpt, SeedOpt, err, error_line, guarded, int_list, out, print_json, styled
 from dsparkctl.errors import UsageError
-from dsparkctl.fsutil import write_json
+from dsparkctl.fsutil import staged, write_json
 from dsparkctl.math.policies import POLICY_SPECS
 
 POLICY_HELP = f"Policies: {POLICY_SPECS}."
@@ -47,10 +47,11 @@ def calibrate(
                    Output(plot_dir, "--plot-dir", "folder")], inputs=traces)
     result = run_calibration(traces, holdout=holdout, bins=bins, seed=seed,
                              names={"holdout": "--holdout", "bins": "--bins"})
-    pngs = reliability_diagrams(result, plot_dir)
-    result["outputs"] = {"sglang_sts": str(sglang_out), "reliability_pngs": pngs}
-    write_json(sglang_out, sglang_sts(result))
-    write_json(out_path, result)
+    with staged() as stage:  # all six outputs appear together, or none (a full disk leaves nothing)
+        pngs = reliability_diagrams(result, plot_dir, stage)
+        result["outputs"] = {"sglang_sts": str(sglang_out), "reliability_pngs": pngs}
+        write_json(stage(sglang_out), sglang_sts(result))
+        write_json(stage(out_path), result)
     err.print(f"wrote {out_path}, {sglang_out}, {len(pngs)} reliability PNGs in {plot_dir}", highlight=False)
     for w in result["warnings"]:
         err.print(styled(("warning:", "yellow"), f" {w}"))

@@ -42,7 +42,7 @@ def serve_config(
     from dsparkctl.engine.session import open_session
     from dsparkctl.models.draft_io import check_draft_destination
     from dsparkctl.serving import (check_script_destination, check_target_id, plan_serving,
-                                   read_serve_inputs, write_script)
+                                   read_serve_inputs, refuse_control_characters, write_script)
 
     check_outputs([o for o in (Output(out_path, "--out") if out_path else None,
                                Output(export_full_vocab, "--export-full-vocab", "folder")
@@ -61,6 +61,11 @@ def serve_config(
                          "full-vocabulary copy (it cannot read vLLM's reduced form)", "add --export-full-vocab DIR")
     if target_id is not None:
         check_target_id(target_id)
+    for what, value in (("--target", target), ("--draft", draft), ("--sps-table", sps_table),
+                        ("--calibration", calibration), ("--export-full-vocab", export_full_vocab)):
+        if value is not None:  # they reach the commands and the script: refused before the models load
+            p = Path(value).expanduser()
+            refuse_control_characters(what, str(p.resolve()) if str(value) and p.exists() else str(value))
     if out_path is not None:
         check_script_destination(out_path)
     for folder in (export_full_vocab, export_vllm):

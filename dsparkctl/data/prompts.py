@@ -38,16 +38,59 @@ def _package_file(pkg: str, rel: str, pip_name: str) -> Path:
     return path
 
 
+_UTF8_HINT = "save the prompt file as UTF-8"
+
+
+def read_text(path: Path) -> str:
+    """A prompt file's text, decoded strictly as UTF-8 (a BOM is allowed; .gz is decompressed).
+    UTF-16, random bytes, a broken gzip: one InputError naming the file and the byte offset."""
+    try:
+        if path.suffix == ".gz":
+            with gzip.open(path, "rb") as fh:
+                raw = fh.read()
+        else:
+            raw = path.read_bytes()
+    except (OSError, EOFError, gzip.BadGzipFile) as exc:
+        if isinstance(exc, OSError) and not isinstance(exc, gzip.BadGzipFile) and exc.errno is not None:
+            raise
+        raise InputError(f"{path}: not a readable gzip file ({exc})", "compress it with gzip, or drop the .gz") from None
+    if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise InputError(f"{path}: is UTF-16, not UTF-8", _UTF8_HINT)
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{path}: not UTF-8 (byte {raw[exc.start]:#04x} at offset {exc.start})", _UTF8_HINT) from None
+
+
+def check_text(text: str, where: str) -> str:
+    """A prompt as text a tokenizer can take: no lone surrogates (bytes that were not UTF-8, or a
+    JSON \\udcxx escape) and no NUL."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InputError(f"{where}: the prompt holds bytes that are not UTF-8 (at character {exc.start})",
+                         _UTF8_HINT) from None
+    if "\x00" in text:
+        raise InputError(f"{where}: the prompt holds a NUL character", "remove it from the prompt")
+    return text
+
+
+def _json(text: str, where: str) -> Any:
+    from dsparkctl.strict_json import loads
+
+    try:
+        return loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{where}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    except (ValueError, RecursionError) as exc:
+        raise InputError(f"{where}: not valid JSON ({str(exc).splitlines()[0] if str(exc) else 'too deeply nested'})") from None
+
+
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    opener = gzip.open if path.suffix == ".gz" else open
     rows = []
-    with opener(path, "rt", encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise InputError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+    for lineno, line in enumerate(read_text(path).splitlines(), 1):
+        if line.strip():
+            rows.append(_json(line, f"{path}:{lineno}"))
     return rows
 
 
@@ -84,14 +127,14 @@ def _sharegpt(path: Path) -> list[str]:
 def load_conversations(dataset: str, field: str | None = None,
                        response_field: str | None = None) -> list[tuple[str, str]]:
     """(prompt, response) pairs: built-in `sharegpt`, or a local JSON/JSONL file with both fields."""
-    if dataset == "sharegpt" and not Path(dataset).exists():
+    if dataset == "sharegpt":  # the built-in set, whatever lies in the current folder (./sharegpt for that)
         pkg, rel, pip_name = BUILTIN[dataset]
         return [(p, r) for p, r in _sharegpt_pairs(_package_file(pkg, rel, pip_name)) if r]
     path = Path(dataset).expanduser()
     if not path.is_file() or not response_field:
         raise InputError(f"{dataset}: responses need the built-in sharegpt or a local JSON/JSONL file "
                          "with data.response_field", "set data.response_field, or use data.source = \"regenerate\"")
-    rows = _read_jsonl(path) if path.suffix in (".jsonl", ".gz") else json.loads(path.read_text(encoding="utf-8"))
+    rows = _read_jsonl(path) if path.suffix in (".jsonl", ".gz") else _json(read_text(path), str(path))
     if not isinstance(rows, list):
         raise InputError(f"{path}: expected a list of objects")
     out = []
@@ -122,7 +165,26 @@ def _field_value(row: dict[str, Any], field: str | None, where: str) -> str:
     if not isinstance(v, str):
         raise InputError(f"{where}: field {field!r} holds {type(v).__name__} {str(v)[:40]!r}, not text",
                          "prompts must be strings (or a list of turns whose first is a string)")
-    return v
+    return check_text(v, where)
+
+
+def _read_parquet(path: Path) -> list[Any]:
+    """Rows of a parquet file; a file that is not parquet is one InputError (not pyarrow's)."""
+    with open(path, "rb") as fh:
+        head = fh.read(4)
+    if head != b"PAR1":
+        raise InputError(f"{path}: not a parquet file (it does not start with PAR1)",
+                         "use .txt (one per line), .json or .jsonl for text files")
+    try:
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    except ImportError:
+        import datasets
+        return list(datasets.load_dataset("parquet", data_files=str(path), split="train"))
+    except Exception as exc:  # noqa: BLE001 - pyarrow's errors are varied
+        raise InputError(f"{path}: damaged parquet file ({str(exc).splitlines()[0][:100] if str(exc) else type(exc).__name__})",
+                         "re-export the prompt set") from None
 
 
 def load_prompts(dataset: str, field: str | None = None, limit: int | None = None,
@@ -131,7 +193,7 @@ def load_prompts(dataset: str, field: str | None = None, limit: int | None = Non
     if limit is not None and limit < 1:
         raise InputError(f"--limit must be >= 1, got {limit}")
     path = Path(dataset).expanduser()
-    if dataset in BUILTIN and not path.exists():
+    if dataset in BUILTIN:  # a built-in name is the built-in set; a local file of that name is ./NAME
         pkg, rel, pip_name = BUILTIN[dataset]
         f = _package_file(pkg, rel, pip_name)
         if dataset == "sharegpt":
@@ -145,22 +207,21 @@ def load_prompts(dataset: str, field: str | None = None, limit: int | None = Non
         rows: Sequence[Any]
         suffix = "".join(path.suffixes[-2:]) if path.suffix == ".gz" else path.suffix
         if suffix in (".txt", ".md"):
-            lines = path.read_text(encoding="utf-8").splitlines()
-            prompts = [ln for ln in lines if ln.strip()]
+            lines = read_text(path).splitlines()
+            prompts = [check_text(ln, f"{path}:{i + 1}") for i, ln in enumerate(lines) if ln.strip()]
             if not prompts:
                 raise InputError(f"{path} holds no prompts", "one prompt per line")
             return prompts[:limit] if limit else prompts
         if suffix in (".jsonl", ".jsonl.gz"):
             rows = _read_jsonl(path)
         elif suffix == ".json":
-            try:
-                data = json.loads(path.read_text(encoding="utf-8"))
-            except json.JSONDecodeError as exc:
-                raise InputError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-            rows = data if isinstance(data, list) else data.get("data", data.get("rows", [])) if isinstance(data, dict) else []
+            data = _json(read_text(path), str(path))
+            rows = data if isinstance(data, list) else data.get("data", data.get("rows", [])) if isinstance(data, dict) else None
+            if not isinstance(rows, list):
+                raise InputError(f"{path}: expected a list of prompts (or an object whose \"data\" or \"rows\" is one)",
+                                 'e.g. [{"prompt": "..."}] or {"data": [...]}')
         elif suffix == ".parquet":
-            import datasets
-            rows = list(datasets.load_dataset("parquet", data_files=str(path), split="train"))
+            rows = _read_parquet(path)
         else:
             raise InputError(f"{path}: unsupported prompt file type {suffix or '(none)'}",
                              "use .txt (one per line), .json, .jsonl or .parquet")
@@ -183,7 +244,7 @@ def load_prompts(dataset: str, field: str | None = None, limit: int | None = Non
     for i, row in enumerate(rows):
         where = f"{dataset} row {i + 1}"
         if isinstance(row, str):
-            v = row
+            v = check_text(row, where)
         elif isinstance(row, dict):
             v = _field_value(row, field, where)
         else:
@@ -242,7 +303,7 @@ def prompt_texts(args: Sequence[str] | None, prompts_file: str | Path | None, da
     if sources > 1:
         raise UsageError("give prompts as arguments, --prompts-file or --dataset, not several")
     if args:
-        texts = list(args)
+        texts = [check_text(p, f"prompt argument {i + 1}") for i, p in enumerate(args)]
         if any(not p.strip() for p in texts):
             raise InputError("an empty prompt was given", "remove the empty argument")
     elif prompts_file is not None:

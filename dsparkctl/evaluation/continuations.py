@@ -14,7 +14,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -27,10 +27,11 @@ FORMAT = "dsparkctl-continuations/1"
 
 
 def cache_dir() -> Path:
-    """`$DSPARKCTL_CONTINUATIONS_CACHE`, else `$DSPARKCTL_CACHE/continuations` (~/.cache/dsparkctl)."""
-    if os.environ.get("DSPARKCTL_CONTINUATIONS_CACHE"):
-        return Path(os.environ["DSPARKCTL_CONTINUATIONS_CACHE"])
-    return Path(os.environ.get("DSPARKCTL_CACHE", Path.home() / ".cache" / "dsparkctl")) / "continuations"
+    """`$DSPARKCTL_CONTINUATIONS_CACHE`, else `$DSPARKCTL_CACHE/continuations` (~/.cache/dsparkctl);
+    an empty variable counts as unset."""
+    from dsparkctl.fsutil import cache_root, env_path
+
+    return env_path("DSPARKCTL_CONTINUATIONS_CACHE") or cache_root() / "continuations"
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
@@ -56,24 +57,88 @@ def continuations_key(model: torch.nn.Module, prompts: Sequence[Sequence[int]], 
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:24]
 
 
+def _digest(conts: list[list[int]]) -> str:
+    return hashlib.sha256(json.dumps(conts, separators=(",", ":")).encode()).hexdigest()
+
+
+def read_entry(path: Path, key: str, n_prompts: int, vocab_size: int, max_new_tokens: int) -> tuple[Any, str | None]:
+    """(continuations, None) from a valid cache entry; (None, why) otherwise ("" when there is
+    none). Valid, like user input: a regular file (a FIFO is never opened), strict JSON, our
+    format and key, one list per prompt of at most max_new_tokens ids inside the vocabulary, and
+    the digest of exactly those lists (a damaged but well-formed entry would change τ)."""
+    from dsparkctl.fsutil import regular_file
+    from dsparkctl.strict_json import loads
+
+    if not os.path.lexists(path):
+        return None, ""
+    if not regular_file(path):
+        return None, "is not a regular file"
+    try:
+        doc: Any = loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError) as exc:
+        return None, f"cannot be read as JSON ({type(exc).__name__})"
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("key") != key:
+        return None, "is not an entry of this cache"
+    conts = doc.get("continuations")
+    if not isinstance(conts, list) or len(conts) != n_prompts:
+        return None, "holds the wrong number of continuations"
+    for c in conts:
+        if not isinstance(c, list) or len(c) > max_new_tokens or not all(
+                type(t) is int and 0 <= t < vocab_size for t in c):
+            return None, "holds a continuation that is not a list of token ids of this model"
+    if "sha256" not in doc:
+        return None, "was written by an older version (no digest)"
+    if doc["sha256"] != _digest(conts):
+        return None, "does not match its own digest (damaged)"
+    return conts, None
+
+
+def cache_problem(folder: Path | None = None) -> str | None:
+    """Why continuations cannot be cached (checked before any work, said as a note), or None."""
+    from dsparkctl.fsutil import cannot_create
+
+    folder = folder or cache_dir()
+    if os.path.lexists(folder) and not folder.is_dir():
+        return f"{folder} is not a folder"
+    if folder.is_dir():
+        return None if os.access(folder, os.W_OK | os.X_OK) else f"no permission to write in {folder}"
+    return cannot_create(folder / "x")
+
+
 def cached_continuations(model: torch.nn.Module, prompts: Sequence[Sequence[int]], params: SamplingParams,
                          max_new_tokens: int, stop_ids: Sequence[int], seed: int = 0,
-                         batch_size: int = 8) -> tuple[list[list[int]], bool]:
-    """(continuations, from_cache)."""
+                         batch_size: int = 8, log: Callable[[str], None] = lambda s: None
+                         ) -> tuple[list[list[int]], bool]:
+    """(continuations, from_cache). A damaged entry is discarded and recomputed, with a note; a
+    cache that cannot be written is said before the work, and the result is still returned."""
+    from dsparkctl.distributed import world
+    from dsparkctl.fsutil import replace_refusal
+
     key = continuations_key(model, prompts, params, max_new_tokens, stop_ids, seed, batch_size)
     path = cache_dir() / f"{key}.json"
-    try:
-        doc: Any = json.loads(path.read_text())
-        conts = doc["continuations"]
-        if doc.get("format") == FORMAT and doc.get("key") == key and len(conts) == len(prompts) and all(
-                isinstance(c, list) and all(isinstance(t, int) for t in c) for c in conts):
-            return conts, True
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+    head = model.get_output_embeddings()
+    vocab = max(int(getattr(model.config, "vocab_size", 0) or 0), int(head.weight.shape[0]) if head is not None else 0)
+    conts, why = read_entry(path, key, len(prompts), vocab, max_new_tokens)
+    if conts is not None:
+        return conts, True
+    if why:
+        log(f"note: the cached continuations {path} {why}; recomputing them")
+    problem = cache_problem() if world().main else None
+    if problem:
+        log(f"note: continuations cannot be cached ({problem}); computing them without the cache")
     conts = target_continuations(model, prompts, params, max_new_tokens, stop_ids, seed, batch_size)
-    from dsparkctl.distributed import world
+    if world().main and not problem:
+        refusal = replace_refusal(path, ours=lambda p: True)  # our folder: any regular file there is an entry
+        if refusal:
+            log(f"note: {path} {refusal}; left as it is, continuations not cached")
+            return conts, False
+        try:
+            with atomic_open(path, "w") as fh:
+                json.dump({"format": FORMAT, "key": key, "sha256": _digest(conts), "continuations": conts}, fh)
+        except OSError as exc:
+            from dsparkctl.fsutil import os_error_words
 
-    if world().main:
-        with atomic_open(path, "w") as fh:
-            json.dump({"format": FORMAT, "key": key, "continuations": conts}, fh)
+            words = os_error_words(exc)
+            log(f"note: could not cache the continuations in {path} ({words[0] if words else exc}); "
+                "the next run computes them again")
     return conts, False

@@ -152,7 +152,7 @@ def evaluate_dataset(model: Any, drafts: Sequence[DraftUnderTest], prompts: Sequ
                 if shared is None:
                     t = time.perf_counter()
                     shared, cached = cached_continuations(model, prompts, params, max_new_tokens, stop_ids, seed,
-                                                          batch_size)  # the target's answers: computed once
+                                                          batch_size, log=log)  # the target's answers: computed once
                     out["continuation_seconds"] = round(time.perf_counter() - t, 3)
                     out["continuations_from_cache"] = cached
                 conts = shared

@@ -175,11 +175,15 @@ MARGIN = 0.02  # a kernel must be this much faster to count as winning (ties kee
 CACHE_NAME = "cpu_kernels.json"
 
 
+CACHE_FORMAT = "dsparkctl-cpu-kernels/1"  # the marker: only a file carrying it is ever rewritten
+
+
 def cache_path() -> Path:
-    """`$DSPARKCTL_CPU_KERNELS_CACHE`, else `$DSPARKCTL_CACHE/cpu_kernels.json` (~/.cache/dsparkctl)."""
-    if os.environ.get("DSPARKCTL_CPU_KERNELS_CACHE"):
-        return Path(os.environ["DSPARKCTL_CPU_KERNELS_CACHE"])
-    return Path(os.environ.get("DSPARKCTL_CACHE", Path.home() / ".cache" / "dsparkctl")) / CACHE_NAME
+    """`$DSPARKCTL_CPU_KERNELS_CACHE`, else `$DSPARKCTL_CACHE/cpu_kernels.json` (~/.cache/dsparkctl);
+    an empty variable counts as unset."""
+    from dsparkctl.fsutil import cache_root, env_path
+
+    return env_path("DSPARKCTL_CPU_KERNELS_CACHE") or cache_root() / CACHE_NAME
 
 
 def _cpu_info() -> dict[str, str]:
@@ -217,18 +221,33 @@ def choice_key(model: nn.Module) -> str:
 VALID_CHOICES = (0, *ROWS[:-1], ALWAYS_STOCK)
 
 
+def _choices(doc: object) -> dict | None:
+    """The choices of a parsed cache document, or None when it is not one of ours: our format
+    (`{"format": CACHE_FORMAT, "choices": {...}}`), or the unmarked map that versions before the
+    marker wrote (every value an entry with `stock_rows`)."""
+    if not isinstance(doc, dict):
+        return None
+    if doc.get("format") == CACHE_FORMAT:
+        return doc["choices"] if isinstance(doc.get("choices"), dict) else None
+    if doc and "format" not in doc and all(isinstance(v, dict) and "stock_rows" in v for v in doc.values()):
+        return dict(doc)
+    return None
+
+
 def _read_cache(path: Path) -> dict | None:
-    """The cache's entries: {} for a missing file, None for one that is not a cache (unreadable,
-    damaged, not a JSON object, not a regular file). Never an error."""
+    """The cache's choices: {} for a missing file, None for one that is not a cache of ours
+    (unreadable, damaged, someone's JSON, not a regular file: never opened then). Never an error."""
+    from dsparkctl.fsutil import regular_file
+    from dsparkctl.strict_json import loads
+
     try:
-        if not path.exists():
+        if not os.path.lexists(path):
             return {}
-        if not path.is_file():  # a FIFO or device would block or stream
+        if not regular_file(path):  # a FIFO would block, a device stream, a link lead elsewhere
             return None
-        doc = json.loads(path.read_text())
+        return _choices(loads(path.read_bytes()))
     except (OSError, ValueError, RecursionError):
         return None
-    return doc if isinstance(doc, dict) else None
 
 
 def cached_choice(model: nn.Module) -> int | None:
@@ -288,18 +307,19 @@ def remember_choice(model: nn.Module, rows: int, extra: dict, log: Callable[[str
     entry = {"stock_rows": rows, "label": kernel_label(rows), "cpu": _cpu_info()["name"], "torch": torch.__version__,
              "threads": torch.get_num_threads(), **extra}
     path = cache_path()
-    from dsparkctl.fsutil import cannot_create, write_json
+    from dsparkctl.fsutil import cannot_create, replace_refusal, write_json
 
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         cached = _read_cache(path)  # read again just before writing: another process may have added its own
-        if cached is None and path.is_file() and path.name != CACHE_NAME:  # someone's file: left alone
-            log(f"note: {path} is not a kernel-choice cache and was left as it is; the next run times again "
+        why = replace_refusal(path, ours=lambda p: cached is not None)
+        if why:  # only a new path or a cache of ours is written: anything else is someone's, left alone
+            log(f"note: {path} {why} (not a kernel-choice cache) and was left as it is; the next run times again "
                 "(point $DSPARKCTL_CPU_KERNELS_CACHE at a new file, or pass --cpu-kernels packed or stock)")
             return
-        cached = cached or {}  # a damaged cache of ours (only ever written atomically) starts again
+        path.parent.mkdir(parents=True, exist_ok=True)
+        cached = dict(cached or {})
         cached[choice_key(model)] = entry
-        write_json(path, cached)
+        write_json(path, {"format": CACHE_FORMAT, "choices": cached})
     except OSError as e:
         why = cannot_create(path) or e.strerror or str(e)
         log(f"note: could not cache the kernel choice in {path} ({why}); the next run times again "

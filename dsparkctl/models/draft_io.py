@@ -38,7 +38,7 @@ def resolve_folder(source: str | os.PathLike, revision: str | None = None) -> Pa
     if p.exists() or s.startswith((".", "/", "~")) or s.count("/") != 1:
         raise InputError(f"model path {s} does not exist", "pass a local folder or a hub repo id like org/name")
     import huggingface_hub
-    from huggingface_hub.errors import EntryNotFoundError
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
     from dsparkctl.checkpoint.hub import check_repo_id, endpoint, hub_errors
 
@@ -47,6 +47,11 @@ def resolve_folder(source: str | os.PathLike, revision: str | None = None) -> Pa
     def fetch(name: str, optional: bool = False) -> Path | None:
         try:
             return Path(huggingface_hub.hf_hub_download(s, name, revision=revision, endpoint=endpoint()))
+        except LocalEntryNotFoundError:  # no network (or offline) and not cached: not "the repo has no ..."
+            if optional:
+                return None
+            raise InputError(f"{s}: cannot reach the hub, and {name} is not in the local hub cache",
+                             "check the network or HF_ENDPOINT, or pass a local folder") from None
         except EntryNotFoundError:
             if optional:
                 return None

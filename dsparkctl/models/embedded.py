@@ -19,7 +19,9 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("DSPARKCTL_CACHE", Path.home() / ".cache" / "dsparkctl"))
+    from dsparkctl.fsutil import cache_root as root
+
+    return root()
 
 
 def gguf_path() -> Path:
@@ -49,6 +51,12 @@ def embedded_target_dir(log=print) -> Path:
     if (out / "model.safetensors").is_file() and (out / "config.json").is_file():
         return out
     src = gguf_path()
+    from dsparkctl.fsutil import cannot_create
+
+    why = cannot_create(out)  # before ~15 s of conversion, not after
+    if why:
+        raise InputError(f"the embedded target cannot be converted into {out}: {why}",
+                         "point $DSPARKCTL_CACHE at a folder you can write to")
     log(f"converting the embedded target {src.name} to safetensors in {out} (once)")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM

@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -244,30 +243,62 @@ def build_dataset(recipe: Recipe, model: Any, tokenizer: Any, stop_ids: list[int
 
     With `data.extra_responses` the dataset's own answers to that many more prompts follow
     (teacher-forced, their own cache), minus any prompt among the first `holdout` sequences."""
-    seqs = _build_source(recipe, model, tokenizer, stop_ids, cache_dir, on_batch)
+    seqs = _build_source(recipe, model, tokenizer, stop_ids, cache_dir, on_batch, log)
     d = recipe.data
     if d.extra_responses:
         import dataclasses
         extra = dataclasses.replace(recipe, data=dataclasses.replace(d, source="responses", num_prompts=d.extra_responses,
                                                                      extra_responses=0))
         held = {tuple(s.tokens[: s.prompt_len].tolist()) for s in seqs[:holdout]}
-        more = _build_source(extra, model, tokenizer, stop_ids, cache_dir, on_batch)
+        more = _build_source(extra, model, tokenizer, stop_ids, cache_dir, on_batch, log)
         seqs += [s for s in more if tuple(s.tokens[: s.prompt_len].tolist()) not in held]
     return seqs
 
 
+def _vocab(model: Any) -> int:
+    return int(model.get_output_embeddings().weight.shape[0])
+
+
+def read_items(pfile: Path, vocab: int, responses: bool) -> tuple[list[dict] | None, str]:
+    """(items, "") from a valid prompts.json; (None, why) for a damaged one ("" when absent).
+    Valid: a regular file, strict JSON, a list of {"prompt": [ids]} (and "response" for the
+    responses source), every id inside the vocabulary."""
+    from dsparkctl.fsutil import regular_file
+    from dsparkctl.strict_json import loads
+
+    if not os.path.lexists(pfile):
+        return None, ""
+    if not regular_file(pfile):
+        return None, "is not a regular file"
+    try:
+        items = loads(pfile.read_bytes())
+    except (OSError, ValueError, RecursionError) as exc:
+        return None, f"is not valid JSON ({type(exc).__name__})"
+    keys = {"prompt", "response"} if responses else {"prompt"}
+
+    def ids(v: Any, empty_ok: bool) -> bool:
+        return isinstance(v, list) and (empty_ok or len(v) > 0) and all(type(t) is int and 0 <= t < vocab for t in v)
+    if not isinstance(items, list) or not all(isinstance(it, dict) and set(it) == keys and ids(it["prompt"], False)
+                                              and (not responses or ids(it["response"], False)) for it in items):
+        return None, "does not hold lists of token ids of this target"
+    return items, ""
+
+
 def _build_source(recipe: Recipe, model: Any, tokenizer: Any, stop_ids: list[int], cache_dir: Path,
-                  on_batch: Callable[[int, int], None] | None) -> list[Sequence]:
+                  on_batch: Callable[[int, int], None] | None,
+                  log: Callable[[str], None] = print) -> list[Sequence]:
     d = recipe.data
     folder = data_dir(recipe, cache_dir)
     folder.mkdir(parents=True, exist_ok=True)
     pfile = folder / "prompts.json"
-    if pfile.is_file():
-        items = json.loads(pfile.read_text())
-        if len(items) < d.num_prompts:
-            raise InputError(f"{pfile}: holds {len(items)} prompts, recipe asks for {d.num_prompts}",
-                             "lower data.num_prompts")
-    else:
+    items, why = read_items(pfile, _vocab(model), d.source == "responses")
+    if items is not None and len(items) < d.num_prompts:
+        raise InputError(f"{pfile}: holds {len(items)} prompts, recipe asks for {d.num_prompts}",
+                         "lower data.num_prompts")
+    if items is None:
+        if why:
+            log(f"note: the data cache's {pfile} {why}; rebuilding it (and the parts that depend on it)")
+            _discard(pfile, folder)
         items = candidate_items(recipe, tokenizer)
         write_json(pfile, items)
     layer_ids = tuple(recipe.draft.layer_ids)
@@ -278,35 +309,112 @@ def _build_source(recipe: Recipe, model: Any, tokenizer: Any, stop_ids: list[int
     w = world()
     if w.distributed:  # under torchrun each rank first builds its own share of the missing parts
         for b in range(w.rank, nb, w.size):
-            _build_part(recipe, model, tokenizer, stop_ids, folder, items, b, layer_ids, pad)
+            _build_part(recipe, model, tokenizer, stop_ids, folder, items, b, layer_ids, pad, log)
         barrier()
     for b in range(nb):
-        toks, feats = _build_part(recipe, model, tokenizer, stop_ids, folder, items, b, layer_ids, pad)
+        toks, feats = _build_part(recipe, model, tokenizer, stop_ids, folder, items, b, layer_ids, pad, log)
         seqs.extend(unpack(toks, feats))
         if on_batch:
             on_batch(b + 1, nb)
     return seqs
 
 
-def _build_part(recipe: Recipe, model: Any, tokenizer: Any, stop_ids: list[int], folder: Path, items: list[dict],
-                b: int, layer_ids: tuple[int, ...], pad: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Part b's token and feature tensors: read from the cache, or built and cached (atomically)."""
+def _discard(path: Path, folder: Path) -> None:
+    """Remove a damaged cache file of ours so it is rebuilt; something that is not a regular file
+    (a folder, a FIFO, a link) is not ours to remove: refused in one line naming it."""
+    from dsparkctl.fsutil import regular_file
+
+    if os.path.lexists(path) and not regular_file(path):
+        raise InputError(f"{path} is not a regular file; the data cache {folder} is damaged",
+                         f"delete {folder} to rebuild the data")
+    path.unlink(missing_ok=True)
+
+
+def check_part(toks: dict[str, torch.Tensor], feats: dict[str, torch.Tensor] | None, part: list[dict],
+               n_features: int, topk: int, vocab: int) -> str:
+    """"" when a cached part fits the items it was built from and the recipe; else why not. The
+    token file: the part's prompts, in order, each followed by ids inside the vocabulary; the
+    feature file: one feature row per position but the last, one top-k row per response token."""
+    if set(toks) != {"tokens", "prompt_len", "offsets"} or any(t.dtype != torch.long or t.dim() != 1
+                                                               for t in toks.values()):
+        return "holds other tensors than a token part"
+    offs, plen, ids = toks["offsets"].tolist(), toks["prompt_len"].tolist(), toks["tokens"]
+    if len(offs) != len(part) + 1 or len(plen) != len(part) or offs[0] != 0 or offs[-1] != ids.numel():
+        return "does not hold this part's sequences"
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        return "holds token ids outside the target's vocabulary"
+    for i, it in enumerate(part):
+        S = offs[i + 1] - offs[i]
+        if plen[i] != len(it["prompt"]) or S <= plen[i] or ids[offs[i]: offs[i] + plen[i]].tolist() != it["prompt"]:
+            return f"sequence {i} is not the prompt it was built from"
+    if feats is None:
+        return ""
+    n_feat = sum(offs[i + 1] - offs[i] - 1 for i in range(len(part)))
+    n_resp = sum(offs[i + 1] - offs[i] - plen[i] for i in range(len(part)))
+    if not {"features", "topk_ids", "topk_logp"} <= set(feats) <= {"features", "topk_ids", "topk_logp", *toks}:
+        return "holds other tensors than a feature part"  # (older versions also kept the token tensors here)
+    f, ki, kl = feats["features"], feats["topk_ids"], feats["topk_logp"]
+    if f.dtype != torch.float16 or tuple(f.shape) != (n_feat, n_features) or not bool(torch.isfinite(f).all()):
+        return f"features are {tuple(f.shape)} {f.dtype}, expected ({n_feat}, {n_features}) finite float16"
+    if ki.dtype != torch.int32 or tuple(ki.shape) != (n_resp, topk) or (ki.numel() and (
+            int(ki.min()) < 0 or int(ki.max()) >= vocab)):
+        return "top-k ids do not fit the part"
+    if kl.dtype != torch.float16 or tuple(kl.shape) != (n_resp, topk) or bool(kl.isnan().any()) or bool((kl > 0).any()):
+        return "top-k log-probabilities do not fit the part"
+    return ""
+
+
+def _load_part(path: Path) -> tuple[dict[str, torch.Tensor] | None, str]:
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    from dsparkctl.fsutil import regular_file
+
+    if not regular_file(path):
+        return None, "is not a regular file"
+    try:
+        return load_file(str(path)), ""
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        return None, f"cannot be read ({str(exc).splitlines()[0][:80] if str(exc) else type(exc).__name__})"
+
+
+def _build_part(recipe: Recipe, model: Any, tokenizer: Any, stop_ids: list[int], folder: Path, items: list[dict],
+                b: int, layer_ids: tuple[int, ...], pad: int,
+                log: Callable[[str], None] = print) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Part b's token and feature tensors: read from the cache (validated: a damaged file is
+    discarded with a note and rebuilt), or built and cached (atomically)."""
     d = recipe.data
     bs = d.batch_size
     part = items[b * bs: min((b + 1) * bs, d.num_prompts)]
     tfile = folder / f"tokens_{b:05d}.safetensors"
     ffile = folder / feature_name(b, layer_ids, d.topk)
+    cfg = getattr(model.config, "text_config", None) or model.config
+    n_features, vocab = len(layer_ids) * int(cfg.hidden_size), _vocab(model)
     if not (tfile.is_file() and ffile.is_file()):
-        _wait_for_other_builder(folder / f"part_{b:05d}.lock", lambda: tfile.is_file() and ffile.is_file())
-    if tfile.is_file() and ffile.is_file():
-        return load_file(str(tfile)), load_file(str(ffile))
-    if tfile.is_file():
-        toks = load_file(str(tfile))
+        _wait_for_other_builder(folder / f"part_{b:05d}.lock", lambda: tfile.is_file() and ffile.is_file(), log=log)
+    toks = feats = None
+    if os.path.lexists(tfile):
+        toks, why = _load_part(tfile)
+        why = why or check_part(toks, None, part, n_features, d.topk, vocab)
+        if why:
+            log(f"note: the data cache's {tfile} {why}; discarded, rebuilding part {b}")
+            _discard(tfile, folder)
+            _discard(ffile, folder)
+            toks = None
+    if toks is not None and os.path.lexists(ffile):
+        feats, why = _load_part(ffile)
+        why = why or check_part(toks, feats, part, n_features, d.topk, vocab)
+        if why:
+            log(f"note: the data cache's {ffile} {why}; discarded, recomputing its features")
+            _discard(ffile, folder)
+            feats = None
+    if toks is not None and feats is not None:
+        return toks, feats
+    if toks is not None:
         offs = toks["offsets"].tolist()
         s = [toks["tokens"][offs[i]: offs[i + 1]].tolist() for i in range(len(offs) - 1)]
-        feats = teacher_forced_part(model, s, toks["prompt_len"].tolist(), layer_ids, pad, d.topk)
+        packed = teacher_forced_part(model, s, toks["prompt_len"].tolist(), layer_ids, pad, d.topk)
+        feats = {k: packed[k] for k in ("features", "topk_ids", "topk_logp")}
         _save(ffile, feats)
         return toks, feats
     lock = _claim(folder / f"part_{b:05d}.lock")
@@ -321,41 +429,27 @@ def _build_part(recipe: Recipe, model: Any, tokenizer: Any, stop_ids: list[int],
     feats = {k: packed[k] for k in ("features", "topk_ids", "topk_logp")}
     _save(ffile, feats)
     _save(tfile, toks)
-    lock.unlink(missing_ok=True)
+    from dsparkctl.locks import release
+
+    release(lock)
     return toks, feats
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def _wait_for_other_builder(lock: Path, done: Callable[[], bool], log: Callable[[str], None] = print) -> None:
+    """If another live process is building this part, wait for it (bounded, with a message)
+    instead of computing the same part twice; a lock whose owner is gone is stale (locks.py)."""
+    from dsparkctl.locks import wait_for
 
-
-def _lock_owner(lock: Path) -> int | None:
-    try:
-        return int(lock.read_text().strip() or 0) or None
-    except (OSError, ValueError):
-        return None
-
-
-def _wait_for_other_builder(lock: Path, done: Callable[[], bool], poll: float = 2.0) -> None:
-    """If another live process is building this part (its pid in the lock file), wait for it
-    instead of computing the same part twice; a lock whose process is gone is stale."""
-    while lock.exists() and not done():
-        owner = _lock_owner(lock)
-        if owner is None or owner == os.getpid() or not _pid_alive(owner):
-            lock.unlink(missing_ok=True)
-            return
-        time.sleep(poll)
+    wait_for(lock, done, f"data part {lock.name.split('_')[1].split('.')[0]} of {lock.parent}", log=log)
 
 
 def _claim(lock: Path) -> Path:
     """Mark a part as being built by this process (removed when its files are written)."""
-    lock.write_text(str(os.getpid()))
+    from dsparkctl.locks import claim
+
+    if not claim(lock):  # another process claimed it between our check and now: build it anyway, ours wins
+        lock.unlink(missing_ok=True)
+        claim(lock)
     return lock
 
 

@@ -303,7 +303,8 @@ def load_recipe(path: str | Path | None, overrides: Sequence[str] = ()) -> Recip
         p = Path(path)
         source = str(p)
         if not p.is_file():
-            raise InputError(f"recipe {p} does not exist", "pass a TOML file such as recipes/smollm2-135m-dspark.toml")
+            what = "does not exist" if not p.exists() else "is a folder" if p.is_dir() else "is not a regular file"
+            raise InputError(f"recipe {p} {what}", "pass a TOML file such as recipes/smollm2-135m-dspark.toml")
         try:
             raw = tomllib.loads(p.read_text(encoding="utf-8"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -20,11 +21,34 @@ from dsparkctl.provenance import provenance
 from dsparkctl.strict_json import finite
 from dsparkctl.train.data import Sequence, build_dataset
 from dsparkctl.train.recipe import Recipe
-from dsparkctl.train.trainer import StepLog, Trainer, anchor_range, trainable
+from dsparkctl.train.trainer import (StepLog, Trainer, anchor_range, check_run_files, read_checkpoint_tensors,
+                                     read_latest, trainable)
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dsparkctl" / "train"
+    from dsparkctl.fsutil import env_path
+
+    return (env_path("XDG_CACHE_HOME") or Path.home() / ".cache") / "dsparkctl" / "train"  # empty: unset
+
+
+@contextlib.contextmanager
+def run_lock(run_dir: Path) -> Iterator[None]:
+    """Hold `run_dir/run.lock` (rank 0; its owner named by pid, start time, boot and host): a
+    second run of the same recipe is refused at once, in one line, while this one is alive."""
+    from dsparkctl.locks import refuse_if_held, release
+
+    lock = run_dir / "run.lock"
+    if not world().main:
+        yield
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    refuse_if_held(lock, f"the run folder {run_dir}")
+    try:
+        yield
+    finally:
+        release(lock)
+        with contextlib.suppress(OSError):
+            run_dir.rmdir()  # only if the run left nothing in it
 
 
 def run_dir_for(recipe: Recipe, cache_dir: Path | None = None, runs_dir: Path | None = None) -> Path:
@@ -260,8 +284,20 @@ def prepare(recipe: Recipe, model: Any, tokenizer: Any, stop_ids: list[int], cac
 
 
 def check_against_target(recipe: Recipe, model: Any) -> None:
-    """What the recipe asks of the target, checked before any data is built."""
+    """What the recipe asks of the target, checked before any data is built (init_from included:
+    a draft of another target is refused now, not after the data parts were regenerated)."""
     vocab = model.get_input_embeddings().weight.shape[0]
+    if recipe.optim.init_from:
+        from dsparkctl.models.draft_io import read_draft_config, resolve_folder
+        from dsparkctl.models.draft_io import check_compatible
+
+        src = recipe.optim.init_from
+        cfg = read_draft_config(resolve_folder(src), f"optim.init_from {src}")
+        check_compatible(cfg, TargetAdapter(model), f"optim.init_from {src}")
+        if bool(cfg.draft_vocab_size) != bool(recipe.draft.vocab_size):
+            raise InputError(f"optim.init_from {src}: has {'a reduced' if cfg.draft_vocab_size else 'the full'} "
+                             f"vocabulary, the recipe {'a reduced' if recipe.draft.vocab_size else 'the full'} one",
+                             "set draft.vocab_size to match the draft you start from")
     if recipe.draft.vocab_size > vocab:
         raise InputError(f"draft.vocab_size {recipe.draft.vocab_size} exceeds the target's vocabulary ({vocab})",
                          "use a smaller K, or 0 for the full vocabulary")
@@ -284,51 +320,54 @@ def run_training(recipe: Recipe, *, model: Any, tokenizer: Any, stop_ids: list[i
         check_draft_destination(out, overwrite=True)  # fail now, not after the training
         check_embeddings_export(recipe.draft.vocab_size, with_embeddings)
     check_against_target(recipe, model)
-    if (run_dir / "latest.json").is_file() and not resume:
-        raise InputError(f"{run_dir} already holds checkpoints of this recipe",
-                         "pass --resume to continue it, or delete the folder to start over")
-    adapter, train_seqs, held, draft, scale = prepare(recipe, model, tokenizer, stop_ids, cache_dir, log, on_data)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    coverage = vocab_coverage(held, draft.draft_vocab_ids, adapter.vocab_size)
-    trainer = Trainer(recipe, draft, train_seqs, run_dir, feature_scale=scale)
-    start = trainer.load_latest() if resume else 0
-    if start:
-        log(f"resumed {run_dir.name} at step {start}")
+    with run_lock(run_dir):  # two identical runs at once never share one run folder
+        if os.path.lexists(run_dir / "latest.json") and not resume:
+            raise InputError(f"{run_dir} already holds checkpoints of this recipe",
+                             "pass --resume to continue it, or delete the folder to start over")
+        check_run_files(run_dir)  # a FIFO or link where we append or write would block or lead elsewhere
+        if resume:
+            read_latest(run_dir)  # a damaged run folder is refused now, not after the data are built
+        adapter, train_seqs, held, draft, scale = prepare(recipe, model, tokenizer, stop_ids, cache_dir, log, on_data)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        coverage = vocab_coverage(held, draft.draft_vocab_ids, adapter.vocab_size)
+        trainer = Trainer(recipe, draft, train_seqs, run_dir, feature_scale=scale)
+        start = trainer.load_latest() if resume else 0
+        if start:
+            log(f"resumed {run_dir.name} at step {start}")
 
-    def evaluate(step: int) -> None:
-        if recipe.eval.every and step % recipe.eval.every == 0 and world().main:
-            t = time.perf_counter()
-            st = heldout_stats(draft, held, recipe.eval.temperature, scale)
-            row = {"step": step, "temperature": recipe.eval.temperature, **st.to_json(),
-                   "eval_seconds": round(time.perf_counter() - t, 2)}
-            with open(run_dir / "evals.jsonl", "a") as fh:
-                fh.write(json.dumps(finite(row), allow_nan=False) + "\n")
-            if on_eval:
-                on_eval(step, row)
+        def evaluate(step: int) -> None:
+            if recipe.eval.every and step % recipe.eval.every == 0 and world().main:
+                t = time.perf_counter()
+                st = heldout_stats(draft, held, recipe.eval.temperature, scale)
+                row = {"step": step, "temperature": recipe.eval.temperature, **st.to_json(),
+                       "eval_seconds": round(time.perf_counter() - t, 2)}
+                with open(run_dir / "evals.jsonl", "a") as fh:
+                    fh.write(json.dumps(finite(row), allow_nan=False) + "\n")
+                if on_eval:
+                    on_eval(step, row)
 
-    res = trainer.train(on_step=on_step, stop_after=stop_after, on_checkpoint=evaluate, max_seconds=max_seconds)
-    heldout: dict[str, Any] = {"temperature": recipe.eval.temperature}
-    if world().main:  # rank 0 evaluates and exports; the others wait for it
-        stats = heldout_stats(draft, held, recipe.eval.temperature, scale)
-        heldout.update(stats.to_json())
-        extra = {"dsparkctl": provenance(recipe=recipe.to_dict(), recipe_hash=recipe.digest(), steps=res.steps,
-                                         target=recipe.target.model, heldout_tau=stats.tau,
-                                         train_sequences=len(train_seqs), vocab_coverage=coverage,
-                                         world_size=world().size)}
-        export_draft(draft, run_dir / "final", scale, extra)
-        if out is not None:
-            export_draft(draft, out, scale, extra, with_embeddings)
-    barrier()
-    return TrainOutcome(run_dir=run_dir, draft_dir=out or run_dir / "final", steps=res.steps, resumed_from=start,
-                        seconds=res.seconds, last=res.logs[-1] if res.logs else None, heldout=heldout,
-                        train_sequences=len(train_seqs), heldout_sequences=len(held), vocab_coverage=coverage)
+        res = trainer.train(on_step=on_step, stop_after=stop_after, on_checkpoint=evaluate, max_seconds=max_seconds)
+        heldout: dict[str, Any] = {"temperature": recipe.eval.temperature}
+        if world().main:  # rank 0 evaluates and exports; the others wait for it
+            stats = heldout_stats(draft, held, recipe.eval.temperature, scale)
+            heldout.update(stats.to_json())
+            extra = {"dsparkctl": provenance(recipe=recipe.to_dict(), recipe_hash=recipe.digest(), steps=res.steps,
+                                             target=recipe.target.model, heldout_tau=stats.tau,
+                                             train_sequences=len(train_seqs), vocab_coverage=coverage,
+                                             world_size=world().size)}
+            export_draft(draft, run_dir / "final", scale, extra)
+            if out is not None:
+                export_draft(draft, out, scale, extra, with_embeddings)
+        barrier()
+        return TrainOutcome(run_dir=run_dir, draft_dir=out or run_dir / "final", steps=res.steps, resumed_from=start,
+                            seconds=res.seconds, last=res.logs[-1] if res.logs else None, heldout=heldout,
+                            train_sequences=len(train_seqs), heldout_sequences=len(held), vocab_coverage=coverage)
 
 
 def export_checkpoint(recipe: Recipe, step: int, *, model: Any, tokenizer: Any, out: Path, stop_ids: list[int],
                       cache_dir: Path | None = None, runs_dir: Path | None = None,
                       with_embeddings: bool = False) -> Path:
     """Write the kept checkpoint of `step` (see optim.keep_checkpoints) as a DeepSpec draft folder."""
-    from safetensors.torch import load_file
 
     cache_dir = cache_dir or default_cache_dir()
     run_dir = run_dir_for(recipe, cache_dir, runs_dir)
@@ -341,11 +380,10 @@ def export_checkpoint(recipe: Recipe, step: int, *, model: Any, tokenizer: Any, 
         raise InputError(f"no checkpoint for step {step} in {run_dir}",
                          f"kept checkpoints: {', '.join(kept) or 'none'} (list steps in optim.keep_checkpoints)")
     _, _, _, draft, scale = prepare(recipe, model, tokenizer, stop_ids, cache_dir, lambda s: None, None)
-    tensors = load_file(str(path))
+    tensors = read_checkpoint_tensors(path, trainable(draft))
     with torch.no_grad():
-        for n, p in draft.named_parameters():
-            if n in tensors:
-                p.copy_(tensors[n])
+        for n, p in trainable(draft).items():
+            p.copy_(tensors[n])
     extra = {"dsparkctl": provenance(recipe=recipe.to_dict(), recipe_hash=recipe.digest(), steps=step,
                                      target=recipe.target.model, exported_from=str(path))}
     return export_draft(draft, out, scale, extra, with_embeddings)

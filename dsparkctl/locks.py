@@ -1,0 +1,147 @@
+"""Lock files whose owner is known for sure, and waits that end.
+
+A lock names its owner by more than a pid: pid, the process's start time (clock ticks since
+boot, /proc/<pid>/stat), the boot id and the host. After a crash or a reboot the pid may belong
+to an unrelated live process; with the start time and boot id that process is not mistaken for
+the owner, so the lock is stale. A lock of another host (a shared file system) cannot be checked:
+it is waited for, with a message, for a bounded time, and then refused in one line that says
+which process to look for and which file to delete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from dsparkctl.errors import InputError
+
+def _wait_limit() -> float:
+    """`$DSPARKCTL_LOCK_WAIT_S` (seconds, >= 0), else 30 min: at most this long behind one lock."""
+    try:
+        value = float(os.environ.get("DSPARKCTL_LOCK_WAIT_S", "") or 1800)
+    except ValueError:
+        return 1800.0
+    return value if value >= 0 and value == value else 1800.0
+
+
+WAIT_LIMIT_S = _wait_limit()
+
+
+def _start_ticks(pid: int) -> int | None:
+    """The start time of process `pid` (clock ticks since boot), or None (no such process / no /proc)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat[stat.rindex(")") + 2:].split()[19])  # field 22, counted after "(comm)"
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def me() -> dict:
+    """This process as a lock owner."""
+    return {"pid": os.getpid(), "start": _start_ticks(os.getpid()), "boot": _boot_id(), "host": socket.gethostname()}
+
+
+@dataclass(frozen=True)
+class Holder:
+    owner: dict | None  # None: unreadable or of an older format (a bare pid)
+    alive: bool | None  # None: cannot tell (another host)
+
+    def describe(self) -> str:
+        if not self.owner:
+            return "an unknown process"
+        return f"process {self.owner.get('pid')} on {self.owner.get('host')}"
+
+
+def holder(lock: Path) -> Holder:
+    """Who holds `lock`, and whether that process still runs (the same pid, start time and boot)."""
+    from dsparkctl.fsutil import regular_file
+    from dsparkctl.strict_json import loads
+
+    if not regular_file(lock):  # a FIFO would block the read: not a lock of ours, stale
+        return Holder(None, False)
+    try:
+        owner = loads(lock.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return Holder(None, False)
+    if not isinstance(owner, dict) or type(owner.get("pid")) is not int or not isinstance(owner.get("host"), str):
+        return Holder(None, False)  # a bare pid (older versions) or damage: cannot be trusted, stale
+    if owner["host"] != socket.gethostname():
+        return Holder(owner, None)
+    if owner.get("boot") != _boot_id():
+        return Holder(owner, False)  # written before a reboot
+    start = _start_ticks(owner["pid"])
+    return Holder(owner, start is not None and start == owner.get("start"))
+
+
+def claim(lock: Path) -> bool:
+    """Create `lock` naming this process, only if it does not exist (O_EXCL); False when it does."""
+    try:
+        fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as fh:
+        json.dump(me(), fh)
+    return True
+
+
+def release(lock: Path) -> None:
+    """Remove `lock` if it is still ours."""
+    h = holder(lock)
+    if h.owner and h.owner.get("pid") == os.getpid() and h.owner.get("host") == socket.gethostname():
+        with contextlib.suppress(FileNotFoundError):
+            lock.unlink()
+
+
+def wait_for(lock: Path, done: Callable[[], bool], what: str, log: Callable[[str], None] = print,
+             poll: float = 2.0, limit_s: float | None = None) -> None:
+    """Return once `done()` or `lock` is gone or stale (a stale lock is removed, with a note). A
+    live holder is waited for with a message, for at most `limit_s` (WAIT_LIMIT_S), then refused."""
+    limit = WAIT_LIMIT_S if limit_s is None else limit_s
+    t0 = time.monotonic()
+    said = False
+    while os.path.lexists(lock) and not done():
+        h = holder(lock)
+        if h.owner and h.owner.get("pid") == os.getpid() and h.owner.get("host") == socket.gethostname():
+            lock.unlink(missing_ok=True)  # our own, left by an earlier attempt in this process
+            return
+        if h.alive is False:
+            log(f"note: removed the stale lock {lock} ({h.describe()} no longer runs)")
+            lock.unlink(missing_ok=True)
+            return
+        waited = time.monotonic() - t0
+        if waited >= limit:
+            raise InputError(f"{what} has been locked by {h.describe()} for {waited / 60:.0f} min ({lock})",
+                             f"if that process no longer runs, delete {lock}")
+        if not said:
+            log(f"waiting for {h.describe()}, which is building {what} (lock {lock}; at most "
+                f"{limit / 60:.0f} min)")
+            said = True
+        time.sleep(poll)
+
+
+def refuse_if_held(lock: Path, what: str) -> None:
+    """Claim `lock` for `what` (e.g. a run folder) or refuse at once, in one line, when a live
+    process holds it; a stale lock is taken over."""
+    for _ in range(2):
+        if claim(lock):
+            return
+        h = holder(lock)
+        if h.alive is False or (h.owner and h.owner.get("pid") == os.getpid()):
+            lock.unlink(missing_ok=True)
+            continue
+        raise InputError(f"{what} is in use by {h.describe()} ({lock})",
+                         f"wait for it to finish; if it no longer runs, delete {lock}")
+    raise InputError(f"{what}: cannot take the lock {lock}", f"delete {lock} if no dsparkctl process uses it")

@@ -1,0 +1,45 @@
+"""Numbers in option lists are bounded where they are parsed (issue 20, class 4): a typo such as
+--requests 1,99999999999 is one usage line, exit 2, before any model loads."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from dsparkctl.cli import common
+from dsparkctl.cli.common import INT_LIST_MAX, check_batch_tokens, int_list
+from dsparkctl.cli.main import app
+from dsparkctl.errors import UsageError
+
+
+@pytest.mark.parametrize("text,result", [
+    ("1,2,4", [1, 2, 4]), (f"1,{INT_LIST_MAX}", [1, INT_LIST_MAX]),
+    ("1,99999999999", "--requests 99999999999 is larger than 65536"), ("0,1", "must be positive"),
+    ("1,x", "comma-separated integers"), ("", "must be positive"), ("-3", "must be positive"),
+])
+def test_int_list(text, result):
+    if isinstance(result, list):
+        assert int_list(text, "--requests") == result
+    else:
+        with pytest.raises(UsageError, match=result):
+            int_list(text, "--requests")
+
+
+def test_check_batch_tokens():
+    check_batch_tokens([1, 64], [1, 6], 256)
+    with pytest.raises(UsageError, match="token positions in one batch"):
+        check_batch_tokens([1, 65536], [1, 6], 256)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["profile-sps", "--requests", "1,99999999999"], "error: --requests 99999999999 is larger than 65536"),
+    (["sweep-scheduler", "--trace", "t", "--sps-table", "s", "--concurrency", "1,1e12"], "comma-separated integers"),
+    (["sweep-scheduler", "--trace", "t", "--sps-table", "s", "--concurrency", "1,99999999999"],
+     "error: --concurrency 99999999999 is larger than 65536")])
+def test_through_the_cli(tmp_path, monkeypatch, argv, message):
+    monkeypatch.setattr(common.err, "soft_wrap", True)
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(app, argv)
+    assert r.exit_code == 2 and r.output.startswith("error:") and len(r.output.strip().splitlines()) == 1, r.output
+    assert message in r.output
+    assert list(tmp_path.iterdir()) == []

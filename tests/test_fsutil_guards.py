@@ -1,0 +1,315 @@
+"""Nothing of a user's is replaced (issue 20, class 1 and 5): `fsutil.replace_refusal` is the one
+rule ("a new path, or a regular file we wrote"), applied by `check_outputs` to every file output,
+by `save_figure`, and by the kernel-choice cache; `fsutil.staged` makes a command's outputs appear
+together or not at all. Each case asserts exit code, message and the files left."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from dsparkctl.cli import common
+from dsparkctl.cli.main import app
+from dsparkctl.fsutil import os_error_words, replace_refusal, staged, write_json, written_by_us
+from dsparkctl.math.synthetic import SyntheticModel
+from dsparkctl.trace import write_synthetic_trace
+from tests.helpers import snapshot
+
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def _one_line(monkeypatch):
+    monkeypatch.setattr(common.err, "soft_wrap", True)
+
+
+def _make(path: Path, kind: str, tmp: Path) -> None:
+    if kind == "user json":
+        path.write_text('{"my": "settings"}\n')
+    elif kind == "user json with a format":
+        path.write_text('{"format": "something-else/1"}\n')
+    elif kind == "user png":
+        path.write_bytes(b"\x89PNG\r\n\x1a\n my holiday photo")
+    elif kind == "user text":
+        path.write_text("notes\n")
+    elif kind == "symlink to ours":
+        (tmp / "ours.json").write_text(json.dumps({"format": "dsparkctl-calibration/1"}))
+        path.symlink_to(tmp / "ours.json")
+    elif kind == "dangling symlink":
+        path.symlink_to(tmp / "nowhere")
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "ours json":
+        write_json(path, {"format": "dsparkctl-calibration/1", "x": 1})
+    elif kind == "ours provenance":
+        write_json(path, {"provenance": {"tool": "dsparkctl"}})
+    elif kind == "sglang sts":
+        write_json(path, {"temperatures": [1.0], "dataset": "t", "num_samples": 1, "ece_before": [0.0],
+                          "ece_after": [0.0]})
+
+
+@pytest.mark.parametrize("kind,refusal", [
+    ("user json", "exists and was not written by dsparkctl"),
+    ("user json with a format", "exists and was not written by dsparkctl"),
+    ("user png", "exists and was not written by dsparkctl"),
+    ("user text", "exists and was not written by dsparkctl"),
+    ("symlink to ours", "is a symbolic link"),
+    ("dangling symlink", "is a symbolic link"),
+    ("fifo", "is not a regular file (a FIFO, socket or device)"),
+    ("ours json", None),
+    ("ours provenance", None),
+    ("sglang sts", None),
+    ("nothing", None),
+])
+def test_replace_refusal(tmp_path, kind, refusal):
+    p = tmp_path / "x.json"
+    _make(p, kind, tmp_path)
+    assert replace_refusal(p) == refusal
+
+
+def test_a_device_is_never_ours():
+    assert replace_refusal("/dev/null") == "is not a regular file (a FIFO, socket or device)"
+    assert not written_by_us("/dev/zero")
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("trace")
+    write_synthetic_trace(d / "t.jsonl", SyntheticModel(), 40, 10, seed=1)
+    return d / "t.jsonl"
+
+
+@pytest.mark.parametrize("kind,where,code,message", [
+    ("user json", "out", 2, "--out {p} exists and was not written by dsparkctl; refusing to replace it"),
+    ("symlink to ours", "out", 2, "--out {p} is a symbolic link; refusing to replace it"),
+    ("fifo", "out", 2, "--out {p} is not a regular file"),
+    ("user json", "sglang", 2, "--sglang-out {p} exists and was not written by dsparkctl"),
+    ("user png", "png", 2, "{p} exists and was not written by dsparkctl; refusing to replace it"),
+    ("ours json", "out", 0, None),
+])
+def test_calibrate_replaces_only_what_it_wrote(tmp_path, trace, kind, where, code, message):
+    out = tmp_path / "calib.json"
+    plots = tmp_path / "calib_reliability"
+    plots.mkdir()
+    p = {"out": out, "sglang": tmp_path / "calib.sglang-sts.json", "png": plots / "reliability_pos2.png"}[where]
+    _make(p, kind, tmp_path)
+    before = snapshot(tmp_path)
+    r = runner.invoke(app, ["calibrate", str(trace), "--out", str(out)])
+    assert r.exit_code == code, r.output
+    if code:
+        assert message.format(p=p) in r.output and len(r.output.strip().splitlines()) == 1
+        assert snapshot(tmp_path) == before  # nothing left, created or changed: not one PNG
+    else:
+        assert json.loads(out.read_text())["format"] == "dsparkctl-calibration/1"
+        r = runner.invoke(app, ["calibrate", str(trace), "--out", str(out)])  # our own outputs: replaced again
+        assert r.exit_code == 0, r.output
+
+
+def test_calibrate_on_a_full_disk_leaves_no_output(tmp_path, trace, monkeypatch):
+    import dsparkctl.plots as plots
+
+    real, calls = plots.save_figure, []
+
+    def full_after_two(fig, path, **kw):
+        calls.append(path)
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        real(fig, path, **kw)
+    monkeypatch.setattr(plots, "save_figure", full_after_two)
+    r = runner.invoke(app, ["calibrate", str(trace), "--out", str(tmp_path / "calib.json")])
+    assert r.exit_code == 2 and r.output.startswith("error: the disk is full") and "fix:" in r.output, r.output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_staged_outputs_appear_together_or_not_at_all(tmp_path):
+    with pytest.raises(RuntimeError):
+        with staged() as stage:
+            write_json(stage(tmp_path / "a.json"), {})
+            write_json(stage(tmp_path / "new" / "b.json"), {})
+            raise RuntimeError
+    assert list(tmp_path.iterdir()) == []
+    with staged() as stage:
+        write_json(stage(tmp_path / "a.json"), {})
+        write_json(stage(tmp_path / "new" / "b.json"), {})
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == ["a.json", "new", "new/b.json"]
+
+
+@pytest.mark.parametrize("exc,words", [
+    (OSError(errno.ENOSPC, "No space left on device", "/x"), "the disk is full (/x)"),
+    (OSError(errno.EROFS, "Read-only file system"), "the file system is read-only"),
+    (RuntimeError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "
+                  "\"No space left on device\" })"), "the disk is full"),
+    (ValueError("not an OS error"), None),
+])
+def test_os_error_words(exc, words):
+    got = os_error_words(exc)
+    assert (got[0] if got else None) == words
+
+
+@pytest.mark.parametrize("setup,code,message,left", [
+    ("existing folder with a config", 2, "already exists", ["config.json"]),
+    ("a file", 2, "already exists", None),
+    ("empty folder", 0, None, None),
+    ("new", 0, None, None),
+])
+def test_dev_fixture_never_writes_over_a_folder_of_the_users(tmp_path, setup, code, message, left):
+    out = tmp_path / "fx"
+    if setup == "existing folder with a config":
+        out.mkdir()
+        (out / "config.json").write_text('{"mine": 1}')
+    elif setup == "a file":
+        out.write_text("x")
+    elif setup == "empty folder":
+        out.mkdir()
+    before = snapshot(tmp_path)
+    r = runner.invoke(app, ["dev-fixture", str(out)])
+    assert r.exit_code == code, r.output
+    if code:
+        assert message in r.output and snapshot(tmp_path) == before
+        if left:
+            assert sorted(p.name for p in out.iterdir()) == left and (out / "config.json").read_text() == '{"mine": 1}'
+    else:
+        assert (out / "config.json").is_file()
+
+
+@pytest.mark.parametrize("dest", ["{src}/sub", "{src}/model.safetensors.d", "{src}"])
+def test_extract_never_writes_inside_its_input(tmp_path, dest):
+    src = tmp_path / "fx"
+    assert runner.invoke(app, ["dev-fixture", str(src), "--layout", "deepspec-dspark"]).exit_code == 0
+    before = snapshot(tmp_path)
+    r = runner.invoke(app, ["extract", str(src), dest.format(src=src)])
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1, r.output
+    assert "inside the input folder" in r.output or "already exists" in r.output
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("kind,written", [
+    ("user json", False), ("user json with a format", False), ("symlink to ours", False), ("dangling symlink", False),
+    ("fifo", False), ("user text", False), ("nothing", True), ("ours kernel cache", True)])
+def test_the_kernel_choice_cache_writes_only_its_own_file(tmp_path, monkeypatch, kind, written):
+    from dsparkctl.models.cpu_kernels import remember_choice
+    from tests.tiny_models import tiny_target
+
+    path = tmp_path / "k.json"
+    if kind == "ours kernel cache":
+        path.write_text('{"format": "dsparkctl-cpu-kernels/1", "choices": {}}')
+    else:
+        _make(path, kind, tmp_path)
+    monkeypatch.setenv("DSPARKCTL_CPU_KERNELS_CACHE", str(path))
+    before = snapshot(tmp_path)
+    logs: list[str] = []
+    remember_choice(tiny_target("llama"), 2, {}, logs.append)
+    if written:
+        assert json.loads(path.read_text())["format"] == "dsparkctl-cpu-kernels/1" and logs == []
+    else:
+        assert snapshot(tmp_path) == before and len(logs) == 1 and "left as it is" in logs[0]
+
+
+def test_the_kernel_choice_cache_never_touches_a_device(monkeypatch):
+    from dsparkctl.models.cpu_kernels import remember_choice
+    from tests.tiny_models import tiny_target
+
+    monkeypatch.setenv("DSPARKCTL_CPU_KERNELS_CACHE", "/dev/null")
+    st = os.stat("/dev/null")
+    logs: list[str] = []
+    remember_choice(tiny_target("llama"), 2, {}, logs.append)
+    assert "is not a regular file" in logs[0] and os.stat("/dev/null").st_rdev == st.st_rdev
+    assert not [p for p in os.listdir("/dev") if p.startswith(".null.")]
+
+
+@pytest.mark.parametrize("exc,code,line", [
+    (RuntimeError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on '
+                  'device" })'), 2, "error: the disk is full (fix: free some space"),
+    (OSError(errno.EROFS, "Read-only file system", "/x/y"), 2, "error: the file system is read-only (/x/y) (fix:"),
+    (OSError(errno.ENOSPC, "No space left on device"), 2, "error: the disk is full (fix:"),
+    (OSError(errno.EIO, "Input/output error"), 1, "error: OSError: [Errno 5] Input/output error"),
+])
+def test_environment_errors_are_one_line_exit_2(monkeypatch, exc, code, line):
+    import typer
+
+    from dsparkctl.cli.common import guarded
+
+    @guarded
+    def cmd() -> None:
+        raise exc
+    app_ = typer.Typer()
+    app_.command()(cmd)
+    r = runner.invoke(app_, [])
+    assert r.exit_code == code and r.output.startswith(line) and r.output.count("\n") == 1, r.output
+
+
+def test_an_unwritable_dsparkctl_cache_is_said_before_the_conversion(tmp_path, monkeypatch):
+    from dsparkctl.errors import InputError
+    from dsparkctl.models import embedded
+
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setenv("DSPARKCTL_CACHE", str(tmp_path / "file" / "cache"))
+    monkeypatch.setattr(embedded, "gguf_path", lambda: tmp_path / "model.gguf")
+    with pytest.raises(InputError, match=f"cannot be converted into {tmp_path}/file/cache/.*is not a folder"):
+        embedded.embedded_target_dir(log=lambda m: pytest.fail("started converting"))
+
+
+@pytest.mark.parametrize("setup,refused", [("user files", True), ("empty", False), ("previous download", False)])
+def test_download_never_writes_into_a_folder_of_the_users(tmp_path, monkeypatch, setup, refused):
+    from dsparkctl.checkpoint import hub
+
+    d = tmp_path / "dl"
+    d.mkdir()
+    if setup == "user files":
+        (d / "config.json").write_text('{"mine": 1}')
+    elif setup == "previous download":
+        (d / ".cache" / "huggingface").mkdir(parents=True)
+        (d / "config.json").write_text("{}")
+    from dsparkctl.errors import InputError
+
+    def reached(*a, **k):
+        raise InputError("reached the download")
+    monkeypatch.setattr(hub, "download", reached)
+    before = snapshot(tmp_path)
+    r = runner.invoke(app, ["download", "org/name", "--local-dir", str(d)])
+    if refused:
+        assert r.exit_code == 2 and "holds files that no download wrote" in r.output and snapshot(tmp_path) == before
+    else:
+        assert "reached the download" in r.output, r.output
+
+
+@pytest.mark.parametrize("writes,line", [(False, "interrupted; nothing was written"),
+                                          (True, "interrupted; 1 file(s) were complete before it, e.g. ")])
+def test_an_interruption_never_says_nothing_was_written_beside_a_written_output(tmp_path, monkeypatch, writes, line):
+    import typer
+
+    from dsparkctl import fsutil
+    from dsparkctl.cli.common import guarded
+
+    monkeypatch.setattr(fsutil, "WRITTEN", [])
+
+    @guarded
+    def cmd() -> None:
+        if writes:
+            write_json(tmp_path / "out.json", {})
+        raise KeyboardInterrupt
+    app_ = typer.Typer()
+    app_.command()(cmd)
+    r = runner.invoke(app_, [])
+    assert r.exit_code == 130 and r.output.startswith(line), r.output
+    if writes:
+        assert str(tmp_path / "out.json") in r.output
+
+
+def test_an_opaque_writer_failure_on_a_full_disk_is_said_as_a_full_disk(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from dsparkctl.fsutil import full_disk_error
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(100, 100, 0))
+    e = full_disk_error(RuntimeError("unexpected pos 704 vs 598"), tmp_path)
+    assert e.errno == errno.ENOSPC and os_error_words(e)[0] == f"the disk is full ({tmp_path})"
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(1 << 40, 0, 1 << 40))
+    assert full_disk_error(RuntimeError("x"), tmp_path) is None

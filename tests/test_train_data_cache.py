@@ -1,0 +1,100 @@
+"""The training data cache is untrusted input (issue 20, class 3): prompts.json and every part
+are validated when read back (`data.read_items`, `data.check_part`); a damaged file is discarded
+with a note and rebuilt, giving the same sequences; something that is not a regular file there is
+refused in one line naming it."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dsparkctl.errors import InputError
+from dsparkctl.train.data import build_dataset, data_dir
+from dsparkctl.train.recipe import load_recipe
+from tests.tiny_models import save_tiny_target
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d = tmp_path_factory.mktemp("data")
+    target = save_tiny_target(d / "target", "llama")
+    prompts = d / "p.txt"
+    prompts.write_text("\n".join(f"w{i} w{i + 1} w{i + 2}" for i in range(3, 30, 3)) + "\n")
+    model = AutoModelForCausalLM.from_pretrained(target).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    tok = AutoTokenizer.from_pretrained(target)
+    rec = load_recipe(None, [f'target.model="{target}"', f'data.dataset="{prompts}"', "num_prompts=6",
+                             "max_new_tokens=6", "data.batch_size=4", "layer_ids=[0, 2]", "data.topk=4",
+                             "data.temperature=0.0", "eval.holdout=1"])
+    return model, tok, rec
+
+
+def _seqs(setup, cache, logs=None):
+    model, tok, rec = setup
+    return build_dataset(rec, model, tok, [1], cache, log=(logs.append if logs is not None else lambda m: None))
+
+
+def _edit(path, fn):
+    t = load_file(str(path))
+    fn(t)
+    save_file(t, str(path))
+
+
+def _feats(folder):
+    (f,) = sorted(folder.glob("feats_00000.*"))
+    return f
+
+
+CASES = [
+    ("prompts.json truncated", lambda f: (f / "prompts.json").write_text('[{"prompt": [1, 2'), "prompts.json"),
+    ("prompts.json an object", lambda f: (f / "prompts.json").write_text('{"data": 5}'), "prompts.json"),
+    ("prompts.json ids out of range", lambda f: (f / "prompts.json").write_text('[{"prompt": [99999]}]'),
+     "prompts.json"),
+    ("prompts.json floats", lambda f: (f / "prompts.json").write_text('[{"prompt": [1.5]}]'), "prompts.json"),
+    ("feature part truncated", lambda f: _feats(f).write_bytes(_feats(f).read_bytes()[:300]), "feats_00000"),
+    ("feature part wrong shape", lambda f: _edit(_feats(f), lambda t: t.update(features=t["features"][:-1])),
+     "feats_00000"),
+    ("feature part NaN", lambda f: _edit(_feats(f), lambda t: t["features"].fill_(float("nan"))), "feats_00000"),
+    ("top-k ids out of range", lambda f: _edit(_feats(f), lambda t: t["topk_ids"].fill_(10 ** 6)), "feats_00000"),
+    ("token part truncated", lambda f: (f / "tokens_00000.safetensors").write_bytes(
+        (f / "tokens_00000.safetensors").read_bytes()[:100]), "tokens_00000"),
+    ("token part other prompts", lambda f: _edit(f / "tokens_00000.safetensors",
+                                                 lambda t: t["tokens"].copy_(t["tokens"].flip(0))), "tokens_00000"),
+    ("token ids out of range", lambda f: _edit(f / "tokens_00000.safetensors",
+                                               lambda t: t["tokens"].fill_(-3)), "tokens_00000"),
+]
+
+
+@pytest.mark.parametrize("case,damage,file", CASES, ids=[c[0] for c in CASES])
+def test_a_damaged_cache_file_is_rebuilt_with_a_note(setup, tmp_path, case, damage, file):
+    first = _seqs(setup, tmp_path)
+    folder = data_dir(setup[2], tmp_path)
+    names = sorted(p.name for p in folder.iterdir())
+    damage(folder)
+    logs: list[str] = []
+    again = _seqs(setup, tmp_path, logs)
+    assert len(again) == len(first)
+    for a, b in zip(first, again):
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.topk_ids, b.topk_ids)
+        torch.testing.assert_close(a.features, b.features)
+    assert len(logs) == 1 and logs[0].startswith("note: the data cache's") and file in logs[0], logs
+    assert sorted(p.name for p in folder.iterdir()) == names
+    assert _seqs(setup, tmp_path, logs) and len(logs) == 1  # valid again: no further note
+
+
+@pytest.mark.parametrize("kind", ["folder", "fifo"])
+def test_something_else_in_the_cache_is_refused_naming_it(setup, tmp_path, kind):
+    _seqs(setup, tmp_path)
+    f = _feats(data_dir(setup[2], tmp_path))
+    f.unlink()
+    f.mkdir() if kind == "folder" else os.mkfifo(f)
+    with pytest.raises(InputError) as e:
+        _seqs(setup, tmp_path)
+    assert str(f) in e.value.one_line() and "is not a regular file" in e.value.one_line()
