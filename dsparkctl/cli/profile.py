@@ -12,7 +12,7 @@ import typer
 from rich.table import Table
 
 from dsparkctl.cli.checks import Output, check_outputs, local_inputs
-from dsparkctl.cli.common import (CpuKernels, CpuKernelsOpt, DeviceOpt, DraftOpt, DType, DTypeOpt, Device, JsonOpt, RevisionOpt, SeedOpt,
+from dsparkctl.cli.common import (check_batch_tokens, CpuKernels, CpuKernelsOpt, DeviceOpt, DraftOpt, DType, DTypeOpt, Device, JsonOpt, RevisionOpt, SeedOpt,
                                   TargetOpt, err, guarded, int_list, out, print_json, progress_bar, styled)
 from dsparkctl.errors import UsageError
 from dsparkctl.provenance import provenance
@@ -84,6 +84,7 @@ def profile_sps_cmd(
         toks = [1, 2, 3, 4, 6, 8]
     if toks is not None:
         check_grid(reqs, toks)  # before any model loads
+    check_batch_tokens(reqs, toks or [8], context_len)
     log = lambda m: err.print(styled((m, "dim")))  # noqa: E731
     if measure == Measure.whole_step:
         sess = open_session(target, draft, device.value, dtype.value, revision, seed=seed, log=log,
