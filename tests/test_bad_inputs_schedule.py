@@ -264,7 +264,7 @@ def test_generate_trace_capped_by_the_budget_is_swept(tmp_path: Path):
     draft = write_deepspec_draft(tmp_path / "draft", vocab=64, hidden=32, taps=(0, 1), rank=8, block_size=4)
     trace = tmp_path / "t.jsonl"
     res = runner.invoke(app, ["generate", "--target", str(target), "--draft", str(draft), "--no-chat",
-                              "--max-new-tokens", "12", "--json", "--trace", str(trace),
+                              "--max-new-tokens", "12", "--json", "--policy", "static:4", "--trace", str(trace),
                               *[f"w{i} w{i + 1}" for i in range(3, 11)]])
     assert res.exit_code == 0, res.output
     rows = [json.loads(line) for line in trace.read_text().splitlines()[1:]]

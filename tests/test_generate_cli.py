@@ -31,7 +31,8 @@ def test_generate_json_trace_and_baseline(models, tmp_path):
     root, target, draft = models
     trace = tmp_path / "t.jsonl"
     res = run("generate", "--target", target, "--draft", draft, "--no-chat", "--max-new-tokens", 12,
-              "--batch-size", 2, "--json", "--baseline", "--trace", trace, "w1 w2 w3", "w4 w5", "w6")
+              "--batch-size", 2, "--json", "--baseline", "--policy", "static:4", "--trace", trace,
+              "w1 w2 w3", "w4 w5", "w6")
     assert res.exit_code == 0, res.output
     rep = json.loads(res.stdout)
     assert rep["block_size"] == 4 and rep["policy"] == "static:4" and rep["draft_kind"] == "dspark"
@@ -127,15 +128,15 @@ def _bad(tmp_path, models, kind):
         return [*base, "--top-p", "1.5", "w1"], "top_p"
     if kind == "zero max tokens":
         return [*base[:-1], "0", "w1"], "max-new-tokens"
-    if kind == "dspark without sps":
-        return [*base, "--policy", "dspark", "w1"], "SPS table"
+    if kind == "dspark with a missing table":
+        return [*base, "--policy", "dspark", "--sps-table", "/nonexistent/sps.json", "w1"], "does not exist"
     raise AssertionError(kind)
 
 
 BAD = ["unknown target", "unknown draft", "hidden mismatch", "vocab mismatch", "wrong tensor shape",
        "unexpected tensor", "tap beyond target", "static beyond block", "unknown policy",
        "empty prompt file", "empty jsonl row", "missing field", "negative temperature",
-       "top-p out of range", "zero max tokens", "dspark without sps"]
+       "top-p out of range", "zero max tokens", "dspark with a missing table"]
 
 
 @pytest.mark.parametrize("kind", BAD)
@@ -168,7 +169,7 @@ def test_profile_sps_then_scheduled_generation_then_calibration(models, tmp_path
 
     trace = tmp_path / "full.jsonl"
     res = run("generate", "--target", target, "--draft", draft, "--no-chat", "--max-new-tokens", 16,
-              "--json", "--trace", trace, *[f"w{i} w{i + 1}" for i in range(3, 15)])
+              "--json", "--policy", "static:4", "--trace", trace, *[f"w{i} w{i + 1}" for i in range(3, 15)])
     assert res.exit_code == 0, res.output
     calib = tmp_path / "calib.json"
     res = run("calibrate", trace, "--out", calib, "--holdout", 0.25, "--bins", 5)
