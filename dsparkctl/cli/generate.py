@@ -115,7 +115,10 @@ def generate(
     if machine_table:  # this machine's table, profiled once per machine and pair (engine/sps_cache.py)
         from dsparkctl.engine.sps_cache import machine_sps_table
 
-        table = machine_sps_table(sess, lambda m: err.print(styled((m, "dim"))))
+        from dsparkctl.distributed import all_gather, world
+
+        table = machine_sps_table(sess, lambda m: err.print(styled((m, "dim")))) if world().main else None
+        table = all_gather(table)[0]  # under torchrun every rank plans with rank 0's table
         pol = load_policy(policy, sess.draft.block_size, None, calibration, sps=table)
     for n in cal_notes + policy_notes(pol, sess):
         sess.notes.append(n)

@@ -28,9 +28,9 @@ SPS table knows the plain step's cost (`SPSTable.has_plain`) and their estimate 
 brings says that no number of verified drafts beats a plain step at this load:
 `max_m τ*(m)/t_draft(R, R+m) ≤ R/t_plain(R)`, with every request taken at the estimated survival
 profile. The estimate is a moving average of the mean survival profile of drafted steps at least
-`lag` steps old (1 for dspark, 2 for dspark-async), started from the calibration's held-out
-survival rates when there is one (`prior`); it carries over from one batch to the next. While
-skipping they draft again after 1, 2, 4, ... (at most `MAX_PROBE_GAP`) skipped steps: a probe that
+`lag` steps old (1 for dspark, 2 for dspark-async), started at each batch from the calibration's
+held-out survival rates when there is one (`prior`). While skipping they draft again after 1, 2,
+4, ... (at most `MAX_PROBE_GAP`; from the prior: PRIOR_GAP, 2·PRIOR_GAP, ...) skipped steps: a probe that
 refreshes the estimate and verifies what Algorithm 1 admits on its current survivals. (Gating on
 the last drafted step's own per-request survivals instead lost to plain decoding at 4 requests in
 replay: it drafted where survivals had been high, and they regress to the mean.) `Policy.run_steps`
@@ -139,6 +139,7 @@ def argmax_count(theta: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------ policies
 MAX_PROBE_GAP = 256  # skipped steps between two probes, at most (the gap doubles from 1)
+PRIOR_GAP = 16  # skipped steps before the first probe when the skip decision comes from the prior
 EMA_WEIGHT = 0.2  # weight of the newest drafted step in the gate's moving average survival profile
 
 
@@ -324,21 +325,13 @@ class _Gated(Policy):
     lag = 1  # the estimate comes from a drafted step at least this many steps old
 
     def new_state(self) -> PolicyState:
+        """A batch starts from the prior (the calibration's survival profile) when there is one,
+        with the first probe PRIOR_GAP skipped steps away (the prior is a measured profile, not a
+        guess); every batch starts alike, so a run split across processes decides as one process."""
         state = PolicyState()
         if self.prior is not None:
-            state.profile = self.prior.clone()
+            state.profile, state.gap = self.prior.clone(), PRIOR_GAP
         return state
-
-    def reset(self) -> None:
-        """A new batch of requests: per-request memory starts over; what the gate learned about the
-        draft (its survival profile, the probe gap) carries over, as an engine serving one request
-        after another keeps it. Decided before any draft of the new batch exists, so still lossless."""
-        old = self.state
-        self.state = self.new_state()
-        if old is not None:
-            self._fold(old, everything=True)
-            if old.profile is not None:
-                self.state.profile, self.state.gap = old.profile, old.gap
 
     @property
     def can_skip(self) -> bool:
