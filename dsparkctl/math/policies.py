@@ -139,7 +139,7 @@ def argmax_count(theta: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------ policies
 MAX_PROBE_GAP = 256  # skipped steps between two probes, at most (the gap doubles from 1)
-PRIOR_GAP = 16  # skipped steps before the first probe when the skip decision comes from the prior
+PRIOR_GAP = 64  # skipped steps before the first probe when the skip decision comes from the prior
 EMA_WEIGHT = 0.2  # weight of the newest drafted step in the gate's moving average survival profile
 
 
