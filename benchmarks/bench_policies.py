@@ -164,7 +164,7 @@ def main() -> None:
         for c in here:
             c["measured_rank"] = meas.index(c) + 1
             c["predicted_rank"] = predr.index(c) + 1
-    doc = {"dataset": args.dataset, "max_new_tokens": N, "sps_table": args.sps_table, "calibration": cal,
+    doc = {"dataset": args.dataset, "max_new_tokens": N, "sps_table": args.sps_table, "calibration": str(cal) if cal else None,
            "temperatures": temps, "threads": torch.get_num_threads(), "cpu_kernels": sess.cpu_kernels,
            "replay_pool_rounds": len(pool_acc), "cells": cells, "seconds": time.time() - t_start}
     write_json(args.out, doc)
