@@ -210,3 +210,17 @@ def test_the_draft_fingerprint_does_not_depend_on_the_kernels():
     if packing_supported(tgt.model):
         pack_linears(d, keep_weight=True)
         assert d.fingerprint() == fp
+
+
+def test_a_fifo_at_the_machine_table_path_is_left_alone(pair, tmp_path, monkeypatch):
+    import os
+
+    target, draft, _ = pair
+    monkeypatch.setenv("DSPARKCTL_SPS_CACHE", str(tmp_path / "sps"))
+    assert _gen(target, draft, "--policy", "dspark").exit_code == 0
+    (path,) = (tmp_path / "sps").glob("*.json")
+    path.unlink()
+    os.mkfifo(path)
+    res = _gen(target, draft, "--policy", "dspark")
+    assert res.exit_code == 0 and "used for this run only" in res.stderr, res.output
+    assert path.is_fifo()

@@ -84,7 +84,9 @@ def machine_sps_table(sess, log: Callable[[str], None] = print) -> SPSTable:
                               for p in points])
     table, _ = fit_table(points, meta)
     table.source = str(path)
-    if (why := cannot_create(path)) is not None:
+    from dsparkctl.fsutil import replace_refusal
+
+    if (why := cannot_create(path) or replace_refusal(path, ours=lambda p: True)) is not None:  # a damaged entry of this cache is ours; a link, FIFO or folder is not
         log(f"note: the SPS cache {path} cannot be written ({why}); the table is used for this run only")
         return table
     try:
