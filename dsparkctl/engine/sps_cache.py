@@ -3,7 +3,7 @@
 A confidence-scheduled policy needs the engine's step costs (drafted steps on a grid of
 requests × tokens, and the plain step). When `generate` runs such a policy without
 `--sps-table`, the table is profiled here with a small grid (1, 2, 4 and 8 requests, 1..γ+1
-tokens each, 3 repeats after a warm-up; about 15 s for the embedded pair on one CPU core) and
+tokens each, 3 repeats after a warm-up) and
 kept under `$DSPARKCTL_CACHE/sps/<key>.json` (`$DSPARKCTL_SPS_CACHE` names the folder itself). The key covers what step times depend on: the
 machine and torch's threads, the kernels, device and dtype, the target's and the draft's weights,
 the grid and the context length, and a rule version. A damaged or unreadable cache file is
