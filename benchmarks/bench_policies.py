@@ -18,9 +18,14 @@ scheduler controls; whole-run tokens/s is reported too), its median over groups,
 the per-group ratios to plain with a 95% bootstrap interval over groups, the mean verified
 length ℓ (skipped steps count as 0), the share of steps that ran the draft, the draft's share of
 step time, and greedy identity with plain decoding. The static:γ runs' rounds (full
-verification) are pooled over all batch sizes into a replay pool, and `dsparkctl.sweep.replay`
-predicts each cell's tokens/s from that pool and the same SPS table: the error of the prediction
-is reported beside the measurement.
+verification) are pooled over all batch sizes into a replay pool, and `sweep-scheduler`'s
+batch replay (`dsparkctl.sweep.replay_batches`: batches of B requests of --max-new-tokens each,
+run to the end, as this benchmark runs them) predicts each cell's decode tokens/s from that pool
+and the same SPS table: the error of the prediction is reported beside the measurement, with
+the predicted and measured rank of every policy at each batch size.
+
+The results file is rewritten after every batch size (a crash loses at most one), and it keeps
+the replay pool, so `--predict-only` recomputes the predictions from it without decoding again.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_policies.py --sps-table T.json \
         --out benchmarks/results/policies.json --plot benchmarks/results/policies.png
@@ -44,7 +49,8 @@ from dsparkctl.fsutil import cannot_create, write_json
 from dsparkctl.math.policies import parse_policy
 from dsparkctl.math.sampling import SamplingParams
 from dsparkctl.sps_io import load_sps_table
-from dsparkctl.sweep import replay
+from dsparkctl.strict_json import loads
+from dsparkctl.sweep import replay_batches
 
 
 def bootstrap(xs: list[float], n: int = 2000, seed: int = 0) -> tuple[float, float]:
@@ -68,10 +74,20 @@ def main() -> None:
     ap.add_argument("--static", default=None, help="static:k lengths (default 1..γ)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "policies.json")
     ap.add_argument("--plot", type=Path, default=Path(__file__).parent / "results" / "policies.png")
+    ap.add_argument("--predict-only", action="store_true",
+                    help="recompute the predictions of an existing --out file from its replay pool")
     args = ap.parse_args()
     for p in (args.out, args.plot):
         if why := cannot_create(p):
             ap.error(f"{p} cannot be created: {why}")
+    if args.predict_only:
+        doc = loads(args.out.read_bytes())
+        sps = load_sps_table(doc["sps_table"])
+        cal = doc["calibration"]
+        gamma = doc["replay_pool"]["gamma"]
+        predict(doc, sps, load_temperatures(cal, gamma) if cal else None, load_survival_prior(cal, gamma) if cal else None)
+        finish(doc, args)
+        return
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     groups = [int(x) for x in args.groups.split(",")]
     if len(groups) != len(sizes):
@@ -143,30 +159,62 @@ def main() -> None:
                           "draft_share_of_time": statistics.mean(r["draft_share_of_time"] for r in rs),
                           "tau": statistics.mean(r["tau"] for r in rs),
                           "identical": all(r.get("identical", True) for r in rs), "runs": rs})
-    # predictions from the same run's full-verification rounds and the same SPS table
-    pool = {"logits": torch.tensor(pool_logits, dtype=torch.float64), "accepted": torch.tensor(pool_acc),
-            "gamma": gamma, "has_confidence": True, "skipped": 0}
-    for B in sizes:
-        pred = replay(pool, ["static:0", *specs], [B], sps, temps, rounds=20_000, seed=0, prior=prior)
-        by = {r["policy"]: r for r in pred}
-        by["plain"] = by.pop("static:0")
-        for c in cells:
-            if c["batch_size"] == B:
-                p = by[c["policy"]]
-                c["predicted_tok_s"] = p["throughput_tok_s"]
-                c["prediction_error"] = p["throughput_tok_s"] / c["decode_tok_s"] - 1.0
-                c["predicted_mean_verify"] = p["mean_verify"]
-                c["predicted_drafted_share"] = p["drafted_share"]
+        doc = {"dataset": args.dataset, "max_new_tokens": N, "sps_table": str(args.sps_table),
+               "verify_layout": "padded" if sps.padded else "ragged", "calibration": str(cal) if cal else None,
+               "temperatures": temps, "threads": torch.get_num_threads(), "cpu_kernels": sess.cpu_kernels,
+               "batch_sizes_done": sizes[: sizes.index(B) + 1], "cells": cells, "seconds": time.time() - t_start,
+               "replay_pool": {"gamma": gamma, "confidence_logits": pool_logits, "accepted": pool_acc}}
+        write_json(args.out, doc)  # after every batch size: a crash loses at most one
+    predict(doc, sps, temps, prior)
+    finish(doc, args)
+
+
+RANK_GAP = 0.05  # policies measured closer than this are ties: their predicted order is not scored
+
+
+def predict(doc: dict, sps, temps, prior) -> None:
+    """Each cell's prediction from the run's own full-verification rounds and the same SPS table:
+    batches of B requests of the run's max_new_tokens, as the benchmark decoded them."""
+    pool = doc["replay_pool"]
+    pool = {"logits": torch.tensor(pool["confidence_logits"], dtype=torch.float64),
+            "accepted": torch.tensor(pool["accepted"]), "gamma": pool["gamma"], "has_confidence": True, "skipped": 0}
+    doc["replay_pool_rounds"] = int(pool["accepted"].numel())
+    cells = doc["cells"]
+    sizes = sorted({c["batch_size"] for c in cells})
     for B in sizes:
         here = [c for c in cells if c["batch_size"] == B]
+        specs = ["static:0" if c["policy"] == "plain" else c["policy"] for c in here]
+        pred = replay_batches(pool, specs, [B], sps, doc["max_new_tokens"], temps, rounds=20_000, seed=0, prior=prior)
+        for c, p in zip(here, pred):
+            c["predicted_tok_s"] = p["throughput_tok_s"]
+            c["prediction_error"] = p["throughput_tok_s"] / c["decode_tok_s"] - 1.0
+            c["predicted_mean_verify"] = p["mean_verify"]
+            c["predicted_drafted_share"] = p["drafted_share"]
         meas = sorted(here, key=lambda c: -c["decode_tok_s"])
         predr = sorted(here, key=lambda c: -c["predicted_tok_s"])
         for c in here:
             c["measured_rank"] = meas.index(c) + 1
             c["predicted_rank"] = predr.index(c) + 1
-    doc = {"dataset": args.dataset, "max_new_tokens": N, "sps_table": args.sps_table, "calibration": str(cal) if cal else None,
-           "temperatures": temps, "threads": torch.get_num_threads(), "cpu_kernels": sess.cpu_kernels,
-           "replay_pool_rounds": len(pool_acc), "cells": cells, "seconds": time.time() - t_start}
+    agree = total = 0  # pairs of policies whose measured speeds differ by more than RANK_GAP: same order predicted?
+    for B in sizes:
+        here = [c for c in cells if c["batch_size"] == B]
+        for i, a in enumerate(here):
+            for b in here[i + 1:]:
+                if abs(a["decode_tok_s"] / b["decode_tok_s"] - 1.0) > RANK_GAP:
+                    total += 1
+                    agree += (a["decode_tok_s"] > b["decode_tok_s"]) == (a["predicted_tok_s"] > b["predicted_tok_s"])
+    errs = sorted(abs(c["prediction_error"]) for c in cells)
+    doc["prediction_summary"] = {
+        "cells": len(errs), "within_10pct": sum(e <= 0.10 for e in errs), "median_abs_error": statistics.median(errs),
+        "max_abs_error": errs[-1], "rank_gap": RANK_GAP, "pairs_apart": total, "pairs_ordered_right": agree,
+        "best_policy_predicted": {str(B): min((c for c in cells if c["batch_size"] == B),
+                                              key=lambda c: c["predicted_rank"])["policy"] for B in sizes},
+        "best_policy_measured": {str(B): min((c for c in cells if c["batch_size"] == B),
+                                             key=lambda c: c["measured_rank"])["policy"] for B in sizes}}
+
+
+def finish(doc: dict, args) -> None:
+    cells = doc["cells"]
     write_json(args.out, doc)
     print(f"{'B':>3} {'policy':>16} {'tok/s':>7} {'× plain [95% CI]':>22} {'pred':>7} {'err':>6} "
           f"{'rank m/p':>8} {'mean ℓ':>6} {'drafted':>7} {'draft%':>6} same")
@@ -176,6 +224,12 @@ def main() -> None:
               f"[{lo:.3f}, {hi:.3f}] {c['predicted_tok_s']:7.1f} {100 * c['prediction_error']:+5.1f}% "
               f"{c['measured_rank']:>3}/{c['predicted_rank']:<3} {c['mean_verify']:6.2f} "
               f"{100 * c['drafted_share']:6.0f}% {100 * c['draft_share_of_time']:5.1f}% {c['identical']}")
+    s = doc["prediction_summary"]
+    print(f"prediction: {s['within_10pct']}/{s['cells']} cells within ±10%, median |error| "
+          f"{100 * s['median_abs_error']:.1f}%, max {100 * s['max_abs_error']:.1f}%; of {s['pairs_apart']} policy pairs "
+          f"measured > {100 * s['rank_gap']:.0f}% apart, {s['pairs_ordered_right']} predicted in the right order")
+    sizes = sorted({c["batch_size"] for c in cells})
+    names = list(dict.fromkeys(c["policy"] for c in cells))
     plot(cells, sizes, names, args.plot)
     print(f"wrote {args.out}, {args.plot}")
 

@@ -2,7 +2,8 @@
 
     ours    {"format": "dsparkctl-sps/2", "batch_tokens": [...], "steps_per_sec": [...],
              "max_batch_tokens": N, "lookup": "floor", "extrapolate": "clamp",
-             "grid": {"requests", "tokens_per_request", "step_ms", "plain_ms"} (math.sps.StepGrid),
+             "grid": {"requests", "tokens_per_request", "step_ms", "plain_ms", "verify"} (math.sps.StepGrid;
+                      "verify" absent = "padded", how every grid table so far was measured),
              "conditions": {machine, threads, kernels, ...}, "points": raw probes,
              "provenance": {...}, ...extra keys preserved in `SPSTable.meta`}
             Format 1 (no grid, so no plain step) is still read.
@@ -99,7 +100,8 @@ def _grid(obj: dict[str, Any], source: str) -> StepGrid:
     if not isinstance(g, dict) or not all(k in g for k in ("requests", "tokens_per_request", "step_ms")):
         raise InputError(f"{source}: a {SPS_FORMAT} table needs a 'grid' with requests, tokens_per_request "
                          "and step_ms", _WRITTEN_BY)
-    return StepGrid(g["requests"], g["tokens_per_request"], g["step_ms"], g.get("plain_ms"), source=source)
+    return StepGrid(g["requests"], g["tokens_per_request"], g["step_ms"], g.get("plain_ms"), source=source,
+                    verify=g.get("verify", "padded"))
 
 
 def check_monotone(table: SPSTable) -> None:

@@ -9,8 +9,10 @@ At concurrency C the engine runs steps of C requests; each request's round is dr
 (with replacement, seeded) from the pooled trace rounds. The policy sees the recorded
 confidence logits (with the calibration temperatures, if given) and picks ℓ; the round then
 accepts `min(accepted_if_full, ℓ)` drafts and always emits the bonus token. A drafted step of C
-requests with batch tokens `B = Σ(1 + ℓ)` takes `SPSTable.step_seconds(C, B)` (the table's grid,
-or 1 / SPS(B) for a table without one). A policy may skip the draft for a whole step
+requests takes `SPSTable.lengths_seconds(ℓ)`: in a padded table (dsparkctl's engine verifies a
+`[C, 1 + max ℓ]` rectangle) what C × (1 + max ℓ) tokens cost, in a ragged one what
+`B = Σ(1 + ℓ)` batch tokens cost (the table's grid, or 1 / SPS(B) for a table without one).
+A policy may skip the draft for a whole step
 (`Policy.run_steps`; static:0 always does): that step emits one token per request and takes the
 table's plain-step time (a table without one: the drafted step at B = C, an upper bound).
 
@@ -21,6 +23,14 @@ Per policy and concurrency:
   throughput        total tokens / total time (tokens/s, all users)
   per_user          throughput / C (tokens/s one user sees)
 Each cell replays `ceil(rounds / C)` steps (so ≈ `rounds` request-rounds per cell).
+
+Steady state (the default) keeps C requests in every step, as a server under constant load does.
+With `max_new_tokens` N the sweep replays what `generate --batch-size C --max-new-tokens N` runs
+instead: batches of C requests that each need N tokens (the first comes from the prefill), ℓ
+capped by what a request still needs, finished requests leaving the batch (so its last steps
+run fewer requests), the policy's memory reset per batch; throughput counts the tokens after the
+first over the decode steps' time, as `generate` reports decode tokens/s. Stop tokens are not
+modelled (every request runs to N).
 """
 
 from __future__ import annotations
@@ -111,7 +121,8 @@ def replay(pool: dict[str, Any], policy_specs: Sequence[str], concurrency: Seque
             acc = torch.minimum(acc_if_full, ell)
             tokens = (1 + acc).sum(1).double()  # [G]
             btok = (1 + ell).sum(1)  # [G]
-            step_s = sps.step_seconds(C, btok.double())  # [G]
+            btok = C * (1 + ell.amax(1)) if sps.padded else btok  # what the engine processes
+            step_s = sps.lengths_seconds(ell)  # [G]
             if plain_s is not None:
                 step_s = torch.where(drafted, step_s, torch.full_like(step_s, plain_s))
             thr = float(tokens.sum() / step_s.sum())
@@ -124,10 +135,70 @@ def replay(pool: dict[str, Any], policy_specs: Sequence[str], concurrency: Seque
     return rows
 
 
+def replay_batches(pool: dict[str, Any], policy_specs: Sequence[str], concurrency: Sequence[int], sps: SPSTable,
+                   max_new_tokens: int, temperatures: Sequence[float] | None = None, rounds: int = 20_000,
+                   seed: int = 0, prior: Sequence[float] | None = None) -> list[dict[str, Any]]:
+    """Like `replay`, but batches of C requests of `max_new_tokens` tokens each run to the end (see
+    the module doc); ≈ `rounds` generated tokens per cell, at least one batch. One row per cell."""
+    if max_new_tokens < 2:
+        raise UsageError(f"max_new_tokens must be ≥ 2 to leave a decode step, got {max_new_tokens}")
+    policies = [parse_policy(s, sps=sps, temperatures=temperatures, prior=prior) for s in policy_specs]
+    need_conf = any(p.requires_confidence for p in policies)
+    if need_conf and not pool["has_confidence"]:
+        raise InputError("these policies need confidence logits but the traces have none",
+                         "use static:K policies, or record traces with a DSpark draft")
+    surv_all = survival_from_logits(pool["logits"], temperatures) if need_conf else torch.zeros_like(pool["logits"])
+    acc_full, N = pool["accepted"], int(max_new_tokens)
+    rows = []
+    for ci, C in enumerate(concurrency):
+        batches = max(1, math.ceil(rounds / (C * (N - 1))))
+        for pol in policies:
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + ci)  # same draws for every policy
+            tokens = seconds = 0.0
+            steps = drafted_steps = request_rounds = 0
+            ell_sum = btok_sum = 0.0
+            for _ in range(batches):
+                state = pol.new_state()
+                produced = torch.ones(C, dtype=torch.long)
+                while produced.numel():
+                    R = produced.numel()
+                    idx = torch.randint(0, surv_all.shape[0], (1, R), generator=gen)
+                    ell, drafted = pol.run_steps(surv_all[idx], state)  # [1, R], [1]
+                    ell = torch.minimum(ell, (N - produced - 1).clamp(min=0))
+                    acc = torch.minimum(acc_full[idx], ell)[0]
+                    if bool(drafted[0]):
+                        seconds += float(sps.lengths_seconds(ell)[0])
+                        btok_sum += R * (1 + int(ell.max())) if sps.padded else int((1 + ell).sum())
+                        drafted_steps += 1
+                    else:
+                        seconds += _plain_seconds(sps, R)
+                        btok_sum += R
+                    tokens += float((1 + acc).sum())
+                    ell_sum += float(ell.sum())
+                    steps += 1
+                    request_rounds += R
+                    produced = produced + 1 + acc
+                    produced = produced[produced < N]
+            thr = tokens / seconds
+            rows.append({"policy": pol.spec, "concurrency": C, "steps": steps, "request_rounds": request_rounds,
+                         "batches": batches, "max_new_tokens": N,
+                         "tokens_per_step": tokens / request_rounds, "mean_verify": ell_sum / request_rounds,
+                         "mean_batch_tokens": btok_sum / steps, "drafted_share": drafted_steps / steps,
+                         "throughput_tok_s": thr, "per_user_tok_s": thr / C})
+    return rows
+
+
+def _plain_seconds(sps: SPSTable, R: int) -> float:
+    """A plain step's price: the table's, or (without one) a drafted step verifying nothing, an upper bound."""
+    t = sps.plain_seconds(R)
+    return t if t is not None else float(sps.step_seconds(R, torch.tensor(float(R))))
+
+
 def run_sweep(trace_paths, sps_path, policy_specs=DEFAULT_POLICIES, concurrency=DEFAULT_CONCURRENCY,
               calibration=None, rounds: int = 20_000, seed: int = 0,
-              names: Mapping[str, str] | None = None) -> dict[str, Any]:
+              names: Mapping[str, str] | None = None, max_new_tokens: int | None = None) -> dict[str, Any]:
     """Read the traces, the SPS table and the calibration, replay every cell, return the sweep document.
+    `max_new_tokens`: replay finite batches (`replay_batches`) instead of the steady state.
 
     `names` says how messages call `rounds` and `concurrency` (the CLI passes its flags)."""
     from dsparkctl.calibrate import load_survival_prior, load_temperatures
@@ -135,6 +206,8 @@ def run_sweep(trace_paths, sps_path, policy_specs=DEFAULT_POLICIES, concurrency=
     n = {"rounds": "rounds", "concurrency": "concurrency", **(names or {})}
     if rounds < 1:
         raise UsageError(f"{n['rounds']} must be ≥ 1, got {rounds}")
+    if max_new_tokens is not None and max_new_tokens < 2:
+        raise UsageError(f"max new tokens must be ≥ 2 to leave a decode step, got {max_new_tokens}")
     if not policy_specs or not concurrency:
         raise UsageError("nothing to sweep: no policies or no load levels",
                          "give at least one policy and one load level")
@@ -152,8 +225,13 @@ def run_sweep(trace_paths, sps_path, policy_specs=DEFAULT_POLICIES, concurrency=
                          f"use {n['rounds']} ≤ {MAX_CANDIDATES // pool['gamma']:,}; the default 20000 is plenty")
     temps = load_temperatures(calibration, pool["gamma"]) if calibration else None
     prior = load_survival_prior(calibration, pool["gamma"]) if calibration else None
-    rows = replay(pool, policy_specs, concurrency, sps, temps, rounds, seed, prior=prior)
+    if max_new_tokens is None:
+        rows = replay(pool, policy_specs, concurrency, sps, temps, rounds, seed, prior=prior)
+    else:
+        rows = replay_batches(pool, policy_specs, concurrency, sps, max_new_tokens, temps, rounds, seed, prior=prior)
     return {"format": SWEEP_FORMAT, "block_size": pool["gamma"], "pooled_rounds": int(pool["accepted"].numel()),
+            "mode": "steady" if max_new_tokens is None else "batches", "max_new_tokens": max_new_tokens,
+            "verify_layout": "padded" if sps.padded else "ragged",
             "budget_capped_rounds_skipped": pool["skipped"], "rounds_per_cell": rounds, "temperatures": temps,
             "policies": list(policy_specs), "concurrency": list(concurrency), "rows": rows,
             "provenance": provenance(inputs=[str(p) for p in trace_paths], sps_table=str(sps_path),

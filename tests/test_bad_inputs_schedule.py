@@ -232,7 +232,7 @@ def test_json_out_is_strict_and_files_are_strict(d: Path, tmp_path: Path):
     res = runner.invoke(app, [a.format(d=d) for a in _sweep("--json")])
     assert res.exit_code == 0, res.output
     doc = loads(res.stdout)
-    assert doc["budget_capped_rounds_skipped"] == 0 and len(doc["rows"]) == 2 * 7
+    assert doc["budget_capped_rounds_skipped"] == 0 and len(doc["rows"]) == 2 * 8  # 8 default policies
     res = runner.invoke(app, [*AUDIT, "--json"])
     assert res.exit_code == 0, res.output
     loads(res.stdout)

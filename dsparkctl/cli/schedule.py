@@ -75,11 +75,14 @@ def sweep_scheduler(
     trace: Annotated[list[Path], typer.Option("--trace", help="Full-verification trace(s); repeat the option.")],
     sps_table: Annotated[Path, typer.Option("--sps-table", help="SPS table (ours or SGLang's).")],
     policies: Annotated[str, typer.Option("--policies", help="Comma-separated. " + POLICY_HELP)] =
-        "static:1,static:3,threshold:0.5,survival:0.4,budget:256,dspark,dspark-async",
+        "static:0,static:1,static:3,threshold:0.5,survival:0.4,budget:256,dspark,dspark-async",
     concurrency: Annotated[str, typer.Option("--concurrency", help="Comma-separated load levels.")] =
         "1,2,4,8,16,32,64,128,256,512,1024",
     calibration: Annotated[Path | None, typer.Option("--calibration", help="calib.json or SGLang STS file.")] = None,
     rounds: Annotated[int, typer.Option("--rounds", help="Request-rounds replayed per (policy, concurrency).")] = 20_000,
+    max_new_tokens: Annotated[int | None, typer.Option(
+        "--max-new-tokens", min=2, help="Replay batches of C requests of N new tokens each, run to the end as "
+        "`generate --batch-size C --max-new-tokens N` runs them (default: the steady state, C requests every step).")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="Write the frontier PNG here.")] = None,
     out_path: Annotated[Path | None, typer.Option("--out", help="Write the sweep JSON here.")] = None,
     seed: SeedOpt = 0,
@@ -94,7 +97,7 @@ def sweep_scheduler(
     check_outputs([Output(p, opt, kind) for p, opt, kind in ((plot, "--plot", "figure"), (out_path, "--out", "file"))
                    if p is not None], inputs=inputs)
     result = run_sweep(trace, sps_table, specs, levels, calibration, rounds, seed,
-                       names={"rounds": "--rounds", "concurrency": "--concurrency"})
+                       names={"rounds": "--rounds", "concurrency": "--concurrency"}, max_new_tokens=max_new_tokens)
     if plot:
         from dsparkctl.plots import frontier_plot
 
@@ -109,11 +112,12 @@ def sweep_scheduler(
     t = Table(title=f"Scheduler sweep: {result['pooled_rounds']} recorded rounds, γ={result['block_size']}, "
                     f"{rounds} request-rounds per cell (τ includes the bonus token)")
     t.add_column("policy", no_wrap=True)
-    for col in ("C", "τ tok/step", "mean ℓ", "mean B", "Θ tok/s", "user tok/s"):
+    for col in ("C", "τ tok/step", "mean ℓ", "mean B", "drafted", "Θ tok/s", "user tok/s"):
         t.add_column(col, justify="right", no_wrap=True)
     for r in result["rows"]:
         t.add_row(r["policy"], str(r["concurrency"]), f"{r['tokens_per_step']:.3f}", f"{r['mean_verify']:.2f}",
-                  f"{r['mean_batch_tokens']:.1f}", f"{r['throughput_tok_s']:.1f}", f"{r['per_user_tok_s']:.2f}")
+                  f"{r['mean_batch_tokens']:.1f}", f"{100 * r['drafted_share']:.0f}%", f"{r['throughput_tok_s']:.1f}",
+                  f"{r['per_user_tok_s']:.2f}")
     out.print(t)
 
 

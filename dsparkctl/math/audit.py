@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 
 from dsparkctl.errors import UsageError
-from dsparkctl.math.policies import Policy, parse_policy, sorted_candidates, survival_from_logits, theta_curve
+from dsparkctl.math.policies import Policy, admission, parse_policy, survival_from_logits
 from dsparkctl.math.sps import SPSTable, StepGrid
 from dsparkctl.math.stats import wilson_interval
 
@@ -83,10 +83,11 @@ def random_setting(gen: torch.Generator, V: int | None = None, gamma: int | None
     return MarkovSetting(f"random(V={V},γ={gamma},R={R})", p, q, conf, gamma, R, sps)
 
 
-def with_plain_step(s: MarkovSetting, seed: int = 0) -> MarkovSetting:
+def with_plain_step(s: MarkovSetting, seed: int = 0, verify: str = "padded") -> MarkovSetting:
     """`s` with a step grid that knows a plain step's cost, priced so that dspark and
     dspark-async skip the draft after about half the steps (the skip path and the probes both
-    run): the plain step's throughput is the median of the best drafted Θ over sampled blocks."""
+    run): the plain step's throughput is the median of the best drafted Θ over sampled blocks.
+    `verify`: the grid's layout (padded: the policies admit whole levels; ragged: candidates)."""
     t = list(range(1, s.gamma + 2))
     ms = [1000.0 / float(s.sps.sps(torch.tensor(float(s.R * k)))) for k in t]
     ms = [max(ms[: i + 1]) for i in range(len(ms))]  # monotone
@@ -96,13 +97,13 @@ def with_plain_step(s: MarkovSetting, seed: int = 0) -> MarkovSetting:
     for k in range(s.gamma):
         conf[:, k] = s.conf_logit[prev]
         prev = _categorical(s.q[prev], gen)
-    drafted = SPSTable(s.sps.batch_tokens, s.sps.steps_per_sec, grid=StepGrid([s.R], t, [ms]))
-    vals, _ = sorted_candidates(survival_from_logits(conf.view(512, s.R, s.gamma)))
-    best = theta_curve(vals, s.R, drafted).max(dim=1).values  # [512]
+    drafted = SPSTable(s.sps.batch_tokens, s.sps.steps_per_sec, grid=StepGrid([s.R], t, [ms], verify=verify))
+    best = admission(survival_from_logits(conf.view(512, s.R, s.gamma)), drafted)[0].max(dim=1).values  # [512]
     plain_ms = 1000.0 * s.R / float(best.median())
-    grid = StepGrid([s.R], t, [ms], [min(plain_ms, ms[0])])
+    grid = StepGrid([s.R], t, [ms], [min(plain_ms, ms[0])], verify=verify)
     sps = SPSTable(s.sps.batch_tokens, s.sps.steps_per_sec, grid=grid)
-    return MarkovSetting(f"{s.name}+plain", s.p, s.q, s.conf_logit, s.gamma, s.R, sps)
+    return MarkovSetting(f"{s.name}+plain" + ("" if verify == "padded" else f"-{verify}"), s.p, s.q, s.conf_logit,
+                         s.gamma, s.R, sps)
 
 
 def _categorical(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -242,15 +243,20 @@ def audit_policy(s: MarkovSetting, policy: Policy, rounds: int, gen: torch.Gener
 def audit_policies(specs: Sequence[str], rounds: int, random_settings: int = 3, alpha: float = 1e-3,
                    seed: int = 0, plain_rounds: int | None = None) -> list[AuditResult]:
     """Every policy spec on Appendix A and on `random_settings` random settings, each also with a
-    plain-step price (`with_plain_step`, `plain_rounds` request-rounds there; default `rounds`);
-    one result per pair, settings outer. Unknown specs fail before any simulation; every run is
+    plain-step price (`with_plain_step`, `plain_rounds` request-rounds there; default `rounds`)
+    in the padded layout, and the first random setting of ≥ 2 requests also in the ragged one
+    (the layouts differ only there); one result per pair, settings outer. Unknown specs fail before any simulation; every run is
     seeded from `seed`."""
     check_alpha(alpha)
     settings = [appendix_a(), with_plain_step(appendix_a(), seed)]
     sgen = torch.Generator().manual_seed(10_000 + seed)
+    ragged = False
     for _ in range(random_settings):
         r = random_setting(sgen)
         settings += [r, with_plain_step(r, seed)]
+        if r.R >= 2 and not ragged:  # the layouts differ only with ≥ 2 requests
+            settings.append(with_plain_step(r, seed, "ragged"))
+            ragged = True
     for spec in specs:
         parse_policy(spec, sps=settings[0].sps)
     results = []

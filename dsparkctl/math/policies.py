@@ -15,6 +15,11 @@ then smaller `r` (a stable sort of the j-major layout). Because `a` is non-incre
 every prefix of that order is a per-request prefix, and the rank of `(r, k)` depends only on
 candidates of OTHER requests and `(r, j<k)` — never on `x_k`.
 
+Padded steps. dsparkctl's engine verifies a step as one `[R, 1 + max ℓ]` rectangle, so with a
+padded SPS table (`SPSTable.padded`) a draft below the step's longest verify costs nothing and one
+beyond it costs a whole level: the Θ-searching policies then admit whole levels (every request
+verifies the same L), in the order of `admission`, which is non-anticipating in the same way.
+
 Every batched function takes survivals `[G, R, γ]`: G independent batches (engine steps) of R
 requests, so the audit and the sweep run many steps in one call. `Policy.choose` is the
 engine-facing wrapper for one step.
@@ -110,6 +115,28 @@ def theta_curve(vals: torch.Tensor, R: int, sps: SPSTable) -> torch.Tensor:
     torch.cumsum(vals, dim=1, out=tau[:, 1:])
     tau[:, 1:] += R
     return tau / sps.step_curve(R, n).to(vals.dtype)
+
+
+def admission(survival: torch.Tensor, sps: SPSTable) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """The Θ curve of a step's admission order and how a count along it becomes lengths.
+    survival `[G, R, γ]` → (Θ `[G, n + 1]`, count `[G]` → lengths `[G, R]`).
+
+    Ragged tables (Σ(1 + ℓ) batch tokens): candidates one at a time in survival order
+    (n = R·γ, `theta_curve`). Padded tables (the step costs R × (1 + max ℓ) tokens, `SPSTable.padded`):
+    admitting one draft beyond the current longest costs as much as a whole level, and drafts below
+    it cost nothing, so the order is by level: count L admits position L for every request
+    (n = γ; Θ(L) = Σ_r (1 + Σ_{j≤L} a_{r,j}) / t(R, 1 + L)). Both orders are non-anticipating:
+    whether (r, k) is admitted depends on survivals up to position k (which see x_{<k} only) of
+    candidates that come no later, so a break at the first count where Θ stops rising is lossless."""
+    G, R, gamma = survival.shape
+    if sps.padded:
+        tau = torch.empty(G, gamma + 1, dtype=torch.float64)
+        tau[:, 0] = R
+        torch.cumsum(survival.to(torch.float64).sum(1), dim=1, out=tau[:, 1:])
+        tau[:, 1:] += R
+        return tau / sps.level_curve(R, gamma), lambda count: count.clamp(max=gamma)[:, None].expand(G, R).clone()
+    vals, req = sorted_candidates(survival)
+    return theta_curve(vals, R, sps), lambda count: lengths_from_count(req, count.clamp(max=R * gamma), R)
 
 
 def plain_theta(R: int, sps: SPSTable) -> float | None:
@@ -313,9 +340,8 @@ class _ThetaSearch(Policy):
     count: Callable[[torch.Tensor], torch.Tensor]  # early_stop_count or argmax_count
 
     def choose_batched(self, survival, state=None):
-        G, R, _ = survival.shape
-        vals, req = sorted_candidates(survival)
-        return lengths_from_count(req, self.count(theta_curve(vals, R, self.sps)), R)
+        theta, lengths = admission(survival, self.sps)
+        return lengths(self.count(theta))
 
 
 class _Gated(Policy):
@@ -358,21 +384,20 @@ class _Gated(Policy):
         Cached per R until the profile moves."""
         got = state.verdicts.get(R)
         if got is None:
-            surv = state.profile.unsqueeze(0).expand(R, -1)
-            vals, _ = sorted_candidates(surv.unsqueeze(0))
-            got = state.verdicts[R] = float(theta_curve(vals, R, self.sps).max()) > plain_theta(R, self.sps)
+            theta, _ = admission(state.profile.expand(1, R, -1), self.sps)
+            got = state.verdicts[R] = float(theta.max()) > plain_theta(R, self.sps)
         return got
 
     def capacity(self, est: dict, R: int) -> int:
-        """The Θ-maximising capacity K with the estimate's survivals `[R', γ]` standing for the
-        current ones (R' ≠ R: their mean profile, R times). Cached per R."""
+        """The Θ-maximising capacity (a count along `admission`'s order: candidates, or levels for
+        a padded table) with the estimate's survivals `[R', γ]` standing for the current ones
+        (R' ≠ R: their mean profile, R times). Cached per R."""
         got = est.get(R)
         if got is None:
             surv = est["survival"]
             if surv.shape[0] != R:
                 surv = surv.mean(0, keepdim=True).expand(R, -1)
-            vals, _ = sorted_candidates(surv.unsqueeze(0))
-            got = est[R] = int(argmax_count(theta_curve(vals, R, self.sps))[0])
+            got = est[R] = int(argmax_count(admission(surv.unsqueeze(0), self.sps)[0])[0])
         return got
 
     def plan(self, num_requests, state=None):
@@ -445,26 +470,27 @@ class DSparkAsync(_Gated):
     def choose_batched(self, survival, state=None):
         G, R, gamma = survival.shape
         state = state if state is not None else self.state
-        vals, req = sorted_candidates(survival)
+        theta, lengths = admission(survival, self.sps)
+        initial = self.initial if self.sps.padded else R * self.initial  # in admission's units
         if self.can_skip:  # one step at a time (run_steps): capacity from the newest drafted step ≥ 2 old
             caps = []
             for g in range(G):
                 est = self._estimate(state) if state is not None else None
-                stop = int(early_stop_count(theta_curve(vals[g: g + 1], R, self.sps))[0])
+                stop = int(early_stop_count(theta[g: g + 1])[0])
                 if state is not None and state.probe:  # a probe verifies what Algorithm 1 admits now
                     cap = stop
                 else:  # capacity fixed in advance, then Algorithm 1's break within it
-                    cap = min(R * self.initial if est is None else self.capacity(est, R), stop)
+                    cap = min(initial if est is None else self.capacity(est, R), stop)
                 caps.append(cap)
                 self._record(survival[g: g + 1], state)
-            return lengths_from_count(req, torch.tensor(caps, dtype=torch.long).clamp(max=R * gamma), R)
-        own = argmax_count(theta_curve(vals, R, self.sps))  # [G] capacity each step would pick
+            return lengths(torch.tensor(caps, dtype=torch.long))
+        own = argmax_count(theta)  # [G] capacity each step would pick
         prior = list(state.pending[-2:]) if state is not None else []
-        prior = [R * self.initial] * (2 - len(prior)) + prior  # first two steps: fixed default
+        prior = [initial] * (2 - len(prior)) + prior  # first two steps: fixed default
         cap = torch.cat([torch.tensor(prior, dtype=torch.long), own])[:G]  # step g uses own[g-2]
         if state is not None:
             state.pending = (prior + own.tolist())[-2:]
-        return lengths_from_count(req, cap.clamp(max=R * gamma), R)
+        return lengths(cap)
 
 
 POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Static, Threshold, Survival, DSpark, DSparkAsync, Budget,
@@ -513,9 +539,9 @@ def parse_policy(spec: str, sps: SPSTable | None = None,
 
 
 def expected_throughput(survival: torch.Tensor, lengths: torch.Tensor, sps: SPSTable) -> torch.Tensor:
-    """Θ = τ* / step time(R, B) of a drafted step with given lengths (= τ*·SPS(B) for a table
-    without a grid). survival `[..., R, γ]`, lengths `[..., R]` → `[...]` float64."""
-    gamma, R = survival.shape[-1], survival.shape[-2]
+    """Θ = τ* / step time of a drafted step with given lengths, in the table's layout (= τ*·SPS(B)
+    for a table without a grid). survival `[..., R, γ]`, lengths `[..., R]` → `[...]` float64."""
+    gamma = survival.shape[-1]
     mask = torch.arange(gamma) < lengths.unsqueeze(-1)  # [..., R, γ]
     tau = (1.0 + (survival.to(torch.float64) * mask).sum(-1)).sum(-1)
-    return tau / sps.step_seconds(R, (lengths + 1).sum(-1).to(torch.float64))
+    return tau / sps.lengths_seconds(lengths)

@@ -32,6 +32,12 @@ the fit and names the ones that contradict it beyond their spread). Lookups inte
 (clamped to the profiled tokens per request; beyond the largest R, step time is extended through
 the last two R probes with a slope ≥ 0). `SPSTable.step_seconds(R, B)` uses the grid when the
 table has one and 1 / SPS(B) otherwise; `SPSTable.plain_seconds(R)` is None without a grid.
+
+Verify layout. dsparkctl's engine verifies a step as one `[R, 1 + max ℓ]` rectangle (a batched
+forward pads the shorter rows), so a step where one request verifies 4 drafts and seven verify
+none costs what 8 × 5 tokens cost, not 8 + 4. A grid records this (`verify: "padded"`, the
+default) and `SPSTable.lengths_seconds(ℓ)` prices a step from its lengths accordingly; an engine
+that packs ragged rows is `verify: "ragged"` (Σ(1 + ℓ) batch tokens), as is every 1-D table.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from dsparkctl.errors import InputError, UsageError
 
 LOOKUP_MODES = ("floor", "linear")
 EXTRAPOLATION = ("clamp", "linear", "error")
+VERIFY_LAYOUTS = ("padded", "ragged")
 MAX_BATCH_TOKENS = 2 ** 31 - 1  # tokens in one forward step; far beyond any engine
 MIN_STEPS_PER_SEC, MAX_STEPS_PER_SEC = 1e-6, 1e9  # a step of 11 days or under a nanosecond is a unit error
 
@@ -98,10 +105,18 @@ class StepGrid:
     step_ms    `[len(requests)][len(tokens)]` drafted step, ms, non-decreasing along both axes
     plain_ms   `[len(requests)]` step without a draft (one token per request), ms, non-decreasing;
                None when the table was profiled without it
+    verify     how the engine lays out a step whose requests verify different lengths (VERIFY_LAYOUTS):
+               "padded"  one [R, 1 + max ℓ] rectangle (dsparkctl's engine, like a batched HF forward):
+                         the step costs what R requests × (1 + max ℓ) tokens cost;
+               "ragged"  packed, Σ(1 + ℓ) tokens: priced at t = Σ(1 + ℓ) / R tokens per request.
     """
 
     def __init__(self, requests: Sequence[int], tokens: Sequence[int], step_ms: Sequence[Sequence[float]],
-                 plain_ms: Sequence[float] | None = None, source: str = "SPS table"):
+                 plain_ms: Sequence[float] | None = None, source: str = "SPS table", verify: str = "padded"):
+        if verify not in VERIFY_LAYOUTS:
+            raise InputError(f"{source}: grid verify layout {_clip(verify)} is not one of {', '.join(VERIFY_LAYOUTS)}",
+                             "padded: the engine verifies a [requests, 1 + longest] rectangle; ragged: packed")
+        self.verify = verify
         def ints(xs: Sequence[Any], name: str) -> list[int]:
             if not xs or not all(_whole(x) and 1 <= x <= MAX_BATCH_TOKENS for x in xs):
                 raise InputError(f"{source}: grid {name} must be positive integers, got {_clip(xs)}",
@@ -176,7 +191,7 @@ class StepGrid:
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"requests": self.requests, "tokens_per_request": self.tokens,
-                             "step_ms": [[round(v, 4) for v in row] for row in self.step_ms]}
+                             "step_ms": [[round(v, 4) for v in row] for row in self.step_ms], "verify": self.verify}
         if self.plain_ms is not None:
             d["plain_ms"] = [round(v, 4) for v in self.plain_ms]
         return d
@@ -273,6 +288,28 @@ class SPSTable:
         if self.grid is not None:
             return self.grid.drafted_seconds(requests, batch_tokens)
         return 1.0 / self.sps(batch_tokens)
+
+    @property
+    def padded(self) -> bool:
+        """Whether a drafted step costs what its LONGEST verify costs for every request (the grid's
+        "padded" layout, dsparkctl's engine) rather than Σ(1 + ℓ) batch tokens."""
+        return self.grid is not None and self.grid.verify == "padded"
+
+    def lengths_seconds(self, lengths: torch.Tensor) -> torch.Tensor:
+        """Seconds of drafted steps with verify lengths `[..., R]` → `[...]`, in the table's layout."""
+        R = lengths.shape[-1]
+        if self.padded:
+            return self.step_seconds(R, (R * (1 + lengths.amax(-1))).to(torch.float64))
+        return self.step_seconds(R, (lengths + 1).sum(-1).to(torch.float64))
+
+    def level_curve(self, requests: int, gamma: int) -> torch.Tensor:
+        """Seconds of a drafted step where all R requests verify L drafts, L = 0..γ → `[γ + 1]` (cached)."""
+        key = (int(requests), -2 - int(gamma))
+        got = self._step_cache.get(key)
+        if got is None:
+            got = self._step_cache[key] = self.step_seconds(
+                requests, requests * torch.arange(1, gamma + 2, dtype=torch.float64))
+        return got
 
     def step_curve(self, requests: int, drafts: int) -> torch.Tensor:
         """Seconds of a drafted step at B = R + m for m = 0..drafts `[drafts + 1]` (cached)."""
