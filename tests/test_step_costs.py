@@ -46,11 +46,15 @@ def _points(noisy: bool = False) -> list[SPSPoint]:
 def test_fit_table_keeps_raw_probes_and_warns_where_they_contradict_the_fit(tmp_path):
     table, warnings = fit_table(_points(noisy=True), {"block_size": 2})
     assert any("2 request(s) × 2 token(s): raw median 5.00 ms" in w for w in warnings)
-    assert table.has_plain and table.grid.plain_ms == pytest.approx([10.4, 12.8, 17.6])
+    fitted_t1 = [row[0] for row in table.grid.step_ms]  # the noisy (2, 2) probe drags (2, 1) down to 11.75
+    assert fitted_t1[1] == pytest.approx(11.75)
+    # plain: the raw 10.4, 12.8, 17.6, held at or below the drafted step that verifies nothing
+    assert table.has_plain and table.grid.plain_ms == pytest.approx([10.4, 11.75, 17.6])
+    assert any("plain step at 2 request(s)" in w for w in warnings)
     assert all(b <= a for a, b in zip(table.steps_per_sec, table.steps_per_sec[1:]))  # monotone 1-D twin
     # lookups: the grid at its probes, interpolated between request counts, plain steps
     assert float(table.step_seconds(4, torch.tensor(12.0))) == pytest.approx(table.grid.step_ms[2][2] / 1000)
-    assert table.plain_seconds(3) == pytest.approx((12.8 + 17.6) / 2 / 1000)
+    assert table.plain_seconds(3) == pytest.approx((11.75 + 17.6) / 2 / 1000)
     path = tmp_path / "t.json"
     save_sps_table(table, path)
     back = load_sps_table(path)
@@ -64,6 +68,7 @@ def test_fit_table_keeps_raw_probes_and_warns_where_they_contradict_the_fit(tmp_
     (lambda d: d["grid"].update(plain_ms=[30.0, 20.0, 10.0]), "plain step time falls"),
     (lambda d: d["grid"].update(plain_ms=[1.0]), "plain_ms must hold 3"),
     (lambda d: d.pop("grid"), "needs a 'grid'"),
+    (lambda d: d["grid"].update(verify="diagonal"), "verify layout 'diagonal'"),
     (lambda d: d.update(steps_per_sec=[1.0] + d["steps_per_sec"][1:-1] + [1e6]), "not monotone"),
     (lambda d: d.update(batch_tokens=list(reversed(d["batch_tokens"]))), "not strictly increasing"),
 ])
@@ -224,3 +229,56 @@ def test_a_fifo_at_the_machine_table_path_is_left_alone(pair, tmp_path, monkeypa
     res = _gen(target, draft, "--policy", "dspark")
     assert res.exit_code == 0 and "used for this run only" in res.stderr, res.output
     assert path.is_fifo()
+
+
+def _flat_grid(verify: str, R: int = 2) -> SPSTable:
+    """Step time 10 ms × tokens per request (1..4) at every request count; plain step 8 ms."""
+    grid = StepGrid([1, R], [1, 2, 3, 4], [[10.0, 20.0, 30.0, 40.0]] * 2, [8.0, 8.0], verify=verify)
+    return SPSTable([1, 2], [1.0, 1.0], grid=grid)
+
+
+def test_a_padded_step_costs_its_longest_verify_for_every_request(tmp_path):
+    """dsparkctl's engine verifies a [R, 1 + max ℓ] rectangle: one long verify makes the whole step long."""
+    padded, ragged = _flat_grid("padded"), _flat_grid("ragged")
+    ell = torch.tensor([[0, 2], [1, 1], [3, 0]])
+    assert padded.lengths_seconds(ell).tolist() == pytest.approx([0.030, 0.020, 0.040])
+    assert ragged.lengths_seconds(ell).tolist() == pytest.approx([0.020, 0.020, 0.025])  # t = Σ(1+ℓ)/R
+    assert padded.level_curve(2, 3).tolist() == pytest.approx([0.010, 0.020, 0.030, 0.040])
+    for table in (padded, ragged):  # the layout survives a save and a load
+        save_sps_table(table, tmp_path / f"{table.grid.verify}.json")
+        assert load_sps_table(tmp_path / f"{table.grid.verify}.json").padded == (table is padded)
+    doc = json.loads((tmp_path / "padded.json").read_text())
+    del doc["grid"]["verify"]  # tables written before the field existed were measured padded
+    (tmp_path / "old.json").write_text(json.dumps(doc))
+    assert load_sps_table(tmp_path / "old.json").padded
+    assert not SPSTable([1, 2], [1.0, 1.0]).padded  # a 1-D table counts batch tokens
+
+
+def _uniform_best(a: torch.Tensor, table: SPSTable) -> float:
+    from dsparkctl.math.policies import expected_throughput
+
+    R, gamma = a.shape
+    return max(float(expected_throughput(a, torch.full((R,), L), table)) for L in range(gamma + 1))
+
+
+def test_on_a_padded_table_the_theta_search_admits_whole_levels():
+    """Below the longest verify a draft is free, beyond it a whole level is paid: dspark verifies
+    the same L for every request (the first L where Θ stops rising), the unrestricted search the
+    best L, and no length vector beats the best whole level."""
+    from dsparkctl.math.policies import expected_throughput
+
+    gen = torch.Generator().manual_seed(0)
+    grid = StepGrid([1, 4], [1, 2, 3, 4], [[10.0, 13.0, 17.0, 22.0], [12.0, 18.0, 25.0, 33.0]], [9.0, 10.0])
+    table = SPSTable([1, 2], [1.0, 1.0], grid=grid)
+    dspark, retro = parse_policy("dspark", sps=table), parse_policy("retrospective", sps=table)
+    for _ in range(200):
+        a = torch.cumprod(torch.rand(4, 3, generator=gen, dtype=torch.float64), dim=1)  # survivals [R, γ]
+        got = dspark.choose_batched(a.unsqueeze(0))[0]
+        assert len(set(got.tolist())) == 1
+        theta = [float(expected_throughput(a, torch.full((4,), L), table)) for L in range(4)]
+        L = next((i for i in range(3) if theta[i + 1] <= theta[i]), 3)
+        assert int(got[0]) == L
+        best = retro.choose_batched(a.unsqueeze(0))[0]
+        assert float(expected_throughput(a, best, table)) == pytest.approx(_uniform_best(a, table), rel=1e-12)
+        ragged_choice = torch.randint(0, 4, (4,), generator=gen)
+        assert float(expected_throughput(a, ragged_choice, table)) <= _uniform_best(a, table) * (1 + 1e-12)

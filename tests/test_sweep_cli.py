@@ -117,6 +117,8 @@ BAD = [
      "need confidence logits"),
     ("bad concurrency", ["sweep-scheduler", "--trace", "{d}/full.jsonl", "--sps-table", "{d}/sps.json",
                          "--concurrency", "1,x", "--out", "{o}/s.json"], "--concurrency"),
+    ("one-token batches", ["sweep-scheduler", "--trace", "{d}/full.jsonl", "--sps-table", "{d}/sps.json",
+                           "--max-new-tokens", "1", "--out", "{o}/s.json"], "--max-new-tokens"),
     ("audit unknown policy", ["audit", "--policies", "nope"], "unknown policy 'nope'"),
     ("missing trace", ["calibrate", "{d}/nothere.jsonl", "--out", "{o}/c.json"], "does not exist"),
 ]
@@ -134,3 +136,60 @@ def test_bad_input_one_line_nonzero_nothing_written(files, tmp_path, name, argv,
     assert msg in " ".join(text.split()), text
     assert text.count("error:") == 1 and "Traceback" not in text, text  # one message (rich may wrap it)
     assert set(tmp_path.rglob("*")) == before  # nothing written
+
+
+def _pool(accepted: list[int], gamma: int = 3) -> dict:
+    import torch
+
+    n = len(accepted)
+    logits = torch.linspace(-2.0, 2.0, n * gamma, dtype=torch.float64).view(n, gamma)
+    return {"logits": logits, "accepted": torch.tensor(accepted), "gamma": gamma, "has_confidence": True, "skipped": 0}
+
+
+def _grid_table(verify: str) -> SPSTable:
+    from dsparkctl.math.sps import StepGrid
+
+    grid = StepGrid([1, 4], [1, 2, 3, 4], [[10.0, 20.0, 30.0, 40.0]] * 2, [8.0, 8.0], verify=verify)
+    return SPSTable([1, 2], [1.0, 1.0], grid=grid)
+
+
+def test_replay_prices_a_step_as_the_engine_lays_it_out():
+    """Fixed lengths cost the same in both layouts; a policy whose lengths differ across requests
+    pays for its longest verify on a padded table (dsparkctl's engine), not on a ragged one."""
+    from dsparkctl.sweep import replay
+
+    pool = _pool([0, 1, 2, 3] * 50)
+    padded, ragged = ({r["policy"]: r for r in replay(pool, ["static:2", "threshold:0.5"], [4], t, rounds=2000)}
+                      for t in (_grid_table("padded"), _grid_table("ragged")))
+    assert padded["static:2"]["throughput_tok_s"] == pytest.approx(ragged["static:2"]["throughput_tok_s"])
+    assert padded["threshold:0.5"]["throughput_tok_s"] < ragged["threshold:0.5"]["throughput_tok_s"]
+    assert padded["threshold:0.5"]["mean_batch_tokens"] > ragged["threshold:0.5"]["mean_batch_tokens"]
+
+
+@pytest.mark.parametrize("k,C,N", [(1, 1, 16), (2, 4, 16), (3, 3, 9), (0, 2, 5)])
+def test_batch_replay_runs_each_request_to_its_token_budget(k, C, N):
+    """Every draft accepted: a request needs N - 1 tokens after the first, static:k emits k + 1 per
+    step (the last step capped by the budget), so a batch takes ceil((N-1)/(k+1)) steps of
+    10·(k'+1) ms (a plain step 8 ms for static:0) and decodes C·(N-1) tokens."""
+    from math import ceil
+
+    from dsparkctl.sweep import replay_batches
+
+    row = replay_batches(_pool([3] * 10), [f"static:{k}"], [C], _grid_table("padded"), N, rounds=C * (N - 1))[0]
+    steps = ceil((N - 1) / (k + 1))
+    ms = [8.0] * steps if k == 0 else [10.0 * (min(k, N - 2 - i * (k + 1)) + 1) for i in range(steps)]
+    assert row["batches"] == 1 and row["steps"] == steps
+    assert row["throughput_tok_s"] == pytest.approx(C * (N - 1) / (sum(ms) / 1000.0))
+    assert row["drafted_share"] == (0.0 if k == 0 else 1.0)
+
+
+def test_sweep_replays_finite_batches_on_request(files):
+    res = runner.invoke(app, ["sweep-scheduler", "--trace", str(files / "full.jsonl"), "--sps-table", str(files / "sps.json"),
+                              "--policies", "static:0,static:2,dspark", "--concurrency", "1,4", "--rounds", "300",
+                              "--max-new-tokens", "24", "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["mode"] == "batches" and doc["max_new_tokens"] == 24 and doc["verify_layout"] == "ragged"
+    assert {(r["policy"], r["concurrency"]) for r in doc["rows"]} == {
+        (p, c) for p in ("static:0", "static:2", "dspark") for c in (1, 4)}
+    assert all(r["max_new_tokens"] == 24 and r["throughput_tok_s"] > 0 for r in doc["rows"])

@@ -81,7 +81,7 @@ def sweep_scheduler(
     calibration: Annotated[Path | None, typer.Option("--calibration", help="calib.json or SGLang STS file.")] = None,
     rounds: Annotated[int, typer.Option("--rounds", help="Request-rounds replayed per (policy, concurrency).")] = 20_000,
     max_new_tokens: Annotated[int | None, typer.Option(
-        "--max-new-tokens", min=2, help="Replay batches of C requests of N new tokens each, run to the end as "
+        "--max-new-tokens", help="Replay batches of C requests of N new tokens each, run to the end as "
         "`generate --batch-size C --max-new-tokens N` runs them (default: the steady state, C requests every step).")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="Write the frontier PNG here.")] = None,
     out_path: Annotated[Path | None, typer.Option("--out", help="Write the sweep JSON here.")] = None,
@@ -91,6 +91,9 @@ def sweep_scheduler(
     """Replay recorded rounds under each policy and concurrency; report tokens/step, Θ and per-user speed."""
     from dsparkctl.sweep import run_sweep
 
+    if max_new_tokens is not None and max_new_tokens < 2:
+        raise UsageError(f"--max-new-tokens must be ≥ 2 (a request's first token comes from the prefill), "
+                         f"got {max_new_tokens}", "give the new tokens per request of the batches to replay")
     specs = _policy_specs(policies)
     levels = int_list(concurrency, "--concurrency")
     inputs = [*trace, sps_table] + ([calibration] if calibration else [])

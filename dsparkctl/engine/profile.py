@@ -19,7 +19,8 @@ a busy machine spreads over all points; warm-up rounds are discarded. The device
 before every clock read.
 
 `fit_table` turns the probes into a table: the median of each point's repeats, fitted monotone
-(`math.sps.fit_step_grid`), the raw probes kept beside the fit, and a warning for each probe the
+(`math.sps.fit_step_grid`; the plain step also held at or below the drafted step that verifies
+nothing, which does the same forward plus the draft), the raw probes kept beside the fit, and a warning for each probe the
 fit contradicts by more than its own spread (the repeats' range, at least 2%).
 """
 
@@ -187,6 +188,8 @@ def fit_table(points: Sequence[SPSPoint], meta: dict[str, Any]) -> tuple[Any, li
     fit = fit_step_grid(raw, [[len(at[(r, t)].ms) for t in toks] for r in reqs])
     plain_pts = {p.requests: p for p in points if p.plain}
     plain = isotonic([plain_pts[r].median_ms for r in reqs]) if all(r in plain_pts for r in reqs) else None
+    if plain is not None:  # a plain step is a drafted step's verify without the draft: never dearer
+        plain = [min(v, row[0]) for v, row in zip(plain, fit)]
     grid = StepGrid(reqs, toks, fit, plain)
     warnings = []
     for i, r in enumerate(reqs):

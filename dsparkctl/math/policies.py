@@ -31,7 +31,8 @@ exist), so any rule is lossless; a skipped step emits one target token per reque
 as plain decoding does. `static:0` never drafts. `dspark` and `dspark-async` skip when their
 SPS table knows the plain step's cost (`SPSTable.has_plain`) and their estimate of what a draft
 brings says that no number of verified drafts beats a plain step at this load:
-`max_m τ*(m)/t_draft(R, R+m) ≤ R/t_plain(R)`, with every request taken at the estimated survival
+`max_{m≥1} τ*(m)/t_draft(R, R+m) ≤ R/t_plain(R)` (a draft that verifies nothing never pays), with
+every request taken at the estimated survival
 profile. The estimate is a moving average of the mean survival profile of drafted steps at least
 `lag` steps old (1 for dspark, 2 for dspark-async), started at each batch from the calibration's
 held-out survival rates when there is one (`prior`). While skipping they draft again after 1, 2,
@@ -384,8 +385,8 @@ class _Gated(Policy):
         Cached per R until the profile moves."""
         got = state.verdicts.get(R)
         if got is None:
-            theta, _ = admission(state.profile.expand(1, R, -1), self.sps)
-            got = state.verdicts[R] = float(theta.max()) > plain_theta(R, self.sps)
+            theta, _ = admission(state.profile.expand(1, R, -1), self.sps)  # [1, n+1]; n = 0 verifies nothing
+            got = state.verdicts[R] = float(theta[:, 1:].max()) > plain_theta(R, self.sps)
         return got
 
     def capacity(self, est: dict, R: int) -> int:
