@@ -254,3 +254,47 @@ def load_temperatures(path: str | os.PathLike, gamma: int | None = None) -> list
         raise UsageError(f"{path}: temperatures are for block size {len(temps)} but the traces have block size {gamma}",
                          "calibrate on traces recorded with the same block size")
     return [float(t) for t in temps]
+
+
+CALIBRATION_NAME = "calibration.json"  # a draft folder's own calibration (`dsparkctl calibrate` output shipped with it)
+
+
+def own_calibration(folder: str | os.PathLike | None, fingerprint: str) -> Path | None:
+    """`calibration.json` in a draft's folder when it was fitted for this very draft (its
+    fingerprint is listed); None when there is none, or it does not say, or it is another draft's."""
+    if folder is None:
+        return None
+    path = Path(folder) / CALIBRATION_NAME
+    if not path.is_file():
+        return None
+    try:
+        return None if calibration_draft_notes(path, fingerprint) else path
+    except InputError:
+        return None
+
+
+def confidence_report(rounds: Sequence[Any], calibration: str | os.PathLike | None) -> dict[str, Any] | None:
+    """How well the confidence head predicted the outcomes of `rounds` (trace rows of drafted steps:
+    confidence_logits, verify_length, accepted): per position n, ECE, AUROC and Brier of the survival
+    estimate, raw (T = 1) and with the calibration's temperatures. None for a draft without a head."""
+    rows = [r for r in rounds if r.drafted and r.confidence_logits is not None]
+    if not rows:
+        return None
+    data = CalibrationData(torch.tensor([r.confidence_logits for r in rows], dtype=torch.float64),
+                           torch.tensor([r.verify_length for r in rows]), torch.tensor([r.accepted for r in rows]))
+    ones = torch.ones(data.gamma, dtype=torch.float64)
+    temps = torch.tensor(load_temperatures(calibration, data.gamma), dtype=torch.float64) if calibration else None
+    keep = ("n", "ece", "auroc", "brier", "mean_pred", "survival_rate")
+
+    def metrics(t: torch.Tensor) -> list[dict[str, Any]]:
+        return [{k: (None if isinstance(m[k], float) and not math.isfinite(m[k]) else m[k]) for k in keep}
+                for m in position_metrics(data, t)]
+
+    raw = metrics(ones)
+    cal = metrics(temps) if temps is not None else None
+    return {"calibration": str(calibration) if calibration else None,
+            "temperatures": temps.tolist() if temps is not None else None, "rounds": len(rows),
+            "positions": [{"position": k + 1, "n": raw[k]["n"], "survival_rate": raw[k]["survival_rate"],
+                           "raw": {x: raw[k][x] for x in ("ece", "auroc", "brier", "mean_pred")},
+                           "calibrated": ({x: cal[k][x] for x in ("ece", "auroc", "brier", "mean_pred")}
+                                          if cal is not None else None)} for k in range(data.gamma)]}

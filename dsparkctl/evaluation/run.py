@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from dsparkctl.calibrate import confidence_report
 from dsparkctl.distributed import world
 from dsparkctl.errors import UsageError
 from dsparkctl.evaluation.continuations import cached_continuations
@@ -32,6 +33,7 @@ class DraftUnderTest:
     label: str  # display name, unique per run
     draft: DSparkDraft
     source: str  # where it was loaded from
+    calibration: Path | None = None  # the draft's own calibration.json (confidence report with its temperatures)
 
 
 @dataclass(frozen=True)
@@ -49,12 +51,20 @@ def drafts_under_test(sess: Any, sources: Sequence[str | None], labels: Sequence
                       revision: str | None = None, seed: int = 0) -> tuple[list[DraftUnderTest], list[str]]:
     """Load each draft (a folder, a hub id, or None for the session's default) against the session's target:
     (drafts, notes to tell the user). A draft's label is given, else its folder name or hub id."""
+    from dsparkctl.calibrate import own_calibration
+
     drafts, notes = [], []
-    for i, src in enumerate(sources):
-        d, name, n = sess.load_draft(src, revision, seed)
-        notes += n
-        label = labels[i] if labels else ((Path(src).name or src) if src else name)
-        drafts.append(DraftUnderTest(label=label, draft=d, source=name))
+    own_dir = sess.draft_dir
+    try:
+        for i, src in enumerate(sources):
+            sess.draft_dir = None
+            d, name, n = sess.load_draft(src, revision, seed)  # sets draft_dir for a folder or the shipped draft
+            notes += n
+            label = labels[i] if labels else ((Path(src).name or src) if src else name)
+            drafts.append(DraftUnderTest(label=label, draft=d, source=name,
+                                         calibration=own_calibration(sess.draft_dir, d.fingerprint())))
+    finally:
+        sess.draft_dir = own_dir
     seen = [d.label for d in drafts]
     twice = sorted({x for x in seen if seen.count(x) > 1})
     if twice:
@@ -139,12 +149,21 @@ def evaluate_dataset(model: Any, drafts: Sequence[DraftUnderTest], prompts: Sequ
             tp = trace_path(d.label) if world().main else None  # rank 0 writes the merged trace
             writer = TraceWriter(tp, {**(trace_header or {}), "draft": d.source, "block_size": d.draft.block_size,
                                       "policy": f"static:{d.draft.block_size}"}) if tp else None
+            rounds: list = []
+
+            def on_round(rows, writer=writer, rounds=rounds):
+                rounds.extend(rows)
+                if writer:
+                    writer.write(rows)
+
             with writer if writer else contextlib.nullcontext():
                 live = live_rollouts(model, d.draft, prompts, params, max_new_tokens, stop_ids, seed, batch_size,
-                                     on_round=writer.write if writer else None)
+                                     on_round=on_round)
             if writer:
                 r["trace"] = str(tp)
             r["live"] = live_json(live)
+            if world().main:  # rank 0 holds every rank's rounds
+                r["live"]["confidence"] = confidence_report(rounds, d.calibration)
             conts = live.continuations
             log(f"{d.label}: live τ {live.stats.tau:.3f} in {live.seconds:.1f}s")
         if mode in ("teacher-forced", "both"):
