@@ -142,3 +142,34 @@ def test_continuation_shorter_than_a_block_has_no_anchors(tiny):
     feats = torch.cat([out.hidden_states[i + 1] for i in draft.cfg.target_layer_ids], -1)[0]
     b = sequence_betas(draft, torch.tensor(seq), feats, out.logits[0], len(prompts[0]), SamplingParams(1.0))
     assert b.shape == (0, 4)
+
+
+def test_live_mode_scores_the_confidence_head_with_the_drafts_own_calibration(tmp_path):
+    """A draft folder's calibration.json (fitted on this draft's traces) is applied by default;
+    one fitted for another draft is not (raw scores only)."""
+    target = save_tiny_target(tmp_path / "target", "qwen3", vocab=64, layers=4)
+    draft = write_deepspec_draft(tmp_path / "draft", vocab=64, hidden=32, taps=(0, 1), rank=8, block_size=4)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("w1 w2 w3\nw4 w5\nw6 w7 w8 w9\n")
+    base = ["eval-acceptance", "--target", str(target), "--draft", str(draft), "--dataset", str(prompts),
+            "--max-new-tokens", "24", "--temperature", "1.0", "--mode", "live", "--json"]
+
+    def confidence(*extra):
+        res = runner.invoke(app, base + list(extra))
+        assert res.exit_code == 0, res.output
+        return json.loads(res.stdout)["datasets"][str(prompts)]["drafts"][draft.name]["live"]["confidence"]
+
+    raw = confidence("--trace", str(tmp_path / "t.jsonl"))
+    assert raw["calibration"] is None and raw["temperatures"] is None and raw["rounds"] > 0
+    assert [p["position"] for p in raw["positions"]] == [1, 2, 3, 4] and raw["positions"][0]["calibrated"] is None
+    res = runner.invoke(app, ["calibrate", str(tmp_path / "t.jsonl"), "--out", str(draft / "calibration.json")])
+    assert res.exit_code == 0, res.output
+    cal = confidence()
+    assert cal["calibration"] == str(draft / "calibration.json")
+    assert cal["temperatures"] == json.loads((draft / "calibration.json").read_text())["temperatures"]
+    assert cal["positions"][0]["raw"] == raw["positions"][0]["raw"]  # same rollouts, same raw scores
+    assert cal["positions"][0]["calibrated"]["ece"] is not None
+    doc = json.loads((draft / "calibration.json").read_text())
+    doc["draft_fingerprints"] = ["0" * 16]  # another draft's
+    (draft / "calibration.json").write_text(json.dumps(doc))
+    assert confidence()["calibration"] is None

@@ -147,7 +147,8 @@ def evaluate_dataset(model: Any, drafts: Sequence[DraftUnderTest], prompts: Sequ
         conts = None
         if mode in ("live", "both"):
             tp = trace_path(d.label) if world().main else None  # rank 0 writes the merged trace
-            writer = TraceWriter(tp, {**(trace_header or {}), "draft": d.source, "block_size": d.draft.block_size,
+            writer = TraceWriter(tp, {**(trace_header or {}), "draft": d.source, "draft_fingerprint": d.draft.fingerprint(),
+                                      "block_size": d.draft.block_size,
                                       "policy": f"static:{d.draft.block_size}"}) if tp else None
             rounds: list = []
 
