@@ -108,6 +108,6 @@ def local_inputs(*specs: str | Path | None, target: str | None | bool = False,
 SEED_LIMIT = 2 ** 32  # derived seeds (seed · 1_000_003 + cell) stay inside torch's 64-bit range
 
 
-def check_seed(seed: int) -> None:
+def check_seed(seed: int, name: str = "seed") -> None:
     if not 0 <= seed < SEED_LIMIT:
-        raise UsageError(f"--seed {seed} is out of range", hint=f"use an integer in [0, {SEED_LIMIT})")
+        raise UsageError(f"{name} {seed} is out of range", hint=f"use an integer in [0, {SEED_LIMIT})")

@@ -227,7 +227,7 @@ def guarded(fn: F) -> F:
         try:
             if isinstance(kwargs.get("seed"), int):
                 from dsparkctl.checks import check_seed
-                check_seed(kwargs["seed"])
+                check_seed(kwargs["seed"], "--seed")
             with terminate_as_interrupt():  # SIGTERM/SIGHUP unwind like Ctrl-C: temp files are cleaned up
                 return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort, SystemExit):
