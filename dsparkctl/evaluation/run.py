@@ -50,8 +50,7 @@ def drafts_under_test(sess: Any, sources: Sequence[str | None], labels: Sequence
                       revision: str | None = None, seed: int = 0,
                       label_name: str = "a label") -> tuple[list[DraftUnderTest], list[str]]:
     """Load each draft (a folder, a hub id, or None for the session's default) against the session's target:
-    (drafts, notes to tell the user). A draft's label is given, else its folder name or hub id
-    (`label_name`: what the message for two equal labels calls the way to give one)."""
+    (drafts, notes to tell the user). A draft's label is given, else its folder name or hub id."""
     drafts, notes = [], []
     for i, src in enumerate(sources):
         d, name, n = sess.load_draft(src, revision, seed)
