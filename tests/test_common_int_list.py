@@ -7,8 +7,9 @@ import pytest
 from typer.testing import CliRunner
 
 from dsparkctl.cli import common
-from dsparkctl.cli.common import INT_LIST_MAX, check_batch_tokens, int_list
+from dsparkctl.cli.common import INT_LIST_MAX, int_list
 from dsparkctl.cli.main import app
+from dsparkctl.engine.profile import check_batch_tokens
 from dsparkctl.errors import UsageError
 
 

@@ -8,9 +8,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from dsparkctl.cli.common import with_preset
 from dsparkctl.cli.main import app
-from dsparkctl.data.prompts import apply_preset_wrap, load_prompts
+from dsparkctl.data.prompts import apply_preset_wrap, load_prompts, with_preset
 from dsparkctl.errors import UsageError
 from tests.tiny_models import save_tiny_target, write_deepspec_draft
 

@@ -14,7 +14,7 @@ from dsparkctl.checkpoint.extract import extract
 from dsparkctl.checkpoint.inspect import inspect_report
 from dsparkctl.checkpoint.source import Checkpoint, open_local
 from dsparkctl.cli.common import JsonOpt, RevisionOpt, err, guarded, out, print_json, progress_bar, styled
-from dsparkctl.cli.checks import Output, check_outputs, local_inputs
+from dsparkctl.checks import Output, check_outputs, local_inputs
 from dsparkctl.errors import UsageError
 from dsparkctl.signals import terminate_as_interrupt
 

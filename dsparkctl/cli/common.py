@@ -107,17 +107,6 @@ PresetOpt = Annotated[str | None, typer.Option("--preset", help="Another tool's 
                                                "DeepSpec's HumanEval instruction). Explicit options win.")]
 
 
-def with_preset(preset_name: str | None, temperature: float | None,
-                max_new_tokens: int | None) -> tuple[Any, float, int]:
-    """(preset, temperature, max_new_tokens): explicit values, else the preset's, else 0 and 128."""
-    from dsparkctl.data.prompts import get_preset
-
-    preset = get_preset(preset_name)
-    t = temperature if temperature is not None else (preset.temperature if preset else 0.0)
-    n = max_new_tokens if max_new_tokens is not None else (preset.max_new_tokens if preset else 128)
-    return preset, t, n
-
-
 INT_LIST_MAX = 1 << 16  # no load level, request count or token count we profile or sweep is larger
 
 
@@ -135,17 +124,6 @@ def int_list(text: str, option: str, maximum: int = INT_LIST_MAX) -> list[int]:
     if big:
         raise UsageError(f"{option} {big[0]} is larger than {maximum}", f"use values in 1..{maximum}, e.g. {option} 1,2,4")
     return vals
-
-
-def check_batch_tokens(requests: Sequence[int], tokens: Sequence[int], context_len: int,
-                       limit: int = 1 << 22, option: str = "--requests") -> None:
-    """Refuse a profiling grid whose largest batch (requests × (context + tokens)) would not fit a
-    sane allocation (`limit` token positions, 4M by default): one line before any model loads."""
-    worst = max(requests) * (context_len + max(tokens))
-    if worst > limit:
-        raise UsageError(f"{option} {max(requests)} with --context-len {context_len} and {max(tokens)} tokens per "
-                         f"request is {worst:,} token positions in one batch (at most {limit:,})",
-                         "profile fewer requests or a shorter context")
 
 
 def print_json(obj: Any) -> None:
@@ -177,14 +155,16 @@ def show_progress() -> bool:
 
 
 @contextlib.contextmanager
-def progress_bar(label: str, total: int, unit: str = "", enabled: bool = True, describe: bool = False,
+def progress_bar(label: str, total: int | None, unit: str = "", enabled: bool = True, describe: bool = False,
                  transfer: bool = False) -> Iterator[Callable[..., None]]:
     """The one progress bar: on a terminal (stderr) a transient rich bar, elsewhere nothing.
 
-    Yields `update(completed=None, advance=0, description=None)` (safe to call from threads);
-    `describe` adds a column for the description, `transfer` counts bytes and shows the speed."""
+    Yields `update(completed=None, advance=0, description=None, total=None)` (safe to call from
+    threads); `total=None` here hides the bar until an update gives the total (a library entry
+    that learns it after loading models); `describe` adds a column for the description,
+    `transfer` counts bytes and shows the speed."""
     if not (enabled and show_progress()):
-        yield lambda completed=None, advance=0, description=None: None
+        yield lambda completed=None, advance=0, description=None, total=None: None
         return
     from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn,
                                TimeRemainingColumn, TransferSpeedColumn)
@@ -195,10 +175,12 @@ def progress_bar(label: str, total: int, unit: str = "", enabled: bool = True, d
     if describe:
         cols.append(TextColumn("{task.description}", markup=False))
     with Progress(*cols, console=err, transient=True) as progress:
-        task = progress.add_task("", total=total)
+        task = progress.add_task("", total=total, visible=total is not None)
 
-        def update(completed: float | None = None, advance: float = 0, description: str | None = None) -> None:
-            progress.update(task, completed=completed, advance=advance or None, description=description)
+        def update(completed: float | None = None, advance: float = 0, description: str | None = None,
+                   total: float | None = None) -> None:
+            progress.update(task, completed=completed, advance=advance or None, description=description,
+                            total=total, visible=True if total is not None else None)
         yield update
 
 
@@ -244,8 +226,8 @@ def guarded(fn: F) -> F:
         label = f"rank {w.rank} error:" if w.distributed else "error:"
         try:
             if isinstance(kwargs.get("seed"), int):
-                from dsparkctl.cli.checks import check_seed
-                check_seed(kwargs["seed"])
+                from dsparkctl.checks import check_seed
+                check_seed(kwargs["seed"], "--seed")
             with terminate_as_interrupt():  # SIGTERM/SIGHUP unwind like Ctrl-C: temp files are cleaned up
                 return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort, SystemExit):

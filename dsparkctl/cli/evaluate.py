@@ -11,8 +11,7 @@ from rich.table import Table
 
 from dsparkctl.cli.common import (CpuKernels, CpuKernelsOpt, DeviceOpt, DType, DTypeOpt, Device, JsonOpt, MaxNewTokensOpt, PresetOpt, RevisionOpt,
                                   SeedOpt, TargetOpt, TargetParallelOpt, TemperatureOpt, TrustRemoteCodeOpt, err,
-                                  guarded, out, print_json, with_preset)
-from dsparkctl.errors import UsageError
+                                  guarded, out, print_json)
 
 
 class Mode(str, Enum):
@@ -84,67 +83,33 @@ def eval_acceptance(
     seed: SeedOpt = 0,
     json_out: JsonOpt = False,
 ) -> None:
-    from dsparkctl.cli.checks import Output, check_outputs, local_inputs
-    from dsparkctl.data.prompts import apply_preset_wrap, encode_prompts, load_prompts
-    from dsparkctl.distributed import world
-    from dsparkctl.engine.session import open_target
-    from dsparkctl.evaluation.run import EvalOptions, drafts_under_test, evaluate_acceptance, trace_paths
-    from dsparkctl.fsutil import write_json
-    from dsparkctl.math.sampling import SamplingParams
+    from dsparkctl.evaluation.run import EvalSpec, run_evaluation
 
-    preset, temperature, max_new_tokens = with_preset(preset, temperature, max_new_tokens)
-    if max_new_tokens < 1:
-        raise UsageError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-    datasets = dataset or ["mt-bench"]
-    if labels and len(labels) != len(draft or []):
-        raise UsageError("--label must be given once per --draft")
-    inputs = local_inputs(*datasets, target=target, drafts=draft or [None])
-    check_outputs([o for o in (Output(out_path, "--out") if out_path else None,
-                               Output(plot, "--plot", kind="figure") if plot else None,
-                               Output(trace, "--trace") if trace else None) if o is not None], inputs)
-    # prompts first: bad prompt files fail before any model loads
-    texts = {ds: apply_preset_wrap(preset, ds, load_prompts(ds, field, limit)) for ds in datasets}
-    sess = open_target(target, device.value, dtype.value, revision, trust_remote_code,
-                       log=lambda s: err.print(s, markup=False),
-                       parallel=target_parallel, cpu_kernels=cpu_kernels.value, settle=False)
-    drafts, notes = drafts_under_test(sess, draft or [None], labels, revision, seed)
-    if trace is not None and mode != Mode.teacher_forced:  # the per-pair files, checked like --trace
-        check_outputs([Output(p, "--trace") for p in trace_paths(trace, datasets, [d.label for d in drafts]).values()],
-                      inputs)
-    for n in notes:
-        err.print(f"note: {n}")
-    gamma = max(d.draft.block_size for d in drafts)
-    if mode != Mode.live and max_new_tokens <= gamma:
-        raise UsageError(f"--max-new-tokens {max_new_tokens} leaves no full block of γ={gamma} to score "
-                         "teacher-forced", f"use --max-new-tokens > {gamma}")
-    lt = sess.target
-    prompts = {ds: encode_prompts(lt.tokenizer, texts[ds], chat=chat) for ds in datasets}
-    opts = EvalOptions(mode=mode.value, params=SamplingParams(temperature=temperature),
-                       max_new_tokens=max_new_tokens, seed=seed, batch_size=batch_size,
-                       trace=trace if mode != Mode.teacher_forced else None, preset=preset.name if preset else None)
-    sess.settle_kernels(lambda s: err.print(s, markup=False), tuple(d.draft for d in drafts))  # inputs checked
-    results = evaluate_acceptance(lt.model, lt.name, drafts, prompts, opts, sess.stop_ids,
-                                  log=lambda s: err.print(s, highlight=False))
-    if plot is not None:
-        if world().main:
-            from dsparkctl.evaluation.plot import plot_acceptance
-            plot_acceptance(results, plot, title=f"{lt.name}, T={temperature}")
-        results["plot"] = str(plot)
-    if out_path is not None and world().main:
-        write_json(out_path, results)
+    spec = EvalSpec(drafts=tuple(draft or ()), labels=tuple(labels or ()), target=target,
+                    datasets=tuple(dataset or ["mt-bench"]), field=field, limit=limit, preset=preset,
+                    temperature=temperature, max_new_tokens=max_new_tokens, mode=mode.value, batch_size=batch_size,
+                    chat=chat, plot=plot, trace=trace, out=out_path, revision=revision,
+                    trust_remote_code=trust_remote_code, target_parallel=target_parallel,
+                    cpu_kernels=cpu_kernels.value, device=device.value, dtype=dtype.value, seed=seed)
+    results = run_evaluation(spec, FLAGS, log=lambda s: err.print(s, highlight=False),
+                             note=lambda m: err.print(f"note: {m}"))
     if json_out:
         print_json(results)
-        return
-    print_results(results)
-    if plot is not None:
-        out.print(f"plot: {plot}")
+    else:
+        print_results(results)
+
+
+FLAGS = {"max_new_tokens": "--max-new-tokens", "labels": "--label", "drafts": "--draft", "out": "--out",
+         "plot": "--plot", "trace": "--trace"}  # how the library's messages name the spec's fields
 
 
 def print_results(results: dict[str, Any]) -> None:
-    """One table per dataset and draft, and how much faster teacher-forced scoring was than live."""
+    """One table per dataset and draft, how much faster teacher-forced scoring was than live, the plot."""
     for ds, dres in results["datasets"].items():
         for label, r in dres["drafts"].items():
             out.print(result_table(ds, label, r))
             if r.get("speed_ratio_live_over_tf"):
                 out.print(f"  per evaluated position: live {r['live']['ms_per_position']:.3f} ms, teacher-forced "
                           f"{r['teacher_forced']['ms_per_position']:.3f} ms ({r['speed_ratio_live_over_tf']:.1f}x)")
+    if "plot" in results:
+        out.print(f"plot: {results['plot']}")

@@ -10,8 +10,7 @@ from rich.table import Table
 
 from dsparkctl.cli.common import (CpuKernels, CpuKernelsOpt, DeviceOpt, DraftOpt, DType, DTypeOpt, Device, JsonOpt, RevisionOpt, SeedOpt,
                                   MaxNewTokensOpt, PresetOpt, TargetOpt, TargetParallelOpt, TemperatureOpt, TrustRemoteCodeOpt, err,
-                                  guarded, out, print_json, progress_bar, show_progress, styled, with_preset)
-from dsparkctl.errors import UsageError
+                                  guarded, out, print_json, progress_bar, show_progress, styled)
 from dsparkctl.math.policies import NEEDS_SPS, POLICY_SPECS
 
 
@@ -20,17 +19,18 @@ def register(app: typer.Typer) -> None:
                 "prints text, τ and per-position acceptance.")(generate)
 
 
-def acceptance_table(stats: Any, title: str) -> Table:
+def acceptance_table(report: dict[str, Any], title: str) -> Table:
     """Per-position conditional acceptance and survival with 95% Wilson intervals."""
     t = Table(title=title, title_justify="left")
     for col in ("position", "reached", "accepted", "conditional c_j [95% CI]", "survival a_j [95% CI]"):
         t.add_column(col, justify="right")
-    cond, surv = stats.conditional(), stats.survival()
-    ci_c, ci_s = stats.conditional_interval(), stats.survival_interval()
-    for j in range(stats.block_size):
+    acc = report["acceptance"]
+    cond, surv = acc["conditional"], acc["survival"]
+    ci_c, ci_s = report["conditional_interval"], report["survival_interval"]
+    for j in range(acc["block_size"]):
         def fmt(v, ci):
             return "-" if v is None else f"{v:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]"
-        t.add_row(str(j + 1), str(stats.reached[j]), str(stats.accepted_at[j]), fmt(cond[j], ci_c[j]),
+        t.add_row(str(j + 1), str(acc["reached"][j]), str(acc["accepted_at"][j]), fmt(cond[j], ci_c[j]),
                   fmt(surv[j], ci_s[j]))
     return t
 
@@ -77,107 +77,54 @@ def generate(
     target_parallel: TargetParallelOpt = "none",
     cpu_kernels: CpuKernelsOpt = CpuKernels.auto,
 ) -> None:
-    from dsparkctl.cli.checks import Output, check_outputs, local_inputs
-    from dsparkctl.data.prompts import apply_preset_wrap, encode_prompts, prompt_texts
-    from dsparkctl.engine.generate import (GenerateOptions, calibration_notes, default_policy, generate_report,
-                                           load_policy, policy_notes)
-    from dsparkctl.engine.session import open_session
-    from dsparkctl.math.sampling import SamplingParams
-    from dsparkctl.provenance import provenance
+    from dsparkctl.engine.generate import GenerateSpec, run_generate
 
-    preset, temperature, max_new_tokens = with_preset(preset, temperature, max_new_tokens)
-    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-    if max_new_tokens < 1:
-        raise UsageError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-    if batch_size < 1:
-        raise UsageError(f"--batch-size must be >= 1, got {batch_size}")
-    if trace is not None:
-        check_outputs([Output(trace, "--trace")], local_inputs(prompts_file, sps_table, calibration, dataset,
-                                                               target=target, drafts=[draft]))
-    texts = apply_preset_wrap(preset, dataset, prompt_texts(prompts, prompts_file, dataset, field, limit,
-                                                            default="Write a short poem about speculative decoding."))
-    log = (lambda m: err.print(styled((m, "dim")))) if not json_out or show_progress() else (lambda m: None)
-    sess = open_session(target, draft, device.value, dtype.value, revision, trust_remote_code, seed, log=log,
-                        parallel=target_parallel, cpu_kernels=cpu_kernels.value, settle=False)
-    for n in sess.notes:
-        err.print(styled(("note:", "yellow"), f" {n}"))
-    tok = sess.target.tokenizer
-    ids = encode_prompts(tok, texts, chat=chat)
-    check_positions(sess.target.model, ids, max_new_tokens, sess.draft.block_size)
-    if calibration is None and (calibration := sess.default_calibration()) is not None:
-        sess.notes.append(f"confidences calibrated with {calibration} (the draft's own; --calibration to override)")
-        err.print(styled(("note:", "yellow"), f" {sess.notes[-1]}"))
-    policy = policy or default_policy(sess)
-    machine_table = policy.partition(":")[0].strip() in NEEDS_SPS and sps_table is None
-    pol = load_policy(policy, sess.draft.block_size, sps_table, calibration, placeholder=machine_table)
-    cal_notes = calibration_notes(calibration, sess)
-    sess.settle_kernels(lambda m: err.print(styled((m, "dim"))))  # said even under --json: it takes seconds
-    if machine_table:  # this machine's table, profiled once per machine and pair (engine/sps_cache.py)
-        from dsparkctl.engine.sps_cache import machine_sps_table
-
-        from dsparkctl.distributed import all_gather, world
-
-        table = machine_sps_table(sess, lambda m: err.print(styled((m, "dim")))) if world().main else None
-        table = all_gather(table)[0]  # under torchrun every rank plans with rank 0's table
-        pol = load_policy(policy, sess.draft.block_size, None, calibration, sps=table)
-    for n in cal_notes + policy_notes(pol, sess):
-        sess.notes.append(n)
-        err.print(styled(("note:", "yellow"), f" {n}"))
-    opts = GenerateOptions(
-        sampling=sampling, max_new_tokens=max_new_tokens, batch_size=1 if stream else batch_size, seed=seed,
-        policy=pol, baseline=baseline, repeats=repeats, trace=trace,
-        trace_header=provenance(target=sess.target.name, draft=sess.draft_name, draft_fingerprint=sess.draft.fingerprint(),
-                                dataset=dataset or (str(prompts_file) if prompts_file else "args"),
-                                temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                                device=str(sess.device), dtype=str(sess.dtype).replace("torch.", "")))
-    on_tokens = _streamer(tok) if stream else None
-    with progress_bar("generate", len(ids), unit="prompts", enabled=not stream) as advance:
-        res = generate_report(sess, ids, opts, on_tokens=on_tokens,
-                              on_batch=lambda done, total: advance(len(ids) * done // total))
-    report, results = res.report, res.speculative.outputs
-    texts_out = [tok.decode(o.tokens, skip_special_tokens=True) for o in results]
+    spec = GenerateSpec(
+        prompts=tuple(prompts or ()), prompts_file=prompts_file, dataset=dataset, field=field, limit=limit,
+        target=target, draft=draft, revision=revision, trust_remote_code=trust_remote_code,
+        target_parallel=target_parallel, device=device.value, dtype=dtype.value, cpu_kernels=cpu_kernels.value,
+        policy=policy, sps_table=sps_table, calibration=calibration, preset=preset, temperature=temperature,
+        top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed, stream=stream,
+        chat=chat, trace=trace, baseline=baseline, repeats=repeats)
+    show = lambda m: err.print(styled((m, "dim")))  # noqa: E731
+    with progress_bar("generate", None, unit="prompts", enabled=not stream) as update:
+        report = run_generate(spec, FLAGS, log=show if not json_out or show_progress() else lambda m: None,
+                              say=show,  # said even under --json: kernel timing and SPS profiling take seconds
+                              note=lambda m: err.print(styled(("note:", "yellow"), f" {m}")),
+                              on_progress=lambda done, total: update(completed=done, total=total),
+                              on_text=_stream_printer() if stream else None)
     if json_out:
-        report["requests"] = [{"index": i, "text": t, "generated_tokens": len(o.tokens),
-                               "finish_reason": o.finish_reason, "rounds": o.rounds}
-                              for i, (t, o) in enumerate(zip(texts_out, results))]
         print_json(report)
-        return
-    if show_text and not stream:
-        for i, t in enumerate(texts_out):
-            out.print(styled((f"── prompt {i + 1}", "bold"), " ", (f"({len(results[i].tokens)} tokens, "
-                                                                   f"{results[i].finish_reason})", "dim")))
-            out.print(t, highlight=False)
+    else:
+        print_report(report, texts=show_text and not stream)
+
+
+FLAGS = {"max_new_tokens": "--max-new-tokens", "batch_size": "--batch-size", "trace": "--trace",
+         "calibration": "--calibration"}  # how the library's messages name the spec's fields
+
+
+def print_report(report: dict[str, Any], texts: bool) -> None:
+    """The human view: each request's text (when `texts`), the summary and the acceptance table."""
+    if texts:
+        for r in report["requests"]:
+            out.print(styled((f"── prompt {r['index'] + 1}", "bold"), " ",
+                             (f"({r['generated_tokens']} tokens, {r['finish_reason']})", "dim")))
+            out.print(r["text"], highlight=False)
     out.print(summary_table(report))
-    out.print(acceptance_table(res.speculative.stats, "per-position acceptance (conditional = accepted/reached; "
-                                                      "survival = P(first j accepted))"))
+    out.print(acceptance_table(report, "per-position acceptance (conditional = accepted/reached; "
+                                       "survival = P(first j accepted))"))
 
 
-def check_positions(model: Any, ids: list[list[int]], max_new_tokens: int, block_size: int) -> None:
-    """Refuse prompts that would run past the model's positions before any generation starts."""
-    from dsparkctl.engine.profile import position_limit
+def _stream_printer():
+    """Print each request's text as it arrives (a heading before its first piece)."""
+    started: set[int] = set()
 
-    limit = position_limit(model)
-    longest = max(len(p) for p in ids)
-    if limit is not None and longest + max_new_tokens + block_size + 1 > limit:
-        raise UsageError(f"the longest prompt ({longest} tokens) + --max-new-tokens {max_new_tokens} runs past "
-                         f"the target's {limit} positions (max_position_embeddings)",
-                         f"shorten the prompt or use --max-new-tokens ≤ {max(1, limit - longest - block_size - 1)}")
-
-
-def _streamer(tok: Any):
-    """Print each request's text as its tokens arrive (batch size 1)."""
-    state: dict[int, tuple[list[int], str]] = {}
-
-    def on_tokens(r: int, toks: list[int]) -> None:
-        if r not in state:
+    def on_text(r: int, text: str) -> None:
+        if r not in started:
             out.print(styled((f"── prompt {r + 1}", "bold")))
-            state[r] = ([], "")
-        ids, shown = state[r]
-        ids.extend(toks)
-        text = tok.decode(ids, skip_special_tokens=True)
-        out.print(text[len(shown):], end="", highlight=False)
-        state[r] = (ids, text)
-    return on_tokens
+            started.add(r)
+        out.print(text, end="", highlight=False)
+    return on_text
 
 
 def summary_table(report: dict[str, Any]) -> Table:

@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import functools
-import itertools
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.table import Table
 
-from dsparkctl.cli.checks import Output, check_outputs, local_inputs
-from dsparkctl.cli.common import (check_batch_tokens, CpuKernels, CpuKernelsOpt, DeviceOpt, DraftOpt, DType, DTypeOpt, Device, JsonOpt, RevisionOpt, SeedOpt,
+from dsparkctl.cli.common import (CpuKernels, CpuKernelsOpt, DeviceOpt, DraftOpt, DType, DTypeOpt, Device, JsonOpt, RevisionOpt, SeedOpt,
                                   TargetOpt, err, guarded, int_list, out, print_json, progress_bar, styled)
-from dsparkctl.errors import UsageError
-from dsparkctl.provenance import provenance
 
 
 class Measure(str, Enum):
@@ -27,15 +22,6 @@ def register(app: typer.Typer) -> None:
     app.command("profile-sps", help="Time the engine's whole speculative step (or the target's forward alone) "
                 "over a grid of batch tokens (requests × tokens per request) and write an SPS table (ours + "
                 "SGLang's) and a PNG.")(profile_sps_cmd)
-
-
-def check_grid(requests: list[int], tokens: list[int]) -> None:
-    """Refuse a grid with one batch-token count: SGLang reads a one-probe table as uninitialised."""
-    if len({r * t for r in requests for t in tokens}) < 2:
-        raise UsageError(f"the grid --requests {','.join(map(str, requests))} × --tokens-per-request "
-                         f"{','.join(map(str, tokens))} gives one batch-token count; SGLang treats a one-probe "
-                         "table as uninitialised (it verifies every draft)",
-                         "profile at least two batch-token counts, e.g. --tokens-per-request 1,2,4,6")
 
 
 @guarded
@@ -62,76 +48,33 @@ def profile_sps_cmd(
     plot: Annotated[Optional[Path], typer.Option("--plot", help="PNG path (default <out stem>.png).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    from dsparkctl.engine.profile import fit_table, profile_sps, profile_whole_step
-    from dsparkctl.engine.session import open_session, open_target
-    from dsparkctl.engine.speculative import SpeculativeEngine
-    from dsparkctl.math.policies import parse_policy
-    from dsparkctl.math.sampling import SamplingParams
-    from dsparkctl.sps_io import save_sps_table
+    from dsparkctl.engine.profile import ProfileSpec, run_profile
 
-    measure = measure or Measure.whole_step
-    reqs = int_list(requests, "--requests")
-    toks = int_list(tokens, "--tokens-per-request") if tokens is not None else None
-    if context_len < 1 or repeats < 1 or warmup < 0:
-        raise UsageError("--context-len and --repeats must be >= 1, --warmup >= 0",
-                         "e.g. --context-len 256 --repeats 5 --warmup 2")
-    inputs = local_inputs(target=target, drafts=[draft])
-    check_outputs([Output(out_path, "--out")], inputs)  # first: the other names derive from it
-    sg = sglang_out or out_path.with_name(out_path.stem + ".sglang.json")
-    png = plot or out_path.with_suffix(".png")
-    check_outputs([Output(out_path, "--out"), Output(sg, "--sglang-out"), Output(png, "--plot", "figure")], inputs)
-    if toks is None and measure == Measure.target_forward:
-        toks = [1, 2, 3, 4, 6, 8]
-    if toks is not None:
-        check_grid(reqs, toks)  # before any model loads
-    check_batch_tokens(reqs, toks or [8], context_len)
-    log = lambda m: err.print(styled((m, "dim")))  # noqa: E731
-    if measure == Measure.whole_step:
-        sess = open_session(target, draft, device.value, dtype.value, revision, seed=seed, log=log,
-                            cpu_kernels=cpu_kernels.value)
-        engine = SpeculativeEngine(sess.adapter, sess.draft, parse_policy(f"static:{sess.draft.block_size}"),
-                                   SamplingParams(0.0), stop_token_ids=sess.stop_ids)
-        if toks is None:
-            toks = list(range(1, sess.draft.block_size + 2))
-            check_grid(reqs, toks)
-        run = functools.partial(profile_whole_step, engine)
-    else:
-        sess = open_target(target, device.value, dtype.value, revision, log=log, cpu_kernels=cpu_kernels.value)
-        run = functools.partial(profile_sps, sess.plain_adapter())
-    done = itertools.count(1)
-    n_points = len(set(reqs)) * (len(set(toks)) + (measure == Measure.whole_step))
-    with progress_bar("profile-sps", n_points) as update:
-        points = run(reqs, toks, context_len, repeats, warmup, seed, on_point=lambda p: update(next(done)))
-    tgt, dev, dt = sess.target, sess.device, str(sess.dtype).replace("torch.", "")
-    drafted = ((str(Path(draft).resolve()) if draft and Path(draft).exists() else sess.draft_name)
-               if measure == Measure.whole_step else None)
-    meta = provenance(target=tgt.name, measures=measure.value, draft=drafted, device=str(dev), dtype=dt,
-                      cpu_kernels=sess.cpu_kernels, context_len=context_len, repeats=repeats, warmup=warmup,
-                      block_size=sess.draft.block_size if measure == Measure.whole_step else None,
-                      conditions=sess.conditions(),
-                      points=[{"requests": p.requests, "tokens_per_request": p.tokens_per_request, "plain": p.plain,
-                               "batch_tokens": p.batch_tokens, "median_ms": round(p.median_ms, 4),
-                               "ms": [round(x, 4) for x in p.ms]} for p in points])
-    table, warnings = fit_table(points, meta)
-    for w in warnings:
+    spec = ProfileSpec(out=out_path, sglang_out=sglang_out, plot=plot, measure=(measure or Measure.whole_step).value,
+                       requests=tuple(int_list(requests, "--requests")),
+                       tokens_per_request=tuple(int_list(tokens, "--tokens-per-request")) if tokens is not None else None,
+                       context_len=context_len, repeats=repeats, warmup=warmup, target=target, draft=draft,
+                       revision=revision, device=device.value, dtype=dtype.value, cpu_kernels=cpu_kernels.value,
+                       seed=seed)
+    with progress_bar("profile-sps", None) as update:
+        result, table = run_profile(spec, FLAGS, log=lambda m: err.print(styled((m, "dim"))),
+                                    on_progress=lambda done, total: update(completed=done, total=total))
+    for w in result["warnings"]:
         err.print(styled(("warning:", "yellow"), f" {w}"))
-    bt, sps = table.batch_tokens, table.steps_per_sec
-    from dsparkctl.plots import plot_sps
-
-    plot_sps(bt, sps, png, f"{tgt.name} on {dev} ({dt}), context {context_len}, {measure.value}")
-    save_sps_table(table, sg, fmt="sglang")
-    save_sps_table(table, out_path, fmt="dsparkctl")  # ours last: its presence means all three were written
-    result = {"table": str(out_path), "sglang_table": str(sg), "plot": str(png), "measures": measure.value,
-              "batch_tokens": bt, "steps_per_sec": [round(s, 3) for s in sps],
-              "ms_per_step": [round(1000 / s, 3) for s in sps], "grid": table.grid.to_json(), "warnings": warnings}
     if json_out:
         print_json(result)
-        return
-    t = Table(title=f"SPS of {tgt.name}, {measure.value} ({dev}, context {context_len}, median of {repeats})",
-              title_justify="left")
+    else:
+        print_tables(result, table, spec)
+
+
+def print_tables(result: dict, table: Any, spec: Any) -> None:
+    """The human view: steps/s by batch tokens, the fitted grid, and the files written."""
+    meta = table.meta
+    t = Table(title=f"SPS of {meta['target']}, {spec.measure} ({meta['device']}, context {spec.context_len}, "
+              f"median of {spec.repeats})", title_justify="left")
     for c in ("batch tokens", "steps/s", "ms/step"):
         t.add_column(c, justify="right")
-    for b, s in zip(bt, sps):
+    for b, s in zip(table.batch_tokens, table.steps_per_sec):
         t.add_row(str(b), f"{s:.2f}", f"{1000 / s:.2f}")
     out.print(t)
     g = table.grid
@@ -141,4 +84,9 @@ def profile_sps_cmd(
     for i, r in enumerate(g.requests):
         gt.add_row(str(r), *(f"{v:.2f}" for v in g.step_ms[i]), *((f"{g.plain_ms[i]:.2f}",) if g.plain_ms else ()))
     out.print(gt)
-    out.print(f"wrote {out_path}, {sg}, {png}", highlight=False)
+    out.print(f"wrote {result['table']}, {result['sglang_table']}, {result['plot']}", highlight=False)
+
+
+FLAGS = {"requests": "--requests", "tokens_per_request": "--tokens-per-request", "context_len": "--context-len",
+         "repeats": "--repeats", "warmup": "--warmup", "out": "--out", "sglang_out": "--sglang-out",
+         "plot": "--plot"}  # how the library's messages name the spec's fields

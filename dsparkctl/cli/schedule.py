@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from dsparkctl.cli.checks import Output, check_outputs
+from dsparkctl.checks import Output, check_outputs
 from dsparkctl.cli.common import JsonOpt, SeedOpt, err, error_line, guarded, int_list, out, print_json, styled
 from dsparkctl.errors import UsageError
 from dsparkctl.fsutil import staged, write_json

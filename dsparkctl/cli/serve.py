@@ -38,7 +38,7 @@ def serve_config(
     out_path: Annotated[Optional[Path], typer.Option("--out", help="Also write a shell script with both commands.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    from dsparkctl.cli.checks import Output, check_outputs, local_inputs
+    from dsparkctl.checks import Output, check_outputs, local_inputs
     from dsparkctl.engine.session import open_session
     from dsparkctl.models.draft_io import check_draft_destination
     from dsparkctl.serving import (check_script_destination, check_target_id, plan_serving,

@@ -88,7 +88,7 @@ def train(
     if max_minutes is not None and not max_minutes < float("inf"):
         raise UsageError(f"--max-minutes must be a finite number, got {max_minutes}", "e.g. --max-minutes 30")
     if out_dir is not None:
-        from dsparkctl.cli.checks import Output, check_outputs, local_inputs
+        from dsparkctl.checks import Output, check_outputs, local_inputs
         from dsparkctl.models.draft_io import check_draft_destination
 
         check_outputs([Output(out_dir, "--out", "folder")],

@@ -296,6 +296,15 @@ def get_preset(name: str | None) -> Preset | None:
     return PRESETS[name]
 
 
+def with_preset(name: str | None, temperature: float | None,
+                max_new_tokens: int | None) -> tuple[Preset | None, float, int]:
+    """(preset, temperature, max_new_tokens): explicit values, else the preset's, else 0 and 128."""
+    preset = get_preset(name)
+    t = temperature if temperature is not None else (preset.temperature if preset else 0.0)
+    n = max_new_tokens if max_new_tokens is not None else (preset.max_new_tokens if preset else 128)
+    return preset, t, n
+
+
 def prompt_texts(args: Sequence[str] | None, prompts_file: str | Path | None, dataset: str | None,
                  field: str | None, limit: int | None, default: str) -> list[str]:
     """The prompts a command runs on: its arguments, a file, or a named set (one source at most)."""

@@ -1,8 +1,9 @@
-"""`generate` as one library call: speculative decoding of a prompt list, optionally against plain
-decoding of the same prompts, as one report.
+"""`generate` as one library call: `run_generate(spec)` checks every input once, opens the models,
+settles the policy, decodes the prompts (optionally against plain decoding of the same prompts)
+and returns the whole report.
 
-The command only validates its options, opens a session (engine/session.py), calls
-`generate_report` and prints. The report is plain data (strict JSON once written).
+The command builds a `GenerateSpec` from its options, calls `run_generate` and prints the report
+(strict JSON with `--json`). Messages name a spec field by `names` (the CLI passes its flags).
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ import contextlib
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from dsparkctl.distributed import world
-from dsparkctl.engine.run import (OnTokens, PromptsResult, plain_decoder, run_prompts, speculative_decoder)
+from dsparkctl.engine.run import OnTokens, plain_decoder, run_prompts, speculative_decoder
 from dsparkctl.engine.session import Session
 from dsparkctl.engine.speculative import SpeculativeEngine, plain_generate
-from dsparkctl.math.policies import Policy, check_fits, parse_policy
+from dsparkctl.errors import UsageError
+from dsparkctl.math.policies import NEEDS_SPS, Policy, check_fits, parse_policy
 from dsparkctl.math.sampling import SamplingParams
 
 
@@ -93,13 +95,6 @@ class GenerateOptions:
     trace_header: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
-class GenerateResult:
-    report: dict[str, Any]
-    speculative: PromptsResult
-    plain: PromptsResult | None
-
-
 def warm_up(sess: Session, prompt: Sequence[int], gamma: int) -> None:
     """A few greedy tokens through both decoders (every verify width of a static:γ round, the
     one-token step), so neither timed run pays one-time costs (allocations, kernel JIT)."""
@@ -111,7 +106,9 @@ def warm_up(sess: Session, prompt: Sequence[int], gamma: int) -> None:
 
 def generate_report(sess: Session, prompt_ids: Sequence[Sequence[int]], opts: GenerateOptions,
                     on_tokens: OnTokens | None = None,
-                    on_batch: Callable[[int, int], None] | None = None) -> GenerateResult:
+                    on_batch: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Decode the prompts as `opts` says and return the report: settings, acceptance, timing,
+    the baseline's when asked, and each request's text (`requests`)."""
     from dsparkctl.trace import TraceWriter
 
     gamma = sess.draft.block_size
@@ -169,4 +166,143 @@ def generate_report(sess: Session, prompt_ids: Sequence[Sequence[int]], opts: Ge
         if opts.sampling.greedy:
             report["baseline"]["identical_outputs"] = sum(
                 a.tokens == b.tokens for a, b in zip(spec.outputs, plain.outputs))
-    return GenerateResult(report=report, speculative=spec, plain=plain)
+    decode = sess.target.tokenizer.decode
+    report["requests"] = [{"index": i, "text": decode(o.tokens, skip_special_tokens=True),
+                           "generated_tokens": len(o.tokens), "finish_reason": o.finish_reason, "rounds": o.rounds}
+                          for i, o in enumerate(spec.outputs)]
+    return report
+
+
+@dataclass(frozen=True)
+class GenerateSpec:
+    """Everything `generate` runs, as the user gave it (`run_generate` checks it)."""
+    prompts: tuple[str, ...] = ()  # prompt texts; or prompts_file, or dataset (one source at most)
+    prompts_file: Path | None = None  # .txt (one per line), .json, .jsonl, .parquet
+    dataset: str | None = None  # built-in set (mt-bench, humaneval, sharegpt) or a hub dataset id
+    field: str | None = None  # prompt field of a JSON/JSONL/parquet/hub set
+    limit: int | None = None  # only the first N prompts
+    target: str | None = None  # folder or hub id; None: the embedded model
+    draft: str | None = None  # folder, hub id or "random"; None: the shipped draft
+    revision: str | None = None
+    trust_remote_code: bool = False
+    target_parallel: str = "none"  # models/loading.py
+    device: str = "auto"
+    dtype: str = "auto"
+    cpu_kernels: str = "auto"  # engine/session.py
+    policy: str | None = None  # None: default_policy
+    sps_table: Path | None = None  # None: this machine's (engine/sps_cache.py) for a policy that needs one
+    calibration: Path | None = None  # None: the draft's own, when it ships one for itself
+    preset: str | None = None  # data/prompts.py PRESETS
+    temperature: float | None = None  # None: the preset's, else 0 (greedy)
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int | None = None  # None: the preset's, else 128
+    batch_size: int = 8
+    seed: int = 0
+    stream: bool = False  # one request at a time, its text handed to `on_text` as it arrives
+    chat: bool = True  # wrap prompts in the target's chat template
+    trace: Path | None = None  # per-round trace (JSON lines)
+    baseline: bool = False  # also plain decoding of the same prompts
+    repeats: int = 1  # timed runs of each decoder (GenerateOptions)
+
+
+def _quiet(message: str) -> None:
+    pass
+
+
+def run_generate(spec: GenerateSpec, names: Mapping[str, str] | None = None, *,
+                 log: Callable[[str], None] = _quiet, say: Callable[[str], None] = _quiet,
+                 note: Callable[[str], None] = _quiet, on_progress: Callable[[int, int], None] | None = None,
+                 on_text: Callable[[int, str], None] | None = None) -> dict[str, Any]:
+    """Check the spec, open the models, settle kernels and policy, decode: the `generate` report.
+
+    Every input is checked before the work that could waste it: numbers and the trace path
+    before any model loads, prompt lengths and the policy's files before kernel timing or SPS
+    profiling. `log` gets loading progress, `say` the slow one-time steps (kernel timing, this
+    machine's SPS table), `note` what the user must be told (also kept in the report's notes),
+    `on_progress(done, total)` prompts decoded, `on_text(request, new text)` the streamed text.
+    `names` says how messages call the fields max_new_tokens, batch_size, trace and calibration."""
+    from dsparkctl.checks import Output, check_outputs, local_inputs
+    from dsparkctl.data.prompts import apply_preset_wrap, encode_prompts, prompt_texts, with_preset
+    from dsparkctl.engine.session import open_session
+    from dsparkctl.provenance import provenance
+
+    n = {k: k for k in ("max_new_tokens", "batch_size", "trace", "calibration")} | dict(names or {})
+    preset, temperature, max_new_tokens = with_preset(spec.preset, spec.temperature, spec.max_new_tokens)
+    sampling = SamplingParams(temperature=temperature, top_k=spec.top_k, top_p=spec.top_p)
+    if max_new_tokens < 1:
+        raise UsageError(f"{n['max_new_tokens']} must be >= 1, got {max_new_tokens}")
+    if spec.batch_size < 1:
+        raise UsageError(f"{n['batch_size']} must be >= 1, got {spec.batch_size}")
+    if spec.trace is not None:
+        check_outputs([Output(spec.trace, n["trace"])],
+                      local_inputs(spec.prompts_file, spec.sps_table, spec.calibration, spec.dataset,
+                                   target=spec.target, drafts=[spec.draft]))
+    texts = apply_preset_wrap(preset, spec.dataset,
+                              prompt_texts(list(spec.prompts), spec.prompts_file, spec.dataset, spec.field, spec.limit,
+                                           default="Write a short poem about speculative decoding."))
+    sess = open_session(spec.target, spec.draft, spec.device, spec.dtype, spec.revision, spec.trust_remote_code,
+                        spec.seed, log=log, parallel=spec.target_parallel, cpu_kernels=spec.cpu_kernels, settle=False)
+    for m in sess.notes:
+        note(m)
+    ids = encode_prompts(sess.target.tokenizer, texts, chat=spec.chat)
+    gamma = sess.draft.block_size
+    check_positions(sess.target.model, ids, max_new_tokens, gamma, n["max_new_tokens"])
+    calibration = spec.calibration
+    if calibration is None and (calibration := sess.default_calibration()) is not None:
+        sess.notes.append(f"confidences calibrated with {calibration} (the draft's own; {n['calibration']} to "
+                          "override)")
+        note(sess.notes[-1])
+    policy = spec.policy or default_policy(sess)
+    machine_table = policy.partition(":")[0].strip() in NEEDS_SPS and spec.sps_table is None
+    pol = load_policy(policy, gamma, spec.sps_table, calibration, placeholder=machine_table)
+    cal_notes = calibration_notes(calibration, sess)
+    sess.settle_kernels(say)  # every input is checked: the timing (seconds) is not wasted
+    if machine_table:  # this machine's table, profiled once per machine and pair (engine/sps_cache.py)
+        from dsparkctl.distributed import all_gather
+        from dsparkctl.engine.sps_cache import machine_sps_table
+
+        table = machine_sps_table(sess, say) if world().main else None
+        table = all_gather(table)[0]  # under torchrun every rank plans with rank 0's table
+        pol = load_policy(policy, gamma, None, calibration, sps=table)
+    for m in cal_notes + policy_notes(pol, sess):
+        sess.notes.append(m)
+        note(m)
+    opts = GenerateOptions(
+        sampling=sampling, max_new_tokens=max_new_tokens, batch_size=1 if spec.stream else spec.batch_size,
+        seed=spec.seed, policy=pol, baseline=spec.baseline, repeats=spec.repeats, trace=spec.trace,
+        trace_header=provenance(target=sess.target.name, draft=sess.draft_name, draft_fingerprint=sess.draft.fingerprint(),
+                                dataset=spec.dataset or (str(spec.prompts_file) if spec.prompts_file else "args"),
+                                temperature=temperature, top_p=spec.top_p, top_k=spec.top_k, seed=spec.seed,
+                                device=str(sess.device), dtype=str(sess.dtype).replace("torch.", "")))
+    on_tokens = _text_stream(sess.target.tokenizer, on_text or (lambda r, text: None)) if spec.stream else None
+    progress = (lambda done, total: on_progress(len(ids) * done // total, len(ids))) if on_progress else None
+    return generate_report(sess, ids, opts, on_tokens=on_tokens, on_batch=progress)
+
+
+def check_positions(model: Any, ids: Sequence[Sequence[int]], max_new_tokens: int, block_size: int,
+                    name: str = "max_new_tokens") -> None:
+    """Refuse prompts that would run past the model's positions before any generation starts
+    (`name`: what the message calls max_new_tokens)."""
+    from dsparkctl.engine.profile import position_limit
+
+    limit = position_limit(model)
+    longest = max(len(p) for p in ids)
+    if limit is not None and longest + max_new_tokens + block_size + 1 > limit:
+        raise UsageError(f"the longest prompt ({longest} tokens) + {name} {max_new_tokens} runs past "
+                         f"the target's {limit} positions (max_position_embeddings)",
+                         f"shorten the prompt or use {name} ≤ {max(1, limit - longest - block_size - 1)}")
+
+
+def _text_stream(tokenizer: Any, on_text: Callable[[int, str], None]) -> OnTokens:
+    """Token ids as they arrive -> `on_text(request, the text they add)` (decoded whole each time,
+    so multi-token characters come out right)."""
+    state: dict[int, tuple[list[int], str]] = {}
+
+    def on_tokens(r: int, toks: list[int]) -> None:
+        ids, shown = state.get(r, ([], ""))
+        ids.extend(toks)
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        on_text(r, text[len(shown):])
+        state[r] = (ids, text)
+    return on_tokens

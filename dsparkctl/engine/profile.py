@@ -29,7 +29,8 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -64,14 +65,53 @@ def position_limit(model: torch.nn.Module) -> int | None:
     return None
 
 
-def check_context(model: torch.nn.Module, context_len: int, tokens_per_request: Sequence[int]) -> None:
+def _names(names: Mapping[str, str] | None) -> dict[str, str]:
+    """How messages call the profile's fields: their own names, or what the caller passes (the CLI its flags)."""
+    return {k: k for k in ("requests", "tokens_per_request", "context_len", "repeats", "warmup", "out",
+                           "sglang_out", "plot")} | dict(names or {})
+
+
+def check_context(model: torch.nn.Module, context_len: int, tokens_per_request: Sequence[int],
+                  names: Mapping[str, str] | None = None) -> None:
     """Refuse a grid that runs past the model's positions: context + the longest step must fit."""
+    n = _names(names)
     limit = position_limit(model)
     need = context_len + max(tokens_per_request)
     if limit is not None and need > limit:
-        raise UsageError(f"--context-len {context_len} + {max(tokens_per_request)} tokens per request = {need} "
+        raise UsageError(f"{n['context_len']} {context_len} + {max(tokens_per_request)} tokens per request = {need} "
                          f"positions, beyond the model's {limit} (max_position_embeddings)",
-                         f"use --context-len ≤ {limit - max(tokens_per_request)}")
+                         f"use {n['context_len']} ≤ {limit - max(tokens_per_request)}")
+
+
+def check_verify_width(block_size: int, tokens_per_request: Sequence[int],
+                       names: Mapping[str, str] | None = None) -> None:
+    """Refuse whole steps that verify more tokens per request than the draft proposes + 1."""
+    n = _names(names)
+    if max(tokens_per_request) > block_size + 1:
+        raise UsageError(f"{n['tokens_per_request']} {max(tokens_per_request)} verifies more than the draft's "
+                         f"γ={block_size} drafts + 1", f"use tokens per request ≤ {block_size + 1}")
+
+
+def check_grid(requests: Sequence[int], tokens: Sequence[int], names: Mapping[str, str] | None = None) -> None:
+    """Refuse a grid with one batch-token count: SGLang reads a one-probe table as uninitialised."""
+    n = _names(names)
+    if len({r * t for r in requests for t in tokens}) < 2:
+        raise UsageError(f"the grid {n['requests']} {','.join(map(str, requests))} × {n['tokens_per_request']} "
+                         f"{','.join(map(str, tokens))} gives one batch-token count; SGLang treats a one-probe "
+                         "table as uninitialised (it verifies every draft)",
+                         f"profile at least two batch-token counts, e.g. {n['tokens_per_request']} 1,2,4,6")
+
+
+def check_batch_tokens(requests: Sequence[int], tokens: Sequence[int], context_len: int,
+                       limit: int = 1 << 22, names: Mapping[str, str] | None = None) -> None:
+    """Refuse a profiling grid whose largest batch (requests × (context + tokens)) would not fit a
+    sane allocation (`limit` token positions, 4M by default): one line before any model loads."""
+    n = _names(names)
+    worst = max(requests) * (context_len + max(tokens))
+    if worst > limit:
+        raise UsageError(f"{n['requests']} {max(requests)} with {n['context_len']} {context_len} and {max(tokens)} "
+                         f"tokens per request is {worst:,} token positions in one batch (at most {limit:,})",
+                         "profile fewer requests or a shorter context")
 
 
 @torch.no_grad()
@@ -117,9 +157,7 @@ def profile_whole_step(engine: Any, requests: Sequence[int], tokens_per_request:
     """Time draft + schedule + verify + context update (a SpeculativeEngine's round) per grid
     point, and the plain step (no draft) per request count."""
     gamma = engine.draft.block_size
-    if max(tokens_per_request) > gamma + 1:
-        raise UsageError(f"--tokens-per-request {max(tokens_per_request)} verifies more than the draft's "
-                         f"γ={gamma} drafts + 1", f"use tokens per request ≤ {gamma + 1}")
+    check_verify_width(gamma, tokens_per_request)
     check_context(engine.target.model, context_len, tokens_per_request)
     gen = torch.Generator().manual_seed(seed)
     tgt, drf = engine.target, engine.draft
@@ -214,3 +252,103 @@ def _contradiction(p: SPSPoint, fitted: float, where: str) -> list[str]:
         return []
     return [f"{where}: raw median {p.median_ms:.2f} ms, fit {fitted:.2f} ms, beyond the repeats' spread "
             f"({max(p.ms) - min(p.ms):.2f} ms); a noisy machine or a kernel switch"]
+
+
+@dataclass(frozen=True)
+class ProfileSpec:
+    """Everything `profile-sps` runs, as the user gave it (`run_profile` checks it)."""
+    out: Path = Path("sps.json")  # our table; the SGLang table and the PNG default beside it
+    sglang_out: Path | None = None  # None: <out stem>.sglang.json
+    plot: Path | None = None  # None: <out stem>.png
+    measure: str = "whole-step"  # one of MEASURES
+    requests: tuple[int, ...] = (1, 2, 4, 8)
+    tokens_per_request: tuple[int, ...] | None = None  # None: 1..γ+1 (whole-step) or 1,2,3,4,6,8
+    context_len: int = 256  # cached context tokens per request
+    repeats: int = 5  # timed repeats per point (median)
+    warmup: int = 2  # untimed warm-up steps per point
+    target: str | None = None  # folder or hub id; None: the embedded model
+    draft: str | None = None  # whole-step only; None: the shipped draft
+    revision: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    cpu_kernels: str = "auto"
+    seed: int = 0
+
+
+def run_profile(spec: ProfileSpec, names: Mapping[str, str] | None = None, *,
+                log: Callable[[str], None] = lambda m: None,
+                on_progress: Callable[[int, int], None] | None = None) -> tuple[dict[str, Any], Any]:
+    """Check the spec (numbers, grid, every output path before any model loads; the grid against
+    the model before kernel timing), profile, fit, write our table, SGLang's and the PNG: (the
+    result document, the SPSTable). `on_progress(done, total)` counts grid points; `names` says
+    how messages call the spec's fields (the CLI passes its flags)."""
+    import functools
+    import itertools
+
+    from dsparkctl.checks import Output, check_outputs, local_inputs
+    from dsparkctl.engine.session import open_session, open_target
+    from dsparkctl.engine.speculative import SpeculativeEngine
+    from dsparkctl.math.policies import parse_policy
+    from dsparkctl.math.sampling import SamplingParams
+    from dsparkctl.plots import plot_sps
+    from dsparkctl.provenance import provenance
+    from dsparkctl.sps_io import save_sps_table
+
+    n = _names(names)
+    whole = spec.measure == "whole-step"
+    if spec.measure not in MEASURES:
+        raise UsageError(f"unknown measure {spec.measure!r}", f"use one of {', '.join(MEASURES)}")
+    if spec.context_len < 1 or spec.repeats < 1 or spec.warmup < 0:
+        raise UsageError(f"{n['context_len']} and {n['repeats']} must be >= 1, {n['warmup']} >= 0",
+                         f"e.g. {n['context_len']} 256 {n['repeats']} 5 {n['warmup']} 2")
+    inputs = local_inputs(target=spec.target, drafts=[spec.draft])
+    check_outputs([Output(spec.out, n["out"])], inputs)  # first: the other names derive from it
+    sg = spec.sglang_out or spec.out.with_name(spec.out.stem + ".sglang.json")
+    png = spec.plot or spec.out.with_suffix(".png")
+    check_outputs([Output(spec.out, n["out"]), Output(sg, n["sglang_out"]), Output(png, n["plot"], "figure")], inputs)
+    reqs = list(spec.requests)
+    toks = list(spec.tokens_per_request) if spec.tokens_per_request is not None else (None if whole else [1, 2, 3, 4, 6, 8])
+    if toks is not None:
+        check_grid(reqs, toks, n)  # before any model loads
+    check_batch_tokens(reqs, toks or [8], spec.context_len, names=n)
+    if whole:
+        sess = open_session(spec.target, spec.draft, spec.device, spec.dtype, spec.revision, seed=spec.seed, log=log,
+                            cpu_kernels=spec.cpu_kernels, settle=False)
+        gamma = sess.draft.block_size
+        if toks is None:
+            toks = list(range(1, gamma + 2))
+            check_grid(reqs, toks, n)
+        check_verify_width(gamma, toks, n)
+    else:
+        sess = open_target(spec.target, spec.device, spec.dtype, spec.revision, log=log, cpu_kernels=spec.cpu_kernels,
+                           settle=False)
+    check_context(sess.target.model, spec.context_len, toks, n)
+    sess.settle_kernels(log)  # every input is checked: the timing is not wasted
+    if whole:
+        engine = SpeculativeEngine(sess.adapter, sess.draft, parse_policy(f"static:{gamma}"), SamplingParams(0.0),
+                                   stop_token_ids=sess.stop_ids)
+        run = functools.partial(profile_whole_step, engine)
+    else:
+        run = functools.partial(profile_sps, sess.plain_adapter())
+    done = itertools.count(1)
+    n_points = len(set(reqs)) * (len(set(toks)) + whole)
+    points = run(reqs, toks, spec.context_len, spec.repeats, spec.warmup, spec.seed,
+                 on_point=(lambda p: on_progress(next(done), n_points)) if on_progress else None)
+    tgt, dev, dt = sess.target, sess.device, str(sess.dtype).replace("torch.", "")
+    drafted = ((str(Path(spec.draft).resolve()) if spec.draft and Path(spec.draft).exists() else sess.draft_name)
+               if whole else None)
+    meta = provenance(target=tgt.name, measures=spec.measure, draft=drafted, device=str(dev), dtype=dt,
+                      cpu_kernels=sess.cpu_kernels, context_len=spec.context_len, repeats=spec.repeats,
+                      warmup=spec.warmup, block_size=gamma if whole else None, conditions=sess.conditions(),
+                      points=[{"requests": p.requests, "tokens_per_request": p.tokens_per_request, "plain": p.plain,
+                               "batch_tokens": p.batch_tokens, "median_ms": round(p.median_ms, 4),
+                               "ms": [round(x, 4) for x in p.ms]} for p in points])
+    table, warnings = fit_table(points, meta)
+    bt, sps = table.batch_tokens, table.steps_per_sec
+    plot_sps(bt, sps, png, f"{tgt.name} on {dev} ({dt}), context {spec.context_len}, {spec.measure}")
+    save_sps_table(table, sg, fmt="sglang")
+    save_sps_table(table, spec.out, fmt="dsparkctl")  # ours last: its presence means all three were written
+    doc = {"table": str(spec.out), "sglang_table": str(sg), "plot": str(png), "measures": spec.measure,
+           "batch_tokens": bt, "steps_per_sec": [round(s, 3) for s in sps],
+           "ms_per_step": [round(1000 / s, 3) for s in sps], "grid": table.grid.to_json(), "warnings": warnings}
+    return doc, table

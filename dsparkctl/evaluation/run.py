@@ -1,7 +1,8 @@
 """`eval-acceptance` as a library call: per dataset and draft, teacher-forced and/or live.
 
-The command validates its options, loads the target and drafts, encodes the prompt sets, calls
-`evaluate_acceptance` once and prints (or writes) the document it returns."""
+`run_evaluation(spec)` checks every input, loads the target and drafts, encodes the prompt sets,
+runs `evaluate_acceptance`, writes the plot and the JSON it was asked for and returns the
+document; the command builds an `EvalSpec` from its options, calls it and prints."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -48,7 +49,8 @@ class EvalOptions:
 
 
 def drafts_under_test(sess: Any, sources: Sequence[str | None], labels: Sequence[str] | None = None,
-                      revision: str | None = None, seed: int = 0) -> tuple[list[DraftUnderTest], list[str]]:
+                      revision: str | None = None, seed: int = 0,
+                      label_name: str = "a label") -> tuple[list[DraftUnderTest], list[str]]:
     """Load each draft (a folder, a hub id, or None for the session's default) against the session's target:
     (drafts, notes to tell the user). A draft's label is given, else its folder name or hub id."""
     from dsparkctl.calibrate import own_calibration
@@ -68,7 +70,7 @@ def drafts_under_test(sess: Any, sources: Sequence[str | None], labels: Sequence
     seen = [d.label for d in drafts]
     twice = sorted({x for x in seen if seen.count(x) > 1})
     if twice:
-        raise UsageError(f"two drafts would both be reported as {twice[0]!r}", "name each with --label")
+        raise UsageError(f"two drafts would both be reported as {twice[0]!r}", f"name each with {label_name}")
     return drafts, notes
 
 
@@ -103,6 +105,91 @@ def trace_paths(trace: Path | None, datasets: Sequence[str], labels: Sequence[st
             taken.add(p)
             out[(ds, label)] = p
     return out
+
+
+@dataclass(frozen=True)
+class EvalSpec:
+    """Everything `eval-acceptance` runs, as the user gave it (`run_evaluation` checks it)."""
+    drafts: tuple[str | None, ...] = ()  # folders or hub ids; (): the shipped draft
+    labels: tuple[str, ...] = ()  # display name per draft (same order); (): folder names or hub ids
+    target: str | None = None  # folder or hub id; None: the embedded model
+    datasets: tuple[str, ...] = ("mt-bench",)  # built-in sets, local files or hub ids
+    field: str | None = None  # prompt field of local files / hub sets
+    limit: int | None = None  # first N prompts of each set
+    preset: str | None = None  # data/prompts.py PRESETS
+    temperature: float | None = None  # None: the preset's, else 0
+    max_new_tokens: int | None = None  # None: the preset's, else 128
+    mode: str = "both"  # one of MODES
+    batch_size: int = 8
+    chat: bool = True  # wrap prompts in the target's chat template
+    plot: Path | None = None  # a Figure-2-style PNG
+    trace: Path | None = None  # live round traces (`trace_paths`)
+    out: Path | None = None  # the document, also written here
+    revision: str | None = None
+    trust_remote_code: bool = False
+    target_parallel: str = "none"
+    cpu_kernels: str = "auto"
+    device: str = "auto"
+    dtype: str = "auto"
+    seed: int = 0
+
+
+def run_evaluation(spec: EvalSpec, names: Mapping[str, str] | None = None, *,
+                   log: Callable[[str], None] = lambda s: None,
+                   note: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """Check the spec (numbers, labels, every output path, prompt files) before any model loads,
+    the drafts' sizes before kernel timing, then evaluate: the eval-acceptance document (also
+    written to `spec.out`; the plot to `spec.plot`). `names` says how messages call the fields
+    max_new_tokens, labels, drafts, out, plot and trace (the CLI passes its flags)."""
+    from dsparkctl.checks import Output, check_outputs, local_inputs
+    from dsparkctl.data.prompts import apply_preset_wrap, encode_prompts, load_prompts, with_preset
+    from dsparkctl.engine.session import open_target
+    from dsparkctl.fsutil import write_json
+
+    n = {k: k for k in ("max_new_tokens", "labels", "drafts", "out", "plot", "trace")} | dict(names or {})
+    preset, temperature, max_new_tokens = with_preset(spec.preset, spec.temperature, spec.max_new_tokens)
+    if max_new_tokens < 1:
+        raise UsageError(f"{n['max_new_tokens']} must be >= 1, got {max_new_tokens}")
+    if spec.mode not in MODES:
+        raise UsageError(f"unknown mode {spec.mode!r}", f"use one of {', '.join(MODES)}")
+    if spec.labels and len(spec.labels) != len(spec.drafts):
+        raise UsageError(f"{n['labels']} must be given once per {n['drafts']}")
+    live = spec.mode != "teacher-forced"
+    sources = spec.drafts or (None,)
+    inputs = local_inputs(*spec.datasets, target=spec.target, drafts=sources)
+    check_outputs([o for o in (Output(spec.out, n["out"]) if spec.out else None,
+                               Output(spec.plot, n["plot"], kind="figure") if spec.plot else None,
+                               Output(spec.trace, n["trace"]) if spec.trace else None) if o is not None], inputs)
+    # prompts first: bad prompt files fail before any model loads
+    texts = {ds: apply_preset_wrap(preset, ds, load_prompts(ds, spec.field, spec.limit)) for ds in spec.datasets}
+    sess = open_target(spec.target, spec.device, spec.dtype, spec.revision, spec.trust_remote_code, log=log,
+                       parallel=spec.target_parallel, cpu_kernels=spec.cpu_kernels, settle=False)
+    drafts, notes = drafts_under_test(sess, sources, spec.labels, spec.revision, spec.seed,
+                                      label_name=n["labels"])
+    if spec.trace is not None and live:  # the per-pair files, checked like the trace itself
+        check_outputs([Output(p, n["trace"]) for p in
+                       trace_paths(spec.trace, spec.datasets, [d.label for d in drafts]).values()], inputs)
+    for m in notes:
+        note(m)
+    gamma = max(d.draft.block_size for d in drafts)
+    if spec.mode != "live" and max_new_tokens <= gamma:
+        raise UsageError(f"{n['max_new_tokens']} {max_new_tokens} leaves no full block of γ={gamma} to score "
+                         "teacher-forced", f"use {n['max_new_tokens']} > {gamma}")
+    lt = sess.target
+    prompts = {ds: encode_prompts(lt.tokenizer, texts[ds], chat=spec.chat) for ds in spec.datasets}
+    opts = EvalOptions(mode=spec.mode, params=SamplingParams(temperature=temperature),
+                       max_new_tokens=max_new_tokens, seed=spec.seed, batch_size=spec.batch_size,
+                       trace=spec.trace if live else None, preset=preset.name if preset else None)
+    sess.settle_kernels(log, tuple(d.draft for d in drafts))  # every input is checked: the timing is not wasted
+    results = evaluate_acceptance(lt.model, lt.name, drafts, prompts, opts, sess.stop_ids, log=log)
+    if spec.plot is not None:
+        if world().main:
+            from dsparkctl.evaluation.plot import plot_acceptance
+            plot_acceptance(results, spec.plot, title=f"{lt.name}, T={temperature}")
+        results["plot"] = str(spec.plot)
+    if spec.out is not None and world().main:
+        write_json(spec.out, results)
+    return results
 
 
 def evaluate_acceptance(model: Any, target_name: str, drafts: Sequence[DraftUnderTest],

@@ -1,4 +1,4 @@
-"""Checks a command runs before any work: every output it will write, and its seed.
+"""Checks a command's library entry runs before any work: every output it will write, and its seed.
 
 A command that computes for minutes and then cannot write its result has wasted the minutes; one
 that writes two of three outputs and fails on the third leaves a mix. So each command names all
@@ -26,7 +26,7 @@ from dsparkctl.fsutil import cannot_create, replace_refusal
 @dataclass(frozen=True)
 class Output:
     path: Path
-    option: str  # the flag that names it, e.g. "--out"
+    option: str  # what messages call it: the CLI passes its flag ("--out"), the library its field name
     kind: str = "file"  # "file" | "figure" | "folder"
 
 
@@ -108,6 +108,6 @@ def local_inputs(*specs: str | Path | None, target: str | None | bool = False,
 SEED_LIMIT = 2 ** 32  # derived seeds (seed · 1_000_003 + cell) stay inside torch's 64-bit range
 
 
-def check_seed(seed: int) -> None:
+def check_seed(seed: int, name: str = "seed") -> None:
     if not 0 <= seed < SEED_LIMIT:
-        raise UsageError(f"--seed {seed} is out of range", hint=f"use an integer in [0, {SEED_LIMIT})")
+        raise UsageError(f"{name} {seed} is out of range", hint=f"use an integer in [0, {SEED_LIMIT})")

@@ -1,0 +1,50 @@
+"""The library entries of generate, eval-acceptance and profile-sps (`run_generate`,
+`run_evaluation`, `run_profile`): each refuses a bad spec before any model loads, in messages
+that name the spec's fields (or what `names` maps them to: the CLI's flags)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dsparkctl.engine.generate import GenerateSpec, run_generate
+from dsparkctl.engine.profile import ProfileSpec, run_profile
+from dsparkctl.errors import UsageError
+from dsparkctl.evaluation.run import EvalSpec, run_evaluation
+
+NO_MODEL = "/nonexistent/no-such-model"  # loading it would be a different error: none is loaded
+
+# (case, entry, spec, names, text of the message)
+CASES = [
+    ("generate: no tokens", run_generate, GenerateSpec(target=NO_MODEL, max_new_tokens=0), None,
+     "max_new_tokens must be >= 1, got 0"),
+    ("generate: no tokens, flag", run_generate, GenerateSpec(target=NO_MODEL, max_new_tokens=0),
+     {"max_new_tokens": "--max-new-tokens"}, "--max-new-tokens must be >= 1, got 0"),
+    ("generate: batch 0", run_generate, GenerateSpec(target=NO_MODEL, batch_size=0), None,
+     "batch_size must be >= 1, got 0"),
+    ("generate: trace is a folder", run_generate, GenerateSpec(target=NO_MODEL, trace=Path("{tmp}")), None,
+     "trace {tmp} is a folder"),
+    ("eval: labels", run_evaluation, EvalSpec(target=NO_MODEL, labels=("a",)), None,
+     "labels must be given once per drafts"),
+    ("eval: no tokens", run_evaluation, EvalSpec(target=NO_MODEL, max_new_tokens=0),
+     {"max_new_tokens": "--max-new-tokens"}, "--max-new-tokens must be >= 1"),
+    ("eval: mode", run_evaluation, EvalSpec(target=NO_MODEL, mode="fast"), None, "unknown mode 'fast'"),
+    ("profile: one probe", run_profile, ProfileSpec(target=NO_MODEL, out=Path("{tmp}/s.json"), requests=(1,),
+                                                    tokens_per_request=(2,)), None,
+     "the grid requests 1 × tokens_per_request 2 gives one batch-token count"),
+    ("profile: repeats", run_profile, ProfileSpec(target=NO_MODEL, out=Path("{tmp}/s.json"), repeats=0),
+     {"context_len": "--context-len", "repeats": "--repeats", "warmup": "--warmup"},
+     "--context-len and --repeats must be >= 1, --warmup >= 0"),
+    ("profile: out is a folder", run_profile, ProfileSpec(target=NO_MODEL, out=Path("{tmp}")), None,
+     "out {tmp} is a folder"),
+]
+
+
+@pytest.mark.parametrize("case,entry,spec,names,text", CASES, ids=[c[0] for c in CASES])
+def test_refused_before_any_model_loads(case, entry, spec, names, text, tmp_path: Path):
+    fields = {k: Path(str(v).format(tmp=tmp_path)) for k, v in vars(spec).items() if isinstance(v, Path)}
+    spec = type(spec)(**{**vars(spec), **fields})
+    with pytest.raises(UsageError) as e:
+        entry(spec, names)
+    assert text.format(tmp=tmp_path) in e.value.one_line(), case
