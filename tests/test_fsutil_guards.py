@@ -192,7 +192,8 @@ def test_extract_never_writes_inside_its_input(tmp_path, dest):
     ("user json", False), ("user json with a format", False), ("symlink to ours", False), ("dangling symlink", False),
     ("fifo", False), ("user text", False), ("nothing", True), ("ours kernel cache", True)])
 def test_the_kernel_choice_cache_writes_only_its_own_file(tmp_path, monkeypatch, kind, written):
-    from dsparkctl.models.cpu_kernels import remember_choice
+    from dsparkctl.engine.kernel_choice import remember_choice
+    from dsparkctl.models.packed_linear import Route
     from tests.tiny_models import tiny_target
 
     path = tmp_path / "k.json"
@@ -203,7 +204,7 @@ def test_the_kernel_choice_cache_writes_only_its_own_file(tmp_path, monkeypatch,
     monkeypatch.setenv("DSPARKCTL_CPU_KERNELS_CACHE", str(path))
     before = snapshot(tmp_path)
     logs: list[str] = []
-    remember_choice(tiny_target("llama"), 2, {}, logs.append)
+    remember_choice(tiny_target("llama"), Route(packed=True, stock_rows=2), {}, logs.append)
     if written:
         assert json.loads(path.read_text())["format"] == "dsparkctl-cpu-kernels/1" and logs == []
     else:
@@ -211,13 +212,14 @@ def test_the_kernel_choice_cache_writes_only_its_own_file(tmp_path, monkeypatch,
 
 
 def test_the_kernel_choice_cache_never_touches_a_device(monkeypatch):
-    from dsparkctl.models.cpu_kernels import remember_choice
+    from dsparkctl.engine.kernel_choice import remember_choice
+    from dsparkctl.models.packed_linear import Route
     from tests.tiny_models import tiny_target
 
     monkeypatch.setenv("DSPARKCTL_CPU_KERNELS_CACHE", "/dev/null")
     st = os.stat("/dev/null")
     logs: list[str] = []
-    remember_choice(tiny_target("llama"), 2, {}, logs.append)
+    remember_choice(tiny_target("llama"), Route(packed=True, stock_rows=2), {}, logs.append)
     assert "is not a regular file" in logs[0] and os.stat("/dev/null").st_rdev == st.st_rdev
     assert not [p for p in os.listdir("/dev") if p.startswith(".null.")]
 

@@ -21,7 +21,7 @@ import torch
 from dsparkctl.evaluation.live import target_continuations
 from dsparkctl.fsutil import atomic_open
 from dsparkctl.math.sampling import SamplingParams
-from dsparkctl.models.cpu_kernels import PackedLinear, kernels_of
+from dsparkctl.models.packed_linear import PackedLinear, route_of
 
 FORMAT = "dsparkctl-continuations/1"
 
@@ -53,7 +53,7 @@ def continuations_key(model: torch.nn.Module, prompts: Sequence[Sequence[int]], 
     if any(isinstance(m, PackedLinear) for m in model.modules()):
         # other kernels, other rounding: near-ties may decode differently, so a cache of their own
         # (and the fingerprint above then sees the parameters left outside the packed linears)
-        doc["kernels"] = kernels_of(model)
+        doc["kernels"] = route_of(model).label
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:24]
 
 
