@@ -344,7 +344,8 @@ def test_a_cached_choice_makes_only_the_copies_it_reads(models, tmp_path, monkey
     _seed_choice(target, rows)
     logs = []
     sess = open_session(str(target), str(draft), "cpu", "fp32", log=logs.append, cpu_kernels="auto")
-    assert not any("timing" in m for m in logs) and sess.cpu_kernels == {0: "packed", 2: "stock<=2,packed"}.get(rows, "stock")
+    assert not any("timing" in m for m in logs)
+    assert sess.cpu_kernels == {0: "packed", 2: "stock<=2,packed"}.get(rows, "stock")
     q = sess.target.model.model.layers[0].self_attn.q_proj
     if rows == STOCK_IN_FILE:  # nothing packed at all, target or draft
         assert type(q) is nn.Linear and not any(isinstance(m, PackedLinear) for m in sess.draft.modules())
@@ -422,3 +423,15 @@ def test_bad_input_fails_before_any_kernel_timing(models, tmp_path, monkeypatch,
     res = CliRunner().invoke(app, [*argv, "--target", str(target), "--draft", str(draft)])
     assert res.exit_code != 0 and "timing" not in res.output, res.output
     assert len(res.output.strip().splitlines()) == 1
+
+
+def test_a_route_is_one_of_three_and_names_itself():
+    from dsparkctl.models.packed_linear import PACKED, Route
+
+    routes = (STOCK, PACKED, Route(packed=True, stock_rows=3))
+    assert [r.label for r in routes] == ["stock", "packed", "stock<=3,packed"]
+    for bad in ({"stock_rows": 2}, {"packed": True, "stock_rows": -1}):  # stock with a row count; negative rows
+        with pytest.raises(ValueError):
+            Route(**bad)
+    with pytest.raises(AttributeError):
+        PACKED.stock_rows = 2  # frozen

@@ -124,7 +124,7 @@ def eval_acceptance(
                        trace=trace if mode != Mode.teacher_forced else None, preset=preset.name if preset else None)
     sess.settle_kernels(lambda s: err.print(s, markup=False), tuple(d.draft for d in drafts))  # inputs checked
     results = evaluate_acceptance(lt.model, lt.name, drafts, prompts, opts, sess.stop_ids,
-                                  log=lambda s: err.print(s, highlight=False))
+                                  log=lambda s: err.print(s, highlight=False), split=sess.split)
     if plot is not None:
         if world().main:
             from dsparkctl.evaluation.plot import plot_acceptance

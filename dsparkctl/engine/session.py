@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 import torch
 
+from dsparkctl.distributed import Split
 from dsparkctl.errors import UsageError
 from dsparkctl.models.draft import DSparkDraft
 from dsparkctl.models.draft_io import load_draft, random_draft
@@ -33,6 +34,12 @@ class Session:
     notes: list[str] = field(default_factory=list)  # things the user must be told (e.g. untrained draft)
     draft_dir: "Path | None" = None  # the local folder the draft was read from (None: random or unknown)
     route: Route | None = STOCK  # how target and draft linears run (models/packed_linear.py); None: auto pending
+
+    @property
+    def split(self) -> Split:
+        """How this session's runs share their work among torchrun ranks: divided, or all together
+        when the ranks hold shards of one target (tensor parallel)."""
+        return Split(replicated=self.target.tensor_parallel)
 
     @property
     def cpu_kernels(self) -> str:

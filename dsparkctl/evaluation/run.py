@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from dsparkctl.distributed import world
+from dsparkctl.distributed import DATA_PARALLEL, Split
 from dsparkctl.errors import UsageError
 from dsparkctl.evaluation.continuations import cached_continuations
 from dsparkctl.evaluation.live import LiveResult, live_rollouts
@@ -97,8 +97,9 @@ def trace_paths(trace: Path | None, datasets: Sequence[str], labels: Sequence[st
 
 def evaluate_acceptance(model: Any, target_name: str, drafts: Sequence[DraftUnderTest],
                         prompts: dict[str, Sequence[Sequence[int]]], opts: EvalOptions, stop_ids: Sequence[int],
-                        log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    """Every draft on every prompt set (dataset name -> prompt ids): the eval-acceptance document."""
+                        log: Callable[[str], None] = lambda s: None, split: Split = DATA_PARALLEL) -> dict[str, Any]:
+    """Every draft on every prompt set (dataset name -> prompt ids): the eval-acceptance document.
+    `split`: how the work is shared among torchrun ranks (the session's `split`)."""
     if opts.mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {opts.mode!r}")
     paths = trace_paths(opts.trace, list(prompts), [d.label for d in drafts])
@@ -113,7 +114,7 @@ def evaluate_acceptance(model: Any, target_name: str, drafts: Sequence[DraftUnde
             stop_ids=stop_ids, seed=opts.seed, batch_size=opts.batch_size,
             trace_path=lambda label, ds=ds: paths.get((ds, label)),
             trace_header={"target": target_name, "dataset": ds, "temperature": t, "seed": opts.seed},
-            log=lambda s: log(f"  {s}"))
+            log=lambda s: log(f"  {s}"), split=split)
     return doc
 
 
@@ -128,7 +129,7 @@ def evaluate_dataset(model: Any, drafts: Sequence[DraftUnderTest], prompts: Sequ
                      params: SamplingParams, max_new_tokens: int, stop_ids: Sequence[int], seed: int,
                      batch_size: int = 8, trace_path: Callable[[str], Path | None] = lambda label: None,
                      trace_header: dict[str, Any] | None = None,
-                     log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+                     log: Callable[[str], None] = lambda s: None, split: Split = DATA_PARALLEL) -> dict[str, Any]:
     """Results for one prompt set: {"prompts": n, "drafts": {label: {"live": ..., "teacher_forced": ...}}}."""
     out: dict[str, Any] = {"prompts": len(prompts), "drafts": {}}
     shared: list[list[int]] | None = None  # target continuations reused by every draft's TF pass
@@ -136,12 +137,12 @@ def evaluate_dataset(model: Any, drafts: Sequence[DraftUnderTest], prompts: Sequ
         r: dict[str, Any] = {"source": d.source, "kind": d.draft.cfg.kind, "block_size": d.draft.block_size}
         conts = None
         if mode in ("live", "both"):
-            tp = trace_path(d.label) if world().main else None  # rank 0 writes the merged trace
+            tp = trace_path(d.label)  # under torchrun rank 0 writes the merged trace (TraceWriter)
             writer = TraceWriter(tp, {**(trace_header or {}), "draft": d.source, "block_size": d.draft.block_size,
                                       "policy": f"static:{d.draft.block_size}"}) if tp else None
             with writer if writer else contextlib.nullcontext():
                 live = live_rollouts(model, d.draft, prompts, params, max_new_tokens, stop_ids, seed, batch_size,
-                                     on_round=writer.write if writer else None)
+                                     on_round=writer.write if writer else None, split=split)
             if writer:
                 r["trace"] = str(tp)
             r["live"] = live_json(live)
@@ -152,14 +153,15 @@ def evaluate_dataset(model: Any, drafts: Sequence[DraftUnderTest], prompts: Sequ
                 if shared is None:
                     t = time.perf_counter()
                     shared, cached = cached_continuations(model, prompts, params, max_new_tokens, stop_ids, seed,
-                                                          batch_size, log=log)  # the target's answers: computed once
+                                                          batch_size, log=log, split=split)  # computed once
                     out["continuation_seconds"] = round(time.perf_counter() - t, 3)
                     out["continuations_from_cache"] = cached
                 conts = shared
             seqs = [list(p) + list(c) for p, c in zip(prompts, conts)]
             t = time.perf_counter()
             with torch.no_grad():
-                tf = evaluate_sequences(d.draft, model, seqs, [len(p) for p in prompts], params, min(batch_size, 8))
+                tf = evaluate_sequences(d.draft, model, seqs, [len(p) for p in prompts], params, min(batch_size, 8),
+                                        split=split)
             secs = time.perf_counter() - t
             r["teacher_forced"] = {**tf.to_json(), "positions": tf.positions, "seconds": round(secs, 3),
                                    "ms_per_position": round(1000 * secs / max(tf.positions, 1), 4),
