@@ -1,7 +1,7 @@
 """What the CPU kernels change: the target's forward over T new tokens, stock vs packed vs auto.
 
 One process holds the embedded target three times: as transformers loads it (stock), with its
-linears packed for oneDNN (`--cpu-kernels packed`, models/cpu_kernels.py), and routed by row count
+linears packed for oneDNN (`--cpu-kernels packed`, models/packed_linear.py), and routed by row count
 to whichever of the two this CPU ran faster (`--cpu-kernels auto`, the default; its choice is
 read from the cache or timed first), with the shipped draft on each. For every T (1 = a plain
 decode step; γ+1 = a static:γ verification) the forwards run interleaved after the same cached

@@ -7,9 +7,12 @@ LOCAL_RANK); without them (a plain process) everything here is a no-op and world
 uses its own GPU (cuda:LOCAL_RANK) or the CPU.
 
 Work is split by units that do not depend on who runs them: prompt batches (each seeded from
-(seed, batch index), engine/run.py), teacher-forced sequences, data parts. Rank 0 gathers the
-pieces in their global order and alone writes files and prints results, so a merged run equals a
-one-process run. Every rank parses the same command line; `check_same_everywhere` proves it by
+(seed, batch index), engine/run.py), teacher-forced sequences, data parts; `Split` is the one
+wrapper that shares them out and merges the parts in their global order (the session's `split`
+shares nothing when the ranks hold shards of one target). Every rank then holds the merged
+result, and the writers are rank-aware (fsutil's atomic writers, the trace writer, print_json:
+rank 0 alone writes and prints), so a merged run equals a one-process run and library code does
+not ask which rank it is. Every rank parses the same command line; `check_same_everywhere` proves it by
 comparing a digest of the arguments, so ranks can never run with different options.
 
 A rank that fails prints its one-line error prefixed by its rank and exits non-zero; torchrun
@@ -50,22 +53,37 @@ class World:
 
 
 _WORLD = World()
-_SPLIT = {"work": True}
 
 
 def world() -> World:
     return _WORLD
 
 
-def replicate_work() -> None:
-    """The ranks hold shards of ONE model (tensor parallel): they must all run the same prompts,
-    so work is no longer split (rank 0 still alone writes and prints)."""
-    _SPLIT["work"] = False
+@dataclass(frozen=True)
+class Split:
+    """How a run's units of work (prompt batches, sequences, data parts) are shared among the
+    ranks: round-robin, each rank its share and the parts merged after (data parallel); or, when
+    the ranks hold shards of ONE model (`--target-parallel tp`, the session's `split`), not at all:
+    every rank runs every unit together. In one process both are the whole work."""
+
+    replicated: bool = False  # True: the ranks hold one model between them and run all units together
+
+    @property
+    def active(self) -> bool:
+        """Whether units are divided among ranks at all (torchrun, not tensor parallel)."""
+        return world().distributed and not self.replicated
+
+    def mine(self, units: Sequence[T]) -> list[T]:
+        """The units this rank runs (round-robin, so uneven work spreads evenly)."""
+        w = world()
+        return list(units)[w.rank::w.size] if self.active else list(units)
+
+    def merged(self, part: T) -> list[T]:
+        """Every rank's part, in rank order, on every rank (just this part when not divided)."""
+        return all_gather(part) if self.active else [part]
 
 
-def split_work() -> bool:
-    """Whether prompts, sequences and data parts are divided among the ranks."""
-    return world().distributed and _SPLIT["work"]
+DATA_PARALLEL = Split()  # the default: ranks divide the units
 
 
 def env_world() -> World:
@@ -157,12 +175,6 @@ def check_same_everywhere(argv: Sequence[str] | None = None) -> None:
         differ = [a for a, h in everyone[0][2] if theirs.get(a) != h] or [a for a in theirs if a not in dict(everyone[0][2])]
         raise UsageError(f"ranks {bad} read other contents than rank 0 from {', '.join(differ) or 'the files named'}",
                          "give every rank the same files (one shared path, or identical copies)")
-
-
-def mine(n: int) -> list[int]:
-    """Indices 0..n-1 this rank works on (round-robin, so uneven work spreads evenly)."""
-    w = world()
-    return list(range(w.rank, n, w.size))
 
 
 def all_gather(obj: T) -> list[T]:

@@ -1,4 +1,9 @@
-"""Atomic file output: write to a temporary sibling, fsync, rename. Nothing half-written."""
+"""Atomic file output: write to a temporary sibling, fsync, rename. Nothing half-written.
+
+Under torchrun every rank runs the same code and holds the same merged results, so the writers
+here write on rank 0 alone (the other ranks run the writing block into os.devnull): library code
+never asks which rank it is. A file each rank writes for itself (its share of a data cache) says
+`each_rank=True`."""
 
 from __future__ import annotations
 
@@ -180,12 +185,26 @@ def temp_dir(parent: str | os.PathLike, name: str, suffix: str = ".partial") -> 
 WRITTEN: list[Path] = []  # every file or folder this process put in place, so an interruption can say so
 
 
+def _writes(each_rank: bool = False) -> bool:
+    """Whether this process writes the run's files: always outside torchrun, rank 0 under it."""
+    if each_rank:
+        return True
+    from dsparkctl.distributed import world
+
+    return world().main
+
+
 @contextlib.contextmanager
-def atomic_open(path: str | os.PathLike, mode: str = "w") -> Iterator[IO[Any]]:
+def atomic_open(path: str | os.PathLike, mode: str = "w", each_rank: bool = False) -> Iterator[IO[Any]]:
     """Open a temporary file next to `path`; on success fsync and rename it over `path`.
 
-    On any exception the temporary file is removed and `path` is left untouched.
+    On any exception the temporary file is removed and `path` is left untouched. Under torchrun
+    only rank 0 writes, unless `each_rank` (see the module's docstring).
     """
+    if not _writes(each_rank):
+        with open(os.devnull, mode) as fh:
+            yield fh
+        return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(path)
@@ -252,11 +271,12 @@ def remove_stale_temps(path: Path) -> list[Path]:
     return removed
 
 
-def write_json(path: str | os.PathLike, obj: Any) -> None:
-    """Atomically write `obj` as indented, strict JSON (non-finite floats become null)."""
+def write_json(path: str | os.PathLike, obj: Any, each_rank: bool = False) -> None:
+    """Atomically write `obj` as indented, strict JSON (non-finite floats become null); under
+    torchrun on rank 0 alone unless `each_rank`."""
     from dsparkctl.strict_json import finite
 
-    with atomic_open(path, "w") as fh:
+    with atomic_open(path, "w", each_rank=each_rank) as fh:
         json.dump(finite(obj), fh, indent=2, sort_keys=False, allow_nan=False)
         fh.write("\n")
 
@@ -269,9 +289,11 @@ def save_figure(fig: Any, path: str | os.PathLike, dpi: int = 120, as_path: str 
     """Atomically save a matplotlib figure (format from the suffix), marked as ours where the
     format has a place for it. An existing file at `path` is replaced only if we wrote it
     (`replace_refusal`); `as_path` is the name the figure will finally have (when `path` is a
-    staging name, see `staged`)."""
+    staging name, see `staged`). Under torchrun on rank 0 alone."""
     from dsparkctl.errors import InputError
 
+    if not _writes():
+        return
     path = Path(path)
     final = Path(as_path) if as_path is not None else path
     why = replace_refusal(final)
@@ -288,12 +310,16 @@ def staged(folder_hint: str | os.PathLike | None = None) -> Iterator[Callable[[s
     beside `final` to write to (with the atomic writers above); when the block ends without an
     error every staged file is renamed onto its final name (renames in one folder need no space,
     so a full disk fails while writing, before any output appears), and folders created for
-    them stay; on an error every staged file, and every folder created for them, is removed."""
+    them stay; on an error every staged file, and every folder created for them, is removed.
+    Under torchrun on rank 0 alone (the writers above write nothing elsewhere)."""
     pairs: list[tuple[Path, Path]] = []
     made: list[Path] = []
+    writes = _writes()
 
     def stage(final: str | os.PathLike) -> Path:
         final = Path(final)
+        if not writes:
+            return final.with_name(f".{final.name}.staged-{os.getpid()}")
         missing = []
         parent = final.parent
         while not parent.exists():
@@ -320,6 +346,14 @@ def staged(folder_hint: str | os.PathLike | None = None) -> Iterator[Callable[[s
         raise
 
 
+def append_line(path: str | os.PathLike, line: str) -> None:
+    """Append one line to a log that grows as a run goes (not atomic: each line is whole on its
+    own); under torchrun on rank 0 alone."""
+    if _writes():
+        with open(path, "a") as fh:
+            fh.write(line + "\n")
+
+
 def seal_dir(folder: str | os.PathLike) -> None:
     """Before a written folder takes its final name: every entry gets the umask's mode (some
     writers, safetensors among them, create files 0600 whatever the umask) and every file is
@@ -334,16 +368,20 @@ def seal_dir(folder: str | os.PathLike) -> None:
 
 
 @contextlib.contextmanager
-def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
+def atomic_dir(path: str | os.PathLike, each_rank: bool = False) -> Iterator[Path]:
     """Yield a temporary folder beside `path`; rename it to `path` on success, delete on failure.
 
-    `path` must not exist yet (callers decide about overwriting before calling).
+    `path` must not exist yet (callers decide about overwriting before calling). Under torchrun
+    only rank 0 puts the folder in place (the others' is deleted), unless `each_rank`.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_dir(path.parent, path.name)
     try:
         yield tmp
+        if not _writes(each_rank):
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
         seal_dir(tmp)
         os.replace(tmp, path)
         WRITTEN.append(path)

@@ -189,7 +189,8 @@ def read_traces(paths: Sequence[str | os.PathLike]) -> list[Trace]:
 
 
 class TraceWriter:
-    """A context manager writing a trace atomically: the file appears only if the block succeeds."""
+    """A context manager writing a trace atomically: the file appears only if the block succeeds.
+    Under torchrun rank 0 alone writes it (`fsutil.atomic_open`); every rank may call `write`."""
 
     def __init__(self, path: str | os.PathLike, header: dict[str, Any]):
         self._cm = atomic_open(path, "w")

@@ -1,4 +1,4 @@
-"""Packed CPU kernels (models/cpu_kernels.py): same products, same greedy outputs, same law.
+"""Packed CPU kernels (models/packed_linear.py, engine/kernel_choice.py): same products, same greedy outputs, same law.
 
 The packed path is what `generate`, `eval-acceptance` and `profile-sps` use on CPU by default,
 so the losslessness tests run again here on a packed target + packed draft.
@@ -21,9 +21,10 @@ from dsparkctl.math.policies import parse_policy
 from dsparkctl.math.sampling import SamplingParams
 from dsparkctl.math.sps import SPSTable
 from dsparkctl.fsutil import current_umask
-from dsparkctl.models.cpu_kernels import (ALWAYS_STOCK, PackedLinear, cache_path, cached_choice, choice_key,
-                                         choose_kernels, kernel_label, kernels_of, pack_linears, packing_supported,
-                                         stock_rows_from, unpack_linears, use_stock_up_to)
+from dsparkctl.engine.kernel_choice import (STOCK_IN_FILE, cache_path, cached_choice, choice_key, choose_kernels,
+                                           route_from, rows_in_file)
+from dsparkctl.models.packed_linear import (EVERY_CALL, STOCK, PackedLinear, pack_linears, packing_supported,
+                                           route_of, unpack_linears, use_stock_up_to)
 from dsparkctl.models.draft_io import random_draft
 from dsparkctl.models.target import TargetAdapter
 from tests.test_engine import PROMPTS, _exact_three_token_distribution, assert_three_tokens_distributed_as
@@ -181,9 +182,9 @@ def test_routing_frees_the_copy_it_never_reads():
     assert not hasattr(q, "weight") and hasattr(model.lm_head, "weight")
     model = tiny_target("llama")
     pack_linears(model, routing=True)
-    use_stock_up_to(model, ALWAYS_STOCK, free=True)  # always stock: the packed copy goes
+    use_stock_up_to(model, EVERY_CALL, free=True)  # always stock: the packed copy goes
     q = model.model.layers[0].self_attn.q_proj
-    assert q.packed.numel() == 0 and kernels_of(model) == "stock"
+    assert q.packed.numel() == 0 and route_of(model) == STOCK
     with torch.no_grad():
         ids = torch.tensor([PROMPTS[0]])
         torch.testing.assert_close(model(ids).logits, tiny_target("llama")(ids).logits, rtol=0, atol=0)
@@ -197,16 +198,17 @@ FLAT = {r: 11 for r in (1, 2, 3, 4, 6, 8)}
     ({"stock": {1: 30, 2: 33, 3: 34, 4: 45, 6: 47, 8: 53}, "packed": {1: 38, 2: 38, 3: 39, 4: 39, 6: 42, 8: 46}}, 3),
     # the first VM: packed faster everywhere
     ({"stock": {1: 80, 2: 134, 3: 164, 4: 143, 6: 150, 8: 149}, "packed": {1: 77, 2: 82, 3: 90, 4: 102, 6: 103, 8: 109}}, 0),
-    ({"stock": {r: 10 for r in FLAT}, "packed": FLAT}, ALWAYS_STOCK),
+    ({"stock": {r: 10 for r in FLAT}, "packed": FLAT}, STOCK_IN_FILE),
     ({"stock": {1: 10, 2: 12, 3: 10, 4: 10, 6: 10, 8: 10}, "packed": FLAT}, 1),
     # stock wins small, packed only ties above: one copy (stock), not two for nothing
     ({"stock": {1: 30, 2: 33, 3: 34, 4: 40, 6: 42, 8: 46}, "packed": {1: 38, 2: 38, 3: 39, 4: 40, 6: 42, 8: 46}},
-     ALWAYS_STOCK),
+     STOCK_IN_FILE),
     ({"stock": {r: 10.9 for r in FLAT}, "packed": FLAT}, 0),  # within the margin: a tie is not a win
 ])
 def test_the_stock_route_ends_where_stock_first_loses(ms, rows):
-    assert stock_rows_from(ms) == rows
-    assert kernel_label(rows) == {0: "packed", ALWAYS_STOCK: "stock"}.get(rows, f"stock<={rows},packed")
+    route = route_from(ms)
+    assert rows_in_file(route) == rows
+    assert route.label == {0: "packed", STOCK_IN_FILE: "stock"}.get(rows, f"stock<={rows},packed")
 
 
 def _routed_llama():
@@ -221,16 +223,16 @@ def test_a_timed_choice_is_cached_for_this_machine_and_model(tmp_path, monkeypat
     monkeypatch.setenv("DSPARKCTL_CPU_KERNELS_CACHE", str(cache))
     model, forward = _routed_llama()
     assert cached_choice(model) is None
-    rows, ms = choose_kernels(model, forward, log=lambda m: None, repeats=2)
-    assert rows == stock_rows_from(ms) and cached_choice(model) == rows
+    route, ms = choose_kernels(model, forward, log=lambda m: None, repeats=2)
+    assert route == route_from(ms) and cached_choice(model) == route
     doc = json.loads(cache.read_text())
     assert doc["format"] == "dsparkctl-cpu-kernels/1"  # the marker: only such a file is ever rewritten
     (entry,) = doc["choices"].values()
-    assert entry["stock_rows"] == rows and set(entry["forward_ms"]) == {"packed", "stock"}
+    assert entry["stock_rows"] == rows_in_file(route) and set(entry["forward_ms"]) == {"packed", "stock"}
     assert cache.stat().st_mode & 0o777 == 0o666 & ~current_umask()
     other = tiny_target("llama")
     other.config._name_or_path = "/somewhere/else"  # the same model read from elsewhere: the same choice
-    assert cached_choice(other) == rows
+    assert cached_choice(other) == route
     torch.set_num_threads(max(1, torch.get_num_threads() - 1) if torch.get_num_threads() > 1 else 2)
     try:
         assert cached_choice(other) is None  # another thread count is another machine, as far as kernels go
@@ -264,9 +266,9 @@ def test_a_damaged_cache_is_never_an_error_and_never_a_wrong_route(tmp_path, mon
     before = cache.read_bytes()
     assert cached_choice(model) is None
     logs = []
-    rows, _ = choose_kernels(model, forward, log=logs.append, repeats=1)  # timed again
+    route, _ = choose_kernels(model, forward, log=logs.append, repeats=1)  # timed again
     if rewritten:
-        assert cached_choice(model) == rows and not any("left as it is" in m for m in logs)
+        assert cached_choice(model) == route and not any("left as it is" in m for m in logs)
     else:
         assert cache.read_bytes() == before and any("left as it is" in m for m in logs)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cpu_kernels.json"]
@@ -309,7 +311,7 @@ def test_unpacking_restores_plain_linears_with_the_same_logits():
         assert torch.equal(model(ids).logits, before)
 
 
-@pytest.mark.parametrize("route", [2, ALWAYS_STOCK])
+@pytest.mark.parametrize("route", [2, EVERY_CALL])
 def test_greedy_identity_on_a_routed_pair(route):
     model = tiny_target("qwen3")
     pack_linears(model, keep=(model.get_output_embeddings(),), routing=True)
@@ -335,16 +337,17 @@ def _seed_choice(model_dir, rows):
     path.write_text(json.dumps(doc))
 
 
-@pytest.mark.parametrize("rows", [0, 2, ALWAYS_STOCK])
+@pytest.mark.parametrize("rows", [0, 2, STOCK_IN_FILE])
 def test_a_cached_choice_makes_only_the_copies_it_reads(models, tmp_path, monkeypatch, rows):
     monkeypatch.setenv("DSPARKCTL_CPU_KERNELS_CACHE", str(tmp_path / "cpu_kernels.json"))
     target, draft = models
     _seed_choice(target, rows)
     logs = []
     sess = open_session(str(target), str(draft), "cpu", "fp32", log=logs.append, cpu_kernels="auto")
-    assert not any("timing" in m for m in logs) and sess.cpu_kernels == kernel_label(rows)
+    assert not any("timing" in m for m in logs)
+    assert sess.cpu_kernels == {0: "packed", 2: "stock<=2,packed"}.get(rows, "stock")
     q = sess.target.model.model.layers[0].self_attn.q_proj
-    if rows == ALWAYS_STOCK:  # nothing packed at all, target or draft
+    if rows == STOCK_IN_FILE:  # nothing packed at all, target or draft
         assert type(q) is nn.Linear and not any(isinstance(m, PackedLinear) for m in sess.draft.modules())
     elif rows == 0:  # packed only: no stock copy kept
         assert isinstance(q, PackedLinear) and not hasattr(q, "weight") and q.stock_rows == 0
@@ -359,9 +362,9 @@ def test_auto_sessions_time_once_then_route_target_and_draft_alike(models, tmp_p
     logs = []
     sess = open_session(str(target), str(draft), "cpu", "fp32", log=logs.append, cpu_kernels="auto")
     assert any("timing" in m for m in logs)
-    assert sess.cpu_kernels == kernel_label(sess.stock_rows) == kernels_of(sess.target.model)
-    if sess.stock_rows < ALWAYS_STOCK:
-        assert {m.stock_rows for m in sess.draft.modules() if isinstance(m, PackedLinear)} == {sess.stock_rows}
+    assert sess.cpu_kernels == sess.route.label and route_of(sess.target.model) == sess.route
+    if sess.route.packed:
+        assert {m.stock_rows for m in sess.draft.modules() if isinstance(m, PackedLinear)} == {sess.route.stock_rows}
     logs.clear()
     again = open_session(str(target), str(draft), "cpu", "fp32", log=logs.append, cpu_kernels="auto")
     assert again.cpu_kernels == sess.cpu_kernels and not any("timing" in m for m in logs)  # cached choice
@@ -374,19 +377,19 @@ def test_auto_sessions_time_once_then_route_target_and_draft_alike(models, tmp_p
 
 def test_a_target_whose_forward_cannot_be_timed_stays_on_stock_kernels(models, tmp_path, monkeypatch):
     monkeypatch.setenv("DSPARKCTL_CPU_KERNELS_CACHE", str(tmp_path / "cpu_kernels.json"))
-    import dsparkctl.engine.session as session
+    import dsparkctl.engine.kernel_choice as kernel_choice
 
     def broken(model):
         def forward(rows):
             raise TypeError("forward() missing 1 required positional argument")
         return forward
-    monkeypatch.setattr(session, "_row_forward", broken)
+    monkeypatch.setattr(kernel_choice, "row_forward", broken)
     target, draft = models
     logs = []
     sess = open_session(str(target), str(draft), "cpu", "fp32", log=logs.append, cpu_kernels="auto")
     assert sess.cpu_kernels == "stock" and any("could not time" in m for m in logs)
     assert not any(isinstance(m, PackedLinear) for m in sess.target.model.modules())
-    assert cached_choice(sess.target.model) == ALWAYS_STOCK  # remembered: the next run neither packs nor retries
+    assert cached_choice(sess.target.model) == STOCK  # remembered: the next run neither packs nor retries
 
 
 @pytest.mark.parametrize("cached", [False, True])
@@ -420,3 +423,15 @@ def test_bad_input_fails_before_any_kernel_timing(models, tmp_path, monkeypatch,
     res = CliRunner().invoke(app, [*argv, "--target", str(target), "--draft", str(draft)])
     assert res.exit_code != 0 and "timing" not in res.output, res.output
     assert len(res.output.strip().splitlines()) == 1
+
+
+def test_a_route_is_one_of_three_and_names_itself():
+    from dsparkctl.models.packed_linear import PACKED, Route
+
+    routes = (STOCK, PACKED, Route(packed=True, stock_rows=3))
+    assert [r.label for r in routes] == ["stock", "packed", "stock<=3,packed"]
+    for bad in ({"stock_rows": 2}, {"packed": True, "stock_rows": -1}):  # stock with a row count; negative rows
+        with pytest.raises(ValueError):
+            Route(**bad)
+    with pytest.raises(AttributeError):
+        PACKED.stock_rows = 2  # frozen

@@ -144,3 +144,16 @@ def test_a_failing_rank_ends_the_job_with_its_message(models, tmp_path):
     assert res.returncode != 0
     assert "rank 1 error: injected failure on this rank" in res.stderr
     assert took < 120, f"the job took {took:.0f}s to end"
+
+
+def test_a_split_divides_units_round_robin_unless_the_ranks_share_one_model(monkeypatch):
+    """In process: what `Split` gives rank 1 of 3 (data parallel), and everything when the ranks hold
+    shards of one target (tensor parallel) or in one process."""
+    from dsparkctl import distributed
+    from dsparkctl.distributed import DATA_PARALLEL, Split
+
+    assert DATA_PARALLEL.mine(range(7)) == list(range(7)) and DATA_PARALLEL.merged("p") == ["p"]
+    monkeypatch.setattr(distributed, "_WORLD", distributed.World(rank=1, size=3))
+    assert DATA_PARALLEL.active and DATA_PARALLEL.mine(range(7)) == [1, 4]
+    tp = Split(replicated=True)
+    assert not tp.active and tp.mine(range(7)) == list(range(7)) and tp.merged("p") == ["p"]

@@ -192,7 +192,8 @@ def test_extract_never_writes_inside_its_input(tmp_path, dest):
     ("user json", False), ("user json with a format", False), ("symlink to ours", False), ("dangling symlink", False),
     ("fifo", False), ("user text", False), ("nothing", True), ("ours kernel cache", True)])
 def test_the_kernel_choice_cache_writes_only_its_own_file(tmp_path, monkeypatch, kind, written):
-    from dsparkctl.models.cpu_kernels import remember_choice
+    from dsparkctl.engine.kernel_choice import remember_choice
+    from dsparkctl.models.packed_linear import Route
     from tests.tiny_models import tiny_target
 
     path = tmp_path / "k.json"
@@ -203,7 +204,7 @@ def test_the_kernel_choice_cache_writes_only_its_own_file(tmp_path, monkeypatch,
     monkeypatch.setenv("DSPARKCTL_CPU_KERNELS_CACHE", str(path))
     before = snapshot(tmp_path)
     logs: list[str] = []
-    remember_choice(tiny_target("llama"), 2, {}, logs.append)
+    remember_choice(tiny_target("llama"), Route(packed=True, stock_rows=2), {}, logs.append)
     if written:
         assert json.loads(path.read_text())["format"] == "dsparkctl-cpu-kernels/1" and logs == []
     else:
@@ -211,13 +212,14 @@ def test_the_kernel_choice_cache_writes_only_its_own_file(tmp_path, monkeypatch,
 
 
 def test_the_kernel_choice_cache_never_touches_a_device(monkeypatch):
-    from dsparkctl.models.cpu_kernels import remember_choice
+    from dsparkctl.engine.kernel_choice import remember_choice
+    from dsparkctl.models.packed_linear import Route
     from tests.tiny_models import tiny_target
 
     monkeypatch.setenv("DSPARKCTL_CPU_KERNELS_CACHE", "/dev/null")
     st = os.stat("/dev/null")
     logs: list[str] = []
-    remember_choice(tiny_target("llama"), 2, {}, logs.append)
+    remember_choice(tiny_target("llama"), Route(packed=True, stock_rows=2), {}, logs.append)
     assert "is not a regular file" in logs[0] and os.stat("/dev/null").st_rdev == st.st_rdev
     assert not [p for p in os.listdir("/dev") if p.startswith(".null.")]
 
@@ -313,3 +315,31 @@ def test_an_opaque_writer_failure_on_a_full_disk_is_said_as_a_full_disk(tmp_path
     assert e.errno == errno.ENOSPC and os_error_words(e)[0] == f"the disk is full ({tmp_path})"
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(1 << 40, 0, 1 << 40))
     assert full_disk_error(RuntimeError("x"), tmp_path) is None
+
+
+def test_writers_write_on_rank_zero_alone(tmp_path, monkeypatch):
+    """Under torchrun the other ranks hold the same merged results: fsutil's writers and the trace
+    writer write nothing there (library code never asks its rank); `each_rank` files are written."""
+    from dsparkctl import distributed
+    from dsparkctl.fsutil import append_line, atomic_dir, atomic_open, staged, write_json
+    from dsparkctl.trace import TraceWriter
+
+    monkeypatch.setattr(distributed, "_WORLD", distributed.World(rank=1, size=2))
+    write_json(tmp_path / "a.json", {"x": 1})
+    with atomic_open(tmp_path / "b.txt") as fh:
+        fh.write("b")
+    with atomic_dir(tmp_path / "c") as tmp:
+        (tmp / "f").write_text("c")
+    with staged() as stage:
+        write_json(stage(tmp_path / "d" / "d.json"), {})
+    append_line(tmp_path / "e.jsonl", "{}")
+    with TraceWriter(tmp_path / "t.jsonl", {}) as w:
+        w.write([])
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    write_json(tmp_path / "mine.json", {"x": 1}, each_rank=True)
+    with atomic_dir(tmp_path / "own", each_rank=True) as tmp:
+        (tmp / "f").write_text("own")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.json", "own"]
+    monkeypatch.setattr(distributed, "_WORLD", distributed.World(rank=0, size=2))
+    write_json(tmp_path / "a.json", {"x": 1})
+    assert json.loads((tmp_path / "a.json").read_text()) == {"x": 1}

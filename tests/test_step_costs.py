@@ -203,7 +203,7 @@ def test_a_damaged_machine_table_is_profiled_again(pair, tmp_path, monkeypatch):
 def test_the_draft_fingerprint_does_not_depend_on_the_kernels():
     """A calibration records the draft's fingerprint; packing the draft's linears for the CPU
     kernels (biases become buffers) must not change it, another draft must."""
-    from dsparkctl.models.cpu_kernels import pack_linears, packing_supported
+    from dsparkctl.models.packed_linear import pack_linears, packing_supported
     from dsparkctl.models.draft_io import random_draft
     from dsparkctl.models.target import TargetAdapter
     from tests.tiny_models import tiny_target

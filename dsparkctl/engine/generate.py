@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from dsparkctl.distributed import world
-from dsparkctl.engine.run import OnTokens, plain_decoder, run_prompts, speculative_decoder
+from dsparkctl.engine.run import OnTokens, PromptsResult, plain_decoder, run_prompts, speculative_decoder
 from dsparkctl.engine.session import Session
 from dsparkctl.engine.speculative import SpeculativeEngine, plain_generate
 from dsparkctl.errors import UsageError
@@ -116,11 +116,11 @@ def generate_report(sess: Session, prompt_ids: Sequence[Sequence[int]], opts: Ge
     engine = SpeculativeEngine(sess.adapter, sess.draft, pol, opts.sampling, stop_token_ids=sess.stop_ids)
     warm_up(sess, prompt_ids[0], gamma)
     writer = TraceWriter(opts.trace, {**opts.trace_header, "block_size": gamma, "policy": pol.spec}) \
-        if opts.trace and world().main else None  # under torchrun rank 0 writes the merged trace
+        if opts.trace else None  # under torchrun rank 0 alone writes the merged trace (TraceWriter)
     with writer if writer else contextlib.nullcontext():
         spec = run_prompts(speculative_decoder(engine, opts.max_new_tokens), prompt_ids, opts.batch_size, opts.seed,
                            sess.device, block_size=gamma, on_round=writer.write if writer else None,
-                           on_tokens=on_tokens, on_batch=on_batch)
+                           on_tokens=on_tokens, on_batch=on_batch, split=sess.split)
     # With repeats, the recorded run above (trace, progress, streaming) is not timed: N clean runs
     # follow, speculative and plain interleaved so drift on a busy machine hits both alike.
     spec_tps = [] if opts.repeats > 1 else [spec.generated / spec.wall_s]
@@ -131,10 +131,11 @@ def generate_report(sess: Session, prompt_ids: Sequence[Sequence[int]], opts: Ge
         if opts.baseline else None
     for _ in range(opts.repeats):
         if len(spec_tps) < opts.repeats:
-            again = run_prompts(spec_decode, prompt_ids, opts.batch_size, opts.seed, sess.device, block_size=gamma)
+            again = run_prompts(spec_decode, prompt_ids, opts.batch_size, opts.seed, sess.device, block_size=gamma,
+                                split=sess.split)
             spec_tps.append(again.generated / again.wall_s)
         if plain_decode is not None:
-            p = run_prompts(plain_decode, prompt_ids, opts.batch_size, opts.seed, sess.device)
+            p = run_prompts(plain_decode, prompt_ids, opts.batch_size, opts.seed, sess.device, split=sess.split)
             plain_tps.append(p.generated / p.wall_s)
             plain = plain or p
     stats = spec.stats

@@ -18,6 +18,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
+from dsparkctl.distributed import DATA_PARALLEL, Split
 from dsparkctl.errors import UsageError
 from dsparkctl.engine.speculative import RequestOutput, RunReport, SpeculativeEngine, plain_generate
 from dsparkctl.math.sampling import SamplingParams
@@ -74,23 +75,21 @@ class PromptsResult:
 def run_prompts(decode: Decoder, prompts: Sequence[Sequence[int]], batch_size: int, seed: int,
                 device: torch.device | str, *, block_size: int | None = None, batches: Sequence[int] | None = None,
                 on_round: OnRound | None = None, on_tokens: OnTokens | None = None,
-                on_batch: Callable[[int, int], None] | None = None) -> PromptsResult:
+                on_batch: Callable[[int, int], None] | None = None, split: Split = DATA_PARALLEL) -> PromptsResult:
     """Decode `prompts` batch by batch (only the batch indices in `batches`, when given).
 
     block_size: the draft's γ when `decode` is speculative (acceptance statistics are merged),
-    None for plain decoding."""
-    from dsparkctl.distributed import all_gather, split_work, world
-
+    None for plain decoding. `split`: how the batches are shared among torchrun ranks (the
+    session's `split`); a divided run hands `on_round` the merged rows once, at the end."""
     ranges = batch_ranges(len(prompts), batch_size)
     todo = list(range(len(ranges))) if batches is None else list(batches)
-    w = world()
-    shard = split_work() and batches is None
+    shard = split.active and batches is None
     if shard:  # under torchrun: this rank's batches; rows are buffered and merged on every rank below
         if on_tokens:
             raise UsageError("streaming tokens is for one process", "drop --stream under torchrun")
-        todo = todo[w.rank::w.size]
+        todo = split.mine(todo)
         rows: list[TraceRound] = []
-        final_on_round, on_round = on_round, rows.extend  # every rank keeps its rows: rank 0 may write them
+        final_on_round, on_round = on_round, rows.extend  # every rank keeps its rows (writers are rank-aware)
     res = PromptsResult(outputs=[None] * len(prompts),
                         stats=AcceptanceStats(block_size=block_size) if block_size else None)
     t0 = time.perf_counter()
@@ -112,8 +111,8 @@ def run_prompts(decode: Decoder, prompts: Sequence[Sequence[int]], batch_size: i
             on_batch(done, len(todo))
     res.wall_s = time.perf_counter() - t0
     if shard:
-        res = _merge(all_gather((res, rows)), len(prompts), block_size)
-        if final_on_round and w.main:
+        res = _merge(split.merged((res, rows)), len(prompts), block_size)
+        if final_on_round:
             final_on_round(res.trace_rows)
     return res
 

@@ -18,10 +18,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from dsparkctl.distributed import DATA_PARALLEL, Split
 from dsparkctl.evaluation.live import target_continuations
 from dsparkctl.fsutil import atomic_open
 from dsparkctl.math.sampling import SamplingParams
-from dsparkctl.models.cpu_kernels import PackedLinear, kernels_of
+from dsparkctl.models.packed_linear import PackedLinear, route_of
 
 FORMAT = "dsparkctl-continuations/1"
 
@@ -53,7 +54,7 @@ def continuations_key(model: torch.nn.Module, prompts: Sequence[Sequence[int]], 
     if any(isinstance(m, PackedLinear) for m in model.modules()):
         # other kernels, other rounding: near-ties may decode differently, so a cache of their own
         # (and the fingerprint above then sees the parameters left outside the packed linears)
-        doc["kernels"] = kernels_of(model)
+        doc["kernels"] = route_of(model).label
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:24]
 
 
@@ -107,11 +108,10 @@ def cache_problem(folder: Path | None = None) -> str | None:
 
 def cached_continuations(model: torch.nn.Module, prompts: Sequence[Sequence[int]], params: SamplingParams,
                          max_new_tokens: int, stop_ids: Sequence[int], seed: int = 0,
-                         batch_size: int = 8, log: Callable[[str], None] = lambda s: None
-                         ) -> tuple[list[list[int]], bool]:
+                         batch_size: int = 8, log: Callable[[str], None] = lambda s: None,
+                         split: Split = DATA_PARALLEL) -> tuple[list[list[int]], bool]:
     """(continuations, from_cache). A damaged entry is discarded and recomputed, with a note; a
     cache that cannot be written is said before the work, and the result is still returned."""
-    from dsparkctl.distributed import world
     from dsparkctl.fsutil import replace_refusal
 
     key = continuations_key(model, prompts, params, max_new_tokens, stop_ids, seed, batch_size)
@@ -123,11 +123,11 @@ def cached_continuations(model: torch.nn.Module, prompts: Sequence[Sequence[int]
         return conts, True
     if why:
         log(f"note: the cached continuations {path} {why}; recomputing them")
-    problem = cache_problem() if world().main else None
+    problem = cache_problem()
     if problem:
         log(f"note: continuations cannot be cached ({problem}); computing them without the cache")
-    conts = target_continuations(model, prompts, params, max_new_tokens, stop_ids, seed, batch_size)
-    if world().main and not problem:
+    conts = target_continuations(model, prompts, params, max_new_tokens, stop_ids, seed, batch_size, split)
+    if not problem:  # under torchrun rank 0 alone writes (fsutil.atomic_open)
         refusal = replace_refusal(path, ours=lambda p: True)  # our folder: any regular file there is an entry
         if refusal:
             log(f"note: {path} {refusal}; left as it is, continuations not cached")

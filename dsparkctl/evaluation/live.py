@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from dsparkctl.distributed import DATA_PARALLEL, Split
 from dsparkctl.engine.run import plain_decoder, run_prompts, speculative_decoder
 from dsparkctl.engine.speculative import SpeculativeEngine
 from dsparkctl.math.policies import parse_policy
@@ -37,19 +38,19 @@ class LiveResult:
 def live_rollouts(model: torch.nn.Module, draft: DSparkDraft, prompts: Sequence[Sequence[int]],
                   params: SamplingParams, max_new_tokens: int, stop_ids: Sequence[int], seed: int = 0,
                   batch_size: int = 8, on_round: Callable[[list[TraceRound]], None] | None = None,
-                  on_batch: Callable[[int, int], None] | None = None) -> LiveResult:
+                  on_batch: Callable[[int, int], None] | None = None, split: Split = DATA_PARALLEL) -> LiveResult:
     adapter = TargetAdapter(model, layer_ids=draft.cfg.target_layer_ids)
     engine = SpeculativeEngine(adapter, draft, parse_policy(f"static:{draft.block_size}"), params, stop_ids)
     res = run_prompts(speculative_decoder(engine, max_new_tokens), prompts, batch_size, seed, adapter.device,
-                      block_size=draft.block_size, on_round=on_round, on_batch=on_batch)
+                      block_size=draft.block_size, on_round=on_round, on_batch=on_batch, split=split)
     return LiveResult(stats=res.stats, continuations=[o.tokens for o in res.outputs], seconds=res.wall_s)
 
 
 def target_continuations(model: torch.nn.Module, prompts: Sequence[Sequence[int]], params: SamplingParams,
                          max_new_tokens: int, stop_ids: Sequence[int], seed: int = 0,
-                         batch_size: int = 8) -> list[list[int]]:
+                         batch_size: int = 8, split: Split = DATA_PARALLEL) -> list[list[int]]:
     """Plain target decoding (for teacher-forced evaluation without a live run)."""
     adapter = TargetAdapter(model)
     res = run_prompts(plain_decoder(adapter, max_new_tokens, params, stop_ids), prompts, batch_size, seed,
-                      adapter.device)
+                      adapter.device, split=split)
     return [o.tokens for o in res.outputs]

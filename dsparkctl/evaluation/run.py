@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from dsparkctl.calibrate import confidence_report
-from dsparkctl.distributed import world
+from dsparkctl.distributed import DATA_PARALLEL, Split
 from dsparkctl.errors import UsageError
 from dsparkctl.evaluation.continuations import cached_continuations
 from dsparkctl.evaluation.live import LiveResult, live_rollouts
@@ -181,21 +181,22 @@ def run_evaluation(spec: EvalSpec, names: Mapping[str, str] | None = None, *,
                        max_new_tokens=max_new_tokens, seed=spec.seed, batch_size=spec.batch_size,
                        trace=spec.trace if live else None, preset=preset.name if preset else None)
     sess.settle_kernels(log, tuple(d.draft for d in drafts))  # every input is checked: the timing is not wasted
-    results = evaluate_acceptance(lt.model, lt.name, drafts, prompts, opts, sess.stop_ids, log=log)
-    if spec.plot is not None:
-        if world().main:
-            from dsparkctl.evaluation.plot import plot_acceptance
-            plot_acceptance(results, spec.plot, title=f"{lt.name}, T={temperature}")
+    results = evaluate_acceptance(lt.model, lt.name, drafts, prompts, opts, sess.stop_ids, log=log, split=sess.split)
+    if spec.plot is not None:  # the writers are rank-aware: under torchrun rank 0 writes
+        from dsparkctl.evaluation.plot import plot_acceptance
+
+        plot_acceptance(results, spec.plot, title=f"{lt.name}, T={temperature}")
         results["plot"] = str(spec.plot)
-    if spec.out is not None and world().main:
+    if spec.out is not None:
         write_json(spec.out, results)
     return results
 
 
 def evaluate_acceptance(model: Any, target_name: str, drafts: Sequence[DraftUnderTest],
                         prompts: dict[str, Sequence[Sequence[int]]], opts: EvalOptions, stop_ids: Sequence[int],
-                        log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    """Every draft on every prompt set (dataset name -> prompt ids): the eval-acceptance document."""
+                        log: Callable[[str], None] = lambda s: None, split: Split = DATA_PARALLEL) -> dict[str, Any]:
+    """Every draft on every prompt set (dataset name -> prompt ids): the eval-acceptance document.
+    `split`: how the work is shared among torchrun ranks (the session's `split`)."""
     if opts.mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {opts.mode!r}")
     paths = trace_paths(opts.trace, list(prompts), [d.label for d in drafts])
@@ -210,7 +211,7 @@ def evaluate_acceptance(model: Any, target_name: str, drafts: Sequence[DraftUnde
             stop_ids=stop_ids, seed=opts.seed, batch_size=opts.batch_size,
             trace_path=lambda label, ds=ds: paths.get((ds, label)),
             trace_header={"target": target_name, "dataset": ds, "temperature": t, "seed": opts.seed},
-            log=lambda s: log(f"  {s}"))
+            log=lambda s: log(f"  {s}"), split=split)
     return doc
 
 
@@ -225,7 +226,7 @@ def evaluate_dataset(model: Any, drafts: Sequence[DraftUnderTest], prompts: Sequ
                      params: SamplingParams, max_new_tokens: int, stop_ids: Sequence[int], seed: int,
                      batch_size: int = 8, trace_path: Callable[[str], Path | None] = lambda label: None,
                      trace_header: dict[str, Any] | None = None,
-                     log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+                     log: Callable[[str], None] = lambda s: None, split: Split = DATA_PARALLEL) -> dict[str, Any]:
     """Results for one prompt set: {"prompts": n, "drafts": {label: {"live": ..., "teacher_forced": ...}}}."""
     out: dict[str, Any] = {"prompts": len(prompts), "drafts": {}}
     shared: list[list[int]] | None = None  # target continuations reused by every draft's TF pass
@@ -233,7 +234,7 @@ def evaluate_dataset(model: Any, drafts: Sequence[DraftUnderTest], prompts: Sequ
         r: dict[str, Any] = {"source": d.source, "kind": d.draft.cfg.kind, "block_size": d.draft.block_size}
         conts = None
         if mode in ("live", "both"):
-            tp = trace_path(d.label) if world().main else None  # rank 0 writes the merged trace
+            tp = trace_path(d.label)  # under torchrun rank 0 writes the merged trace (TraceWriter)
             writer = TraceWriter(tp, {**(trace_header or {}), "draft": d.source, "draft_fingerprint": d.draft.fingerprint(),
                                       "block_size": d.draft.block_size,
                                       "policy": f"static:{d.draft.block_size}"}) if tp else None
@@ -246,12 +247,11 @@ def evaluate_dataset(model: Any, drafts: Sequence[DraftUnderTest], prompts: Sequ
 
             with writer if writer else contextlib.nullcontext():
                 live = live_rollouts(model, d.draft, prompts, params, max_new_tokens, stop_ids, seed, batch_size,
-                                     on_round=on_round)
+                                     on_round=on_round, split=split)
             if writer:
                 r["trace"] = str(tp)
             r["live"] = live_json(live)
-            if world().main:  # rank 0 holds every rank's rounds
-                r["live"]["confidence"] = confidence_report(rounds, d.calibration)
+            r["live"]["confidence"] = confidence_report(rounds, d.calibration)  # rank 0 gets every rank's rounds
             conts = live.continuations
             log(f"{d.label}: live τ {live.stats.tau:.3f} in {live.seconds:.1f}s")
         if mode in ("teacher-forced", "both"):
@@ -259,14 +259,15 @@ def evaluate_dataset(model: Any, drafts: Sequence[DraftUnderTest], prompts: Sequ
                 if shared is None:
                     t = time.perf_counter()
                     shared, cached = cached_continuations(model, prompts, params, max_new_tokens, stop_ids, seed,
-                                                          batch_size, log=log)  # the target's answers: computed once
+                                                          batch_size, log=log, split=split)  # computed once
                     out["continuation_seconds"] = round(time.perf_counter() - t, 3)
                     out["continuations_from_cache"] = cached
                 conts = shared
             seqs = [list(p) + list(c) for p, c in zip(prompts, conts)]
             t = time.perf_counter()
             with torch.no_grad():
-                tf = evaluate_sequences(d.draft, model, seqs, [len(p) for p in prompts], params, min(batch_size, 8))
+                tf = evaluate_sequences(d.draft, model, seqs, [len(p) for p in prompts], params, min(batch_size, 8),
+                                        split=split)
             secs = time.perf_counter() - t
             r["teacher_forced"] = {**tf.to_json(), "positions": tf.positions, "seconds": round(secs, 3),
                                    "ms_per_position": round(1000 * secs / max(tf.positions, 1), 4),

@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from dsparkctl.distributed import DATA_PARALLEL, Split
 from dsparkctl.math.sampling import SamplingParams, warp_probs
 from dsparkctl.models.draft import DSparkDraft
 
@@ -179,16 +180,12 @@ def target_forward(model: Any, seqs: Sequence[Sequence[int]], layer_ids: Sequenc
 
 
 def evaluate_sequences(draft: DSparkDraft, model: Any, seqs: Sequence[Sequence[int]], prompt_lens: Sequence[int],
-                       params: SamplingParams, batch_size: int = 8) -> TeacherForcedStats:
+                       params: SamplingParams, batch_size: int = 8, split: Split = DATA_PARALLEL) -> TeacherForcedStats:
     """Teacher-forced statistics of `draft` on target continuations `seqs` (prompt + response ids).
 
-    Under torchrun the sequences are split across ranks and every rank gets the merged result,
-    with sequences in their original order (so intervals are the one-process ones)."""
-    from dsparkctl.distributed import all_gather, split_work, world
-
-    w = world()
-    split = split_work()
-    order = list(range(len(seqs)))[w.rank::w.size] if split else list(range(len(seqs)))
+    Under torchrun the sequences are shared among ranks as `split` says and every rank gets the
+    merged result, with sequences in their original order (so intervals are the one-process ones)."""
+    order = split.mine(range(len(seqs)))
     per_seq: dict[int, torch.Tensor] = {}
     for i in range(0, len(order), batch_size):
         part = order[i: i + batch_size]
@@ -196,9 +193,8 @@ def evaluate_sequences(draft: DSparkDraft, model: Any, seqs: Sequence[Sequence[i
         for j, (feats, logits) in zip(part, fw):
             toks = torch.as_tensor(list(seqs[j]), dtype=torch.long, device=feats.device)
             per_seq[j] = sequence_betas(draft, toks, feats, logits, prompt_lens[j], params)
-    if split:
-        for other in all_gather(per_seq):
-            per_seq.update(other)
+    for other in split.merged(per_seq):
+        per_seq.update(other)
     stats = TeacherForcedStats(block_size=draft.block_size)
     for j in range(len(seqs)):
         stats.add(per_seq[j])

@@ -77,7 +77,7 @@ def embedded_target_dir(log=print) -> Path:
         raise InputError(f"unexpected tensors converting {src.name}: missing={missing} unexpected={unexpected}")
     if out.exists():
         shutil.rmtree(out)
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, each_rank=True) as tmp:  # under torchrun every rank may convert it (same result)
         plain.save_pretrained(tmp)
         tok.save_pretrained(tmp)
     return out

@@ -47,6 +47,7 @@ class LoadedTarget:
     tokenizer: Any
     name: str
     path: Path
+    tensor_parallel: bool = False  # every torchrun rank holds a shard of this one model (`parallel="tp"`)
 
 
 def quiet_transformers() -> None:
@@ -68,7 +69,7 @@ def load_target(spec: str | None, device: torch.device, dtype: torch.dtype, revi
       none        the whole model on `device`
       device-map  one process, layers spread over the visible devices (`device_map="auto"`)
       tp          under torchrun, every rank holds a shard (`tp_plan="auto"`); the ranks then
-                  work on the same prompts together (dsparkctl.distributed.replicate_work)"""
+                  work on the same prompts together (the session's `split`)"""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dsparkctl.models.draft_io import resolve_folder
@@ -88,12 +89,11 @@ def load_target(spec: str | None, device: torch.device, dtype: torch.dtype, revi
     if parallel == "device-map":
         kw["device_map"] = "auto"
     elif parallel == "tp":
-        from dsparkctl.distributed import replicate_work, world
+        from dsparkctl.distributed import world
         if not world().distributed:
             raise UsageError("--target-parallel tp shards the target across torchrun ranks",
                              "launch with torchrun --nproc-per-node N, or use device-map in one process")
         kw["tp_plan"] = "auto"
-        replicate_work()
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=trust_remote_code, **kw)
         tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
@@ -102,7 +102,7 @@ def load_target(spec: str | None, device: torch.device, dtype: torch.dtype, revi
                          "pass a folder with config.json, safetensors weights and a tokenizer") from None
     if parallel == "none":
         model = model.to(device)
-    return LoadedTarget(model=model.eval(), tokenizer=tok, name=name, path=folder)
+    return LoadedTarget(model=model.eval(), tokenizer=tok, name=name, path=folder, tensor_parallel=parallel == "tp")
 
 
 def default_draft_dir() -> Path | None:

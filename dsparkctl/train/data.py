@@ -36,7 +36,7 @@ from typing import Any, Callable
 import torch
 
 from dsparkctl.data.prompts import encode_prompts, load_conversations, load_prompts
-from dsparkctl.distributed import barrier, world
+from dsparkctl.distributed import DATA_PARALLEL, barrier
 from dsparkctl.errors import InputError
 from dsparkctl.fsutil import atomic_open, write_json
 from dsparkctl.train.recipe import Recipe
@@ -300,15 +300,14 @@ def _build_source(recipe: Recipe, model: Any, tokenizer: Any, stop_ids: list[int
             log(f"note: the data cache's {pfile} {why}; rebuilding it (and the parts that depend on it)")
             _discard(pfile, folder)
         items = candidate_items(recipe, tokenizer)
-        write_json(pfile, items)
+        write_json(pfile, items, each_rank=True)  # every rank reads its own data cache
     layer_ids = tuple(recipe.draft.layer_ids)
     bs = d.batch_size
     nb = (d.num_prompts + bs - 1) // bs
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
     seqs: list[Sequence] = []
-    w = world()
-    if w.distributed:  # under torchrun each rank first builds its own share of the missing parts
-        for b in range(w.rank, nb, w.size):
+    if DATA_PARALLEL.active:  # under torchrun each rank first builds its own share of the missing parts
+        for b in DATA_PARALLEL.mine(range(nb)):
             _build_part(recipe, model, tokenizer, stop_ids, folder, items, b, layer_ids, pad, log)
         barrier()
     for b in range(nb):
@@ -456,5 +455,5 @@ def _claim(lock: Path) -> Path:
 def _save(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     from safetensors.torch import save
 
-    with atomic_open(path, "wb") as fh:
+    with atomic_open(path, "wb", each_rank=True) as fh:  # under torchrun each rank writes its share of the parts
         fh.write(save(tensors, metadata={"format": FORMAT}))

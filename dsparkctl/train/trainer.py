@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 
 from dsparkctl.errors import InputError
-from dsparkctl.fsutil import atomic_dir, full_disk_error, write_json
+from dsparkctl.fsutil import append_line, atomic_dir, full_disk_error, write_json
 from dsparkctl.strict_json import finite
 from dsparkctl.models.draft import DSparkDraft
 from dsparkctl.train.data import Sequence
@@ -459,9 +459,7 @@ class Trainer:
                           parts.top1, t4 - ts, {"data": t1 - ts, "forward": t2 - t1, "backward": t3 - t2,
                                                 "optimizer": t4 - t3}, int(batch.valid[:, :, 0].sum()))
             result.logs.append(log)
-            if w.main:
-                with open(self.run_dir / "log.jsonl", "a") as fh:
-                    fh.write(json.dumps(finite(log.to_json()), allow_nan=False) + "\n")
+            append_line(self.run_dir / "log.jsonl", json.dumps(finite(log.to_json()), allow_nan=False))
             out_of_time = max_seconds is not None and time.perf_counter() - t0 >= max_seconds
             if max_seconds is not None and w.distributed:  # every rank stops at the same step
                 out_of_time = bool(all_reduce_sum_(torch.tensor([float(out_of_time)])) > 0)
