@@ -103,11 +103,29 @@ FLAGS = {"max_new_tokens": "--max-new-tokens", "labels": "--label", "drafts": "-
          "plot": "--plot", "trace": "--trace"}  # how the library's messages name the spec's fields
 
 
+def confidence_line(conf: dict[str, Any]) -> str:
+    """The confidence head on the live rounds, per position: AUROC and ECE raw → with the draft's calibration."""
+    def pct(v: Any) -> str:
+        return "-" if v is None else f"{100 * v:.1f}%"
+
+    def num(v: Any) -> str:
+        return "-" if v is None else f"{v:.3f}"
+
+    cal = conf["positions"][0]["calibrated"] is not None
+    parts = [f"{p['position']}: AUROC {num(p['raw']['auroc'])}, ECE {pct(p['raw']['ece'])}"
+             + (f" → {pct(p['calibrated']['ece'])}" if cal else "") for p in conf["positions"]]
+    how = f"ECE raw → with {conf['calibration']}" if cal else "raw (the draft has no calibration.json of its own)"
+    return f"  confidence head on {conf['rounds']} live rounds ({how}): " + "; ".join(parts)
+
+
 def print_results(results: dict[str, Any]) -> None:
     """One table per dataset and draft, how much faster teacher-forced scoring was than live, the plot."""
     for ds, dres in results["datasets"].items():
         for label, r in dres["drafts"].items():
             out.print(result_table(ds, label, r))
+            conf = (r.get("live") or {}).get("confidence")
+            if conf:
+                out.print(confidence_line(conf), markup=False, highlight=False)
             if r.get("speed_ratio_live_over_tf"):
                 out.print(f"  per evaluated position: live {r['live']['ms_per_position']:.3f} ms, teacher-forced "
                           f"{r['teacher_forced']['ms_per_position']:.3f} ms ({r['speed_ratio_live_over_tf']:.1f}x)")

@@ -73,7 +73,7 @@ def serve_config(
             check_draft_destination(folder, overwrite=True)
     own = None
     if calibration is None:  # the draft's own calibration, shipped beside it (checked against it below)
-        from dsparkctl.engine.session import CALIBRATION_NAME
+        from dsparkctl.calibrate import CALIBRATION_NAME
         from dsparkctl.models.loading import default_draft_dir
 
         folder = (default_draft_dir() if draft in (None, "", "default") else

@@ -18,7 +18,6 @@ from dsparkctl.models.packed_linear import PACKED, STOCK, Route, apply_route, pa
 from dsparkctl.models.target import TargetAdapter
 
 CPU_KERNELS = ("auto", "packed", "stock")
-CALIBRATION_NAME = "calibration.json"  # a draft folder's own calibration (generate and serve-config use it by default)
 
 
 @dataclass
@@ -61,20 +60,11 @@ class Session:
     def default_calibration(self) -> "Path | None":
         """`calibration.json` beside the session's draft (`dsparkctl calibrate` output shipped with it),
         when it was fitted for this very draft (its fingerprint); else None."""
-        if self.draft is None or self.draft_dir is None:
+        if self.draft is None:
             return None
-        path = self.draft_dir / CALIBRATION_NAME
-        if not path.is_file():
-            return None
-        from dsparkctl.calibrate import calibration_draft_notes
-        from dsparkctl.errors import InputError
+        from dsparkctl.calibrate import own_calibration
 
-        try:
-            if calibration_draft_notes(path, self.draft.fingerprint()):
-                return None  # it does not say which draft it is for: not applied unasked
-        except InputError:
-            return None
-        return path
+        return own_calibration(self.draft_dir, self.draft.fingerprint())
 
     def plain_adapter(self) -> TargetAdapter:
         """An adapter on the same model without feature taps (for the baseline)."""
