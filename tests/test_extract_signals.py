@@ -154,6 +154,11 @@ def _symlink(folder: Path, out: Path) -> None:
     folder.symlink_to(target)
 
 
+def _damaged_owner(folder: Path, out: Path) -> None:
+    folder.mkdir()
+    (folder / partials.OWNER).write_text("[" * 4000)  # nested deeper than a JSON reader recurses
+
+
 def _a_file(folder: Path, out: Path) -> None:
     folder.write_text("mine")
 
@@ -167,6 +172,7 @@ RULES = [  # (case, builder, removed?, words of the note)
     ("owner file of another tool", _other_tool, False, "not ours"),
     ("a symlink to a claimed folder", _symlink, False, "not a folder"),
     ("a file", _a_file, False, "not a folder"),
+    ("a damaged owner file", _damaged_owner, False, "not ours"),
 ]
 
 
