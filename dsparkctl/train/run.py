@@ -26,9 +26,10 @@ from dsparkctl.train.trainer import (StepLog, Trainer, anchor_range, check_run_f
 
 
 def default_cache_dir() -> Path:
-    from dsparkctl.fsutil import env_path
+    """`train/` of the cache root (fsutil.cache_root): the data cache and the run folders."""
+    from dsparkctl.fsutil import cache_root
 
-    return (env_path("XDG_CACHE_HOME") or Path.home() / ".cache") / "dsparkctl" / "train"  # empty: unset
+    return cache_root() / "train"
 
 
 @contextlib.contextmanager
