@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -14,13 +13,13 @@ from rich.table import Table
 from dsparkctl.cli.checks import Output, check_outputs, local_inputs
 from dsparkctl.cli.common import (check_batch_tokens, CpuKernels, CpuKernelsOpt, DeviceOpt, DraftOpt, DType, DTypeOpt, Device, JsonOpt, RevisionOpt, SeedOpt,
                                   TargetOpt, err, guarded, int_list, out, print_json, progress_bar, styled)
+from dsparkctl.cli.common import choices
+from dsparkctl.engine.profile import MEASURES
 from dsparkctl.errors import UsageError
 from dsparkctl.provenance import provenance
 
 
-class Measure(str, Enum):
-    whole_step = "whole-step"
-    target_forward = "target-forward"
+Measure = choices("Measure", MEASURES)
 
 
 def register(app: typer.Typer) -> None:
