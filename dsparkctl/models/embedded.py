@@ -6,6 +6,7 @@ under the user cache (`fsutil.cache_root`: `$DSPARKCTL_CACHE` or `~/.cache/dspar
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -39,6 +40,25 @@ def gguf_path() -> Path:
     return path
 
 
+@contextlib.contextmanager
+def _no_converter_bar():
+    """transformers' GGUF reader draws its own tqdm bar, which its `disable_progress_bar` does not
+    reach: while we convert, its loop runs without one (our log line says what is happening)."""
+    try:
+        from transformers import modeling_gguf_pytorch_utils as reader
+    except ImportError:
+        reader = None
+    bar = getattr(reader, "tqdm", None)
+    if bar is None:
+        yield
+        return
+    reader.tqdm = lambda iterable, *args, **kwargs: iterable
+    try:
+        yield
+    finally:
+        reader.tqdm = bar
+
+
 def embedded_target_dir(log=print) -> Path:
     """Return the converted folder, converting the GGUF on first use (~15 s, 540 MB)."""
     out = cache_root() / EMBEDDED_NAME
@@ -59,7 +79,8 @@ def embedded_target_dir(log=print) -> Path:
 
     quiet_transformers()
 
-    gguf_model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
+    with _no_converter_bar():
+        gguf_model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
     cfg_dict = gguf_model.config.to_dict()
     cfg_dict.pop("quantization_config", None)
