@@ -238,6 +238,7 @@ def test_json_out_is_strict_and_files_are_strict(d: Path, tmp_path: Path):
     loads(res.stdout)
 
 
+@pytest.mark.slow  # ~4 s
 def test_calibrate_memory_is_bounded_by_the_data(d: Path, tmp_path: Path):
     """Peak RSS of calibrate with absurd --bins (refused) and with the most bins the data allows."""
     code = ("import resource, sys, typer; from dsparkctl.cli import schedule; app = typer.Typer(); "

@@ -20,6 +20,7 @@ from tests.helpers import tiny_recipe
 from tests.tiny_models import save_tiny_target, write_deepspec_draft
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # two torchrun ranks: real processes, 10-30 s a test
 
 
 def run(args: list[str], ranks: int = 1, timeout: int = 240, script: Path | None = None) -> subprocess.CompletedProcess:

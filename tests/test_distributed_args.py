@@ -17,6 +17,7 @@ from tests.helpers import tiny_recipe, write_tiny_prompts
 from tests.tiny_models import save_tiny_target
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # two torchrun ranks: real processes, 10-30 s a test
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):

@@ -67,6 +67,7 @@ def _wait_for_progress(proc: subprocess.Popen, folder: Path, nbytes: int) -> Non
         time.sleep(0.001)
 
 
+@pytest.mark.slow  # kills and reruns extract many times (over a minute)
 def test_killed_extracts_leave_nothing_a_rerun_cannot_clean(big: Path, tmp_path: Path):
     out = tmp_path / "OUT"
     total = sum(big_t.nbytes for big_t in map(open_local(big).tensor, open_local(big).draft_names()))

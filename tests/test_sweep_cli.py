@@ -87,6 +87,7 @@ def test_sweep_accepts_sglang_table_and_static_without_confidence(files):
     assert r["throughput_tok_s"] == pytest.approx(r["tokens_per_step"] * 50 / (25 / 40.0))
 
 
+@pytest.mark.slow  # ~5 s
 def test_audit_command(tmp_path):
     res = runner.invoke(app, ["audit", "--policies", "retrospective,dspark", "--rounds", "20000",
                               "--random-settings", "1", "--json"])
