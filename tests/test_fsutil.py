@@ -8,6 +8,10 @@ from __future__ import annotations
 import errno
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +19,8 @@ from typer.testing import CliRunner
 
 from dsparkctl.cli import common
 from dsparkctl.cli.main import app
-from dsparkctl.fsutil import os_error_words, replace_refusal, staged, write_json, written_by_us
+from dsparkctl.fsutil import (atomic_open, os_error_words, remove_stale_temps, replace_refusal, staged, write_json,
+                              written_by_us)
 from dsparkctl.math.synthetic import SyntheticModel
 from dsparkctl.trace import write_synthetic_trace
 from tests.helpers import snapshot
@@ -270,17 +275,6 @@ def test_every_cache_lives_under_the_one_cache_root(tmp_path, monkeypatch, env, 
     assert sps_cache.cache_dir() == tmp_path / "own"
 
 
-def test_an_unwritable_dsparkctl_cache_is_said_before_the_conversion(tmp_path, monkeypatch):
-    from dsparkctl.errors import InputError
-    from dsparkctl.models import embedded
-
-    (tmp_path / "file").write_text("x")
-    monkeypatch.setenv("DSPARKCTL_CACHE", str(tmp_path / "file" / "cache"))
-    monkeypatch.setattr(embedded, "gguf_path", lambda: tmp_path / "model.gguf")
-    with pytest.raises(InputError, match=f"cannot be converted into {tmp_path}/file/cache/.*is not a folder"):
-        embedded.embedded_target_dir(log=lambda m: pytest.fail("started converting"))
-
-
 @pytest.mark.parametrize("setup,refused", [("user files", True), ("empty", False), ("previous download", False)])
 def test_download_never_writes_into_a_folder_of_the_users(tmp_path, monkeypatch, setup, refused):
     from dsparkctl.checkpoint import hub
@@ -340,3 +334,56 @@ def test_an_opaque_writer_failure_on_a_full_disk_is_said_as_a_full_disk(tmp_path
     assert e.errno == errno.ENOSPC and os_error_words(e)[0] == f"the disk is full ({tmp_path})"
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(1 << 40, 0, 1 << 40))
     assert full_disk_error(RuntimeError("x"), tmp_path) is None
+
+
+# -------- temporary files: a killed writer's are removed by the next write to the same path, a live writer's are
+# not (each writer holds a lock on its temp file; the kernel drops it on SIGKILL)
+ROOT = Path(__file__).resolve().parents[1]
+WRITER = """
+import sys, time
+sys.path.insert(0, {root!r})
+from dsparkctl.fsutil import atomic_open
+with atomic_open({path!r}, "w") as fh:
+    fh.write("partial")
+    fh.flush()
+    print("writing", flush=True)
+    time.sleep(60)
+"""
+
+
+def _writer(path: Path) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", WRITER.format(root=str(ROOT), path=str(path))],
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "writing"
+    return p
+
+
+def temps(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.endswith(".tmp"))
+
+
+def test_sigkilled_writer_leaves_a_temp_that_the_next_write_removes(tmp_path):
+    out = tmp_path / "t.jsonl"
+    p = _writer(out)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    assert len(temps(tmp_path)) == 1 and not out.exists()  # what SIGKILL leaves
+    with atomic_open(out, "w") as fh:
+        fh.write("complete\n")
+    assert out.read_text() == "complete\n" and temps(tmp_path) == []
+
+
+def test_a_live_writers_temp_and_foreign_files_are_left_alone(tmp_path):
+    out = tmp_path / "t.jsonl"
+    p = _writer(out)
+    try:
+        mine = temps(tmp_path)
+        (tmp_path / ".t.jsonl.notes.tmp").write_text("a user's file")  # not our 8-character pattern
+        (tmp_path / ".other.abcd1234.tmp").write_text("another output's temp")
+        assert remove_stale_temps(out) == []
+        assert set(mine) <= set(temps(tmp_path)) and ".t.jsonl.notes.tmp" in temps(tmp_path)
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait()
+    time.sleep(0.1)
+    assert ".other.abcd1234.tmp" in temps(tmp_path)
