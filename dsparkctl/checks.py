@@ -88,16 +88,16 @@ def local_inputs(*specs: str | Path | None, target: str | None | bool = False,
     `target` None/"embedded" is the embedded target's converted folder, a draft None/"default" the
     shipped draft. (Hub ids drop out: their cache is the hub library's.)"""
     from dsparkctl.models.embedded import EMBEDDED_NAME, cache_root
-    from dsparkctl.models.loading import default_draft_dir
+    from dsparkctl.models.loading import default_draft_dir, is_default_draft, is_embedded, names_a_place
 
     named: list[str | Path | None] = list(specs)
     if target is not False:
-        named.append(cache_root() / EMBEDDED_NAME if target in (None, "", "embedded") else target)
+        named.append(cache_root() / EMBEDDED_NAME if is_embedded(target) else target)
     for d in drafts:
-        named.append(default_draft_dir() if d in (None, "", "default") else d)
+        named.append(default_draft_dir() if is_default_draft(d) else d)
     paths = []
     for spec in named:
-        if spec is None or str(spec) in ("", "embedded", "random", "default"):
+        if not names_a_place(spec):
             continue
         p = Path(spec).expanduser()
         if p.exists():

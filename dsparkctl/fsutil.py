@@ -43,9 +43,16 @@ def cannot_create(path: str | os.PathLike) -> str | None:
 
 
 def cache_root() -> Path:
-    """`$DSPARKCTL_CACHE`, else ~/.cache/dsparkctl. An empty variable counts as unset (never the
-    current folder)."""
-    return env_path("DSPARKCTL_CACHE") or Path.home() / ".cache" / "dsparkctl"
+    """The one folder of every cache dsparkctl keeps (the embedded target's conversion, training
+    data and runs, kernel choices, step costs, continuations): `$DSPARKCTL_CACHE`, else
+    `$XDG_CACHE_HOME/dsparkctl`, else ~/.cache/dsparkctl. An empty variable counts as unset
+    (never the current folder)."""
+    return env_path("DSPARKCTL_CACHE") or (env_path("XDG_CACHE_HOME") or Path.home() / ".cache") / "dsparkctl"
+
+
+def cache_path(name: str, override: str) -> Path:
+    """One cache's place: `$<override>` when set, else `cache_root() / name`."""
+    return env_path(override) or cache_root() / name
 
 
 def env_path(name: str) -> Path | None:

@@ -49,6 +49,24 @@ def _boot_id() -> str:
         return ""
 
 
+def pid_alive(pid: object, start: object = None) -> bool:
+    """Whether process `pid` runs on this host. With `start` (its start time, as `me()` records
+    it) only that very process counts, not a later one that was given the same pid. A pid that
+    is not a positive int (a damaged file) is no process; one we may not signal runs."""
+    if type(pid) is not int or pid <= 0:
+        return False
+    if start is not None:
+        ticks = _start_ticks(pid)
+        return ticks is not None and ticks == start
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True
+    return True
+
+
 def me() -> dict:
     """This process as a lock owner."""
     return {"pid": os.getpid(), "start": _start_ticks(os.getpid()), "boot": _boot_id(), "host": socket.gethostname()}
@@ -82,8 +100,8 @@ def holder(lock: Path) -> Holder:
         return Holder(owner, None)
     if owner.get("boot") != _boot_id():
         return Holder(owner, False)  # written before a reboot
-    start = _start_ticks(owner["pid"])
-    return Holder(owner, start is not None and start == owner.get("start"))
+    # a lock written without a start time (no /proc) cannot name its process for sure: stale
+    return Holder(owner, owner.get("start") is not None and pid_alive(owner["pid"], owner["start"]))
 
 
 def claim(lock: Path) -> bool:

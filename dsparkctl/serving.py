@@ -362,7 +362,7 @@ def plan_serving(sess: Any, draft: str | None, target: str | None, target_id: st
     """The SGLang command (with its environment and files) and vLLM's speculative config for the
     session's draft, plus the notes a user must read. Writes the per-engine exports of a
     reduced-vocabulary draft (`export_drafts`) if asked."""
-    from dsparkctl.models.loading import default_draft_dir
+    from dsparkctl.models.loading import default_draft_dir, is_default_draft, is_embedded
 
     d = sess.draft
     gamma = d.block_size
@@ -375,7 +375,7 @@ def plan_serving(sess: Any, draft: str | None, target: str | None, target_id: st
         if not d.cfg.enable_confidence_head:
             raise InputError("the draft has no confidence head, so SGLang ignores an STS file",
                              "drop --calibration, or serve a draft with a confidence head")
-    draft_path = _local(draft) if draft not in (None, "", "default") else str(default_draft_dir())
+    draft_path = _local(draft) if not is_default_draft(draft) else str(default_draft_dir())
     exports = export_drafts(sess, export_full_vocab, export_vllm)
     sglang_draft = exports.get("sglang", draft_path)
     vllm_draft = exports.get("vllm", sglang_draft)
@@ -390,7 +390,7 @@ def plan_serving(sess: Any, draft: str | None, target: str | None, target_id: st
         else:
             notes.append(f"vLLM: the command uses the full-vocabulary copy; --export-vllm DIR writes vLLM's reduced "
                          f"form instead (head {K}/{V} of the cost, the draft's own acceptance)")
-    tid = target_id or (_local(target) if target not in (None, "", "embedded") else None) or (
+    tid = target_id or (_local(target) if not is_embedded(target) else None) or (
         "HuggingFaceTB/SmolLM2-135M-Instruct" if sess.embedded_target else "TARGET")
     dspark = d.cfg.markov_rank > 0
     env, argv = sglang_command(tid, sglang_draft, gamma, dspark,

@@ -16,9 +16,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.helpers import tiny_recipe
 from tests.tiny_models import save_tiny_target, write_deepspec_draft
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # two torchrun ranks: real processes, 10-30 s a test
 
 
 def run(args: list[str], ranks: int = 1, timeout: int = 240, script: Path | None = None) -> subprocess.CompletedProcess:
@@ -82,30 +84,10 @@ def test_eval_acceptance_two_ranks_equals_one(models):
 
 def test_train_two_ranks_times_b_equals_one_rank_times_2b(models):
     recipe = models["dir"] / "r.toml"
-    recipe.write_text(f"""name = "dist"
-[target]
-model = "{models['target']}"
-[draft]
-num_layers = 1
-layer_ids = [0, 2]
-block_size = 3
-markov_rank = 8
-mask_token_id = 2
-[data]
-dataset = "{models['prompts']}"
-num_prompts = 12
-max_new_tokens = 16
-batch_size = 3
-temperature = 1.0
-[optim]
-steps = 6
-checkpoint_every = 6
-batch_sequences = 4
-anchors_per_sequence = 4
-threads = 1
-[eval]
-holdout = 2
-""")
+    recipe.write_text(tiny_recipe(models["target"], models["prompts"], name="dist",
+                                  data={"num_prompts": 12, "max_new_tokens": 16, "batch_size": 3, "temperature": 1.0},
+                                  optim={"steps": 6, "checkpoint_every": 6, "batch_sequences": 4,
+                                         "anchors_per_sequence": 4}))
     c1, c2 = models["dir"] / "c1", models["dir"] / "c2"
     one = run(["train", str(recipe), "--cache-dir", str(c1), "--json"])
     two = run(["train", str(recipe), "--cache-dir", str(c2), "--json"], ranks=2)

@@ -13,43 +13,20 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import tiny_recipe, write_tiny_prompts
 from tests.tiny_models import save_tiny_target
 
 ROOT = Path(__file__).resolve().parents[1]
-
-RECIPE = """name = "tiny"
-[target]
-model = "{target}"
-[draft]
-num_layers = 1
-layer_ids = [0, 2]
-block_size = 3
-markov_rank = 8
-mask_token_id = 2
-[data]
-dataset = "{prompts}"
-num_prompts = 8
-max_new_tokens = 8
-batch_size = 4
-[optim]
-steps = {steps}
-batch_sequences = 2
-anchors_per_sequence = 3
-threads = 1
-[eval]
-holdout = 2
-"""
-
+pytestmark = pytest.mark.slow  # two torchrun ranks: real processes, 10-30 s a test
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     d = tmp_path_factory.mktemp("dargs")
     target = save_tiny_target(d / "target", "llama")
-    prompts = d / "p.txt"
-    prompts.write_text("\n".join(f"w{i} w{i + 1} w{i + 2}" for i in range(3, 40, 3)) + "\n")
+    prompts = write_tiny_prompts(d / "p.txt")
     for rank, steps in ((0, 2), (1, 3)):  # same file name, other folders, other contents
         (d / f"rank{rank}").mkdir()
-        (d / f"rank{rank}" / "r.toml").write_text(RECIPE.format(target=target, prompts=prompts, steps=steps))
+        (d / f"rank{rank}" / "r.toml").write_text(tiny_recipe(target, prompts, optim={"steps": steps}))
     return d
 
 

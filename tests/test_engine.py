@@ -109,6 +109,7 @@ def assert_three_tokens_distributed_as(outputs, exact: torch.Tensor, params) -> 
         assert pval > 1e-3, (name, stat, pval)
 
 
+@pytest.mark.slow  # ~4 s each
 @pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_p=0.9)])
 def test_sampled_output_matches_target_distribution(params):
     """End to end through the engine. Token 1 comes from prefill; tokens 2-3 come from a
@@ -132,6 +133,7 @@ def test_sampled_output_matches_target_distribution(params):
     assert_three_tokens_distributed_as(rep.outputs, _exact_three_token_distribution(model, prompt, params), params)
 
 
+@pytest.mark.slow  # ~3.4 s
 def test_bf16_path_runs_and_stays_greedy_exact():
     """--dtype bf16: draft and target in bf16, verification in fp32 probabilities."""
     model = tiny_target("qwen3").to(torch.bfloat16)

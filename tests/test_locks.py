@@ -57,6 +57,20 @@ def test_wait_for_a_lock(tmp_path, sleeper, case, content, stale):
         assert len(logs) == 1 and logs[0].startswith(f"waiting for process {sleeper.pid}") and lock.exists()
 
 
+@pytest.mark.parametrize("case,pid,start,alive", [
+    ("this process", lambda p: os.getpid(), None, True),
+    ("a live process", lambda p: p.pid, None, True),
+    ("a live process, its start time", lambda p: p.pid, lambda p: locks._start_ticks(p.pid), True),
+    ("a live pid, another start time", lambda p: p.pid, lambda p: 1, False),
+    ("a dead pid", lambda p: 2 ** 22 + 7, None, False),
+    ("not an int (damaged)", lambda p: str(p.pid), None, False),
+    ("zero", lambda p: 0, None, False),
+    ("negative", lambda p: -1, None, False),
+])
+def test_pid_alive(sleeper, case, pid, start, alive):
+    assert locks.pid_alive(pid(sleeper), start(sleeper) if start else None) is alive, case
+
+
 def test_a_wait_ends_when_the_work_is_done(tmp_path, sleeper):
     lock = tmp_path / "l"
     lock.write_text(json.dumps(_owner(sleeper.pid)))

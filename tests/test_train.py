@@ -18,6 +18,7 @@ from dsparkctl.train.loss import dspark_loss, lr_at, position_weights, sparse_l1
 from dsparkctl.train.recipe import load_recipe, parse_overrides
 from dsparkctl.train.run import init_draft
 from dsparkctl.train.trainer import Trainer, make_batch
+from tests.helpers import regenerated_tiny, tiny_recipe, write_tiny_prompts
 from tests.tiny_models import tiny_target
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -132,13 +133,7 @@ def test_position_weights_and_schedule():
 # ------------------------------------------------------------------ data + resume on a tiny target
 @pytest.fixture(scope="module")
 def tiny():
-    model = tiny_target("llama", vocab=64, layers=4)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
-    part = regenerate_part(model, prompts, (0, 2), max_new_tokens=16, temperature=1.0, stop_ids=[1],
-                           pad_id=2, topk=8, generator=torch.Generator().manual_seed(0))
-    return model, prompts, unpack(part, part)
+    return regenerated_tiny()
 
 
 def test_regenerated_features_match_a_full_forward(tiny):
@@ -238,34 +233,10 @@ def test_cli_train_end_to_end_resume_and_export(tmp_path):
     from tests.tiny_models import save_tiny_target
 
     target = save_tiny_target(tmp_path / "target", "llama", vocab=64, layers=4)
-    prompts = tmp_path / "p.txt"
-    prompts.write_text("\n".join(f"w{i} w{i + 1} w{i + 2}" for i in range(3, 40, 3)) + "\n")
+    prompts = write_tiny_prompts(tmp_path / "p.txt")
     recipe = tmp_path / "r.toml"
-    recipe.write_text(f"""name = "tiny"
-[target]
-model = "{target}"
-[draft]
-num_layers = 1
-layer_ids = [0, 2]
-block_size = 3
-markov_rank = 8
-mask_token_id = 2
-[data]
-dataset = "{prompts}"
-num_prompts = 10
-max_new_tokens = 12
-batch_size = 4
-temperature = 1.0
-[optim]
-steps = 4
-checkpoint_every = 2
-keep_checkpoints = [2]
-batch_sequences = 2
-anchors_per_sequence = 3
-threads = 0
-[eval]
-holdout = 2
-""")
+    recipe.write_text(tiny_recipe(target, prompts, data={"num_prompts": 10, "max_new_tokens": 12, "temperature": 1.0},
+                                  optim={"steps": 4, "checkpoint_every": 2, "keep_checkpoints": [2], "threads": 0}))
     cache = tmp_path / "cache"
     args = ["train", str(recipe), "--cache-dir", str(cache), "--json"]
     res = CliRunner().invoke(app, args + ["--max-steps", "2"])

@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from dsparkctl.locks import pid_alive
 from dsparkctl.strict_json import loads
 
 OWNER = ".dsparkctl-owner"
@@ -125,15 +126,15 @@ def _stale_reason(path: Path, out: Path) -> tuple[bool, str]:
             locked = None
         try:
             doc = loads(os.read(fd, 4096))
-        except ValueError:
+        except (OSError, ValueError, RecursionError):  # damaged (e.g. nested too deep): not ours
             doc = None
         if not (isinstance(doc, dict) and doc.get("tool") == "dsparkctl" and doc.get("out") == out.name):
             return False, "its owner file is not ours"
         pid = doc.get("pid")
         if locked is False:
             return False, f"a running extract (pid {pid}) is writing it"
-        if locked is None and not (doc.get("host") == socket.gethostname() and isinstance(pid, int)
-                                   and not _alive(pid)):
+        if locked is None and not (doc.get("host") == socket.gethostname() and isinstance(pid, int) and pid > 0
+                                   and not pid_alive(pid)):
             return False, f"cannot tell whether pid {pid} on {doc.get('host')} still writes it"
         try:
             shutil.rmtree(path)  # never follows symlinks inside
@@ -159,12 +160,3 @@ def _remove_if_old_and_empty(path: Path, st: os.stat_result) -> tuple[bool, str]
         return False, f"could not remove it ({exc.strerror})"
     return True, "empty leftover of a killed run"
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, ValueError):
-        return True
-    return True

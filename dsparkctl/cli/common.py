@@ -21,7 +21,9 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
+from dsparkctl.engine.session import CPU_KERNELS
 from dsparkctl.errors import DsparkError, UsageError
+from dsparkctl.models.loading import DTYPES
 
 # Markup is off on both consoles: user text (paths, prompts, config values) is never parsed as
 # rich markup. Our own styling goes through `styled`, which builds Text objects.
@@ -48,23 +50,15 @@ STATE = {"debug": False}
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-class Device(str, Enum):
-    auto = "auto"
-    cpu = "cpu"
-    cuda = "cuda"
+def choices(name: str, values: Sequence[str]) -> Any:
+    """An option's choice type built from the library's tuple of names (so the two cannot drift);
+    a member is named as its value with "-" as "_" (`Mode.teacher_forced` is "teacher-forced")."""
+    return Enum(name, {v.replace("-", "_"): v for v in values}, type=str)
 
 
-class DType(str, Enum):
-    auto = "auto"
-    fp32 = "fp32"
-    bf16 = "bf16"
-    fp16 = "fp16"
-
-
-class CpuKernels(str, Enum):
-    auto = "auto"
-    packed = "packed"
-    stock = "stock"
+Device = choices("Device", ("auto", "cpu", "cuda"))
+DType = choices("DType", DTYPES)
+CpuKernels = choices("CpuKernels", CPU_KERNELS)
 
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]

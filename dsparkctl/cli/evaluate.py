@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -12,12 +11,11 @@ from rich.table import Table
 from dsparkctl.cli.common import (CpuKernels, CpuKernelsOpt, DeviceOpt, DType, DTypeOpt, Device, JsonOpt, MaxNewTokensOpt, PresetOpt, RevisionOpt,
                                   SeedOpt, TargetOpt, TargetParallelOpt, TemperatureOpt, TrustRemoteCodeOpt, err,
                                   guarded, out, print_json)
+from dsparkctl.cli.common import choices
+from dsparkctl.evaluation.run import MODES
 
 
-class Mode(str, Enum):
-    teacher_forced = "teacher-forced"
-    live = "live"
-    both = "both"
+Mode = choices("Mode", MODES)
 
 
 def register(app: typer.Typer) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -11,11 +10,11 @@ from rich.table import Table
 
 from dsparkctl.cli.common import (CpuKernels, CpuKernelsOpt, DeviceOpt, DraftOpt, DType, DTypeOpt, Device, JsonOpt, RevisionOpt, SeedOpt,
                                   TargetOpt, err, guarded, int_list, out, print_json, progress_bar, styled)
+from dsparkctl.cli.common import choices
+from dsparkctl.engine.profile import MEASURES
 
 
-class Measure(str, Enum):
-    whole_step = "whole-step"
-    target_forward = "target-forward"
+Measure = choices("Measure", MEASURES)
 
 
 def register(app: typer.Typer) -> None:

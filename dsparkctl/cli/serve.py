@@ -41,6 +41,7 @@ def serve_config(
     from dsparkctl.checks import Output, check_outputs, local_inputs
     from dsparkctl.engine.session import open_session
     from dsparkctl.models.draft_io import check_draft_destination
+    from dsparkctl.models.loading import RANDOM_DRAFT, is_default_draft, is_embedded
     from dsparkctl.serving import (check_script_destination, check_target_id, plan_serving,
                                    read_serve_inputs, refuse_control_characters, write_script)
 
@@ -50,10 +51,10 @@ def serve_config(
                                Output(export_vllm, "--export-vllm", "folder") if export_vllm else None)
                    if o is not None],
                   local_inputs(sps_table, calibration, sweep, target=target, drafts=[draft]))
-    if draft == "random":
+    if draft == RANDOM_DRAFT:
         raise UsageError("--draft random is an untrained draft: there is nothing to serve",
                          "pass a trained draft folder or hub id (or omit --draft for the shipped one)")
-    if draft in (None, "", "default") and target not in (None, "", "embedded"):
+    if is_default_draft(draft) and not is_embedded(target):
         raise UsageError("serve-config needs --draft for this target: the shipped draft is the embedded target's",
                          "pass the draft folder or hub id you will serve")
     if export_vllm is not None and export_full_vocab is None:
@@ -76,7 +77,7 @@ def serve_config(
         from dsparkctl.calibrate import CALIBRATION_NAME
         from dsparkctl.models.loading import default_draft_dir
 
-        folder = (default_draft_dir() if draft in (None, "", "default") else
+        folder = (default_draft_dir() if is_default_draft(draft) else
                   Path(draft).expanduser() if Path(draft).expanduser().is_dir() else None)
         if folder is not None and (folder / CALIBRATION_NAME).is_file():
             calibration = own = folder / CALIBRATION_NAME

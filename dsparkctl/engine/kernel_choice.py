@@ -111,11 +111,10 @@ def choose_kernels(model: nn.Module, forward: Callable[[int], object], log: Call
 
 # ------------------------------------------------------------------------------------ the cache
 def cache_path() -> Path:
-    """`$DSPARKCTL_CPU_KERNELS_CACHE`, else `$DSPARKCTL_CACHE/cpu_kernels.json` (~/.cache/dsparkctl);
-    an empty variable counts as unset."""
-    from dsparkctl.fsutil import cache_root, env_path
+    """`$DSPARKCTL_CPU_KERNELS_CACHE`, else `cpu_kernels.json` in the cache root (fsutil.cache_root)."""
+    from dsparkctl.fsutil import cache_path
 
-    return env_path("DSPARKCTL_CPU_KERNELS_CACHE") or cache_root() / CACHE_NAME
+    return cache_path(CACHE_NAME, "DSPARKCTL_CPU_KERNELS_CACHE")
 
 
 def cpu_info() -> dict[str, str]:

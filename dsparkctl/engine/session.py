@@ -12,8 +12,8 @@ from dsparkctl.distributed import Split
 from dsparkctl.errors import UsageError
 from dsparkctl.models.draft import DSparkDraft
 from dsparkctl.models.draft_io import load_draft, random_draft
-from dsparkctl.models.loading import (LoadedTarget, default_draft_dir, load_target, resolve_device,
-                                      resolve_dtype, stop_token_ids)
+from dsparkctl.models.loading import (RANDOM_DRAFT, LoadedTarget, default_draft_dir, is_default_draft, is_embedded,
+                                      load_target, resolve_device, resolve_dtype, stop_token_ids)
 from dsparkctl.models.packed_linear import PACKED, STOCK, Route, apply_route, pack_like, packing_supported, swap_modules
 from dsparkctl.models.target import TargetAdapter
 
@@ -75,9 +75,9 @@ class Session:
         """(draft, display name, notes) for a draft spec, checked against this session's target:
         the shipped default (embedded target), 'random', a folder or a hub id."""
         draft, name, notes = self._load_draft(spec, revision, seed, random_draft_kw)
-        if spec in (None, "", "default") and self.embedded_target:
+        if is_default_draft(spec) and self.embedded_target:
             self.draft_dir = default_draft_dir()
-        elif spec not in (None, "", "default", "random") and Path(str(spec)).expanduser().is_dir():
+        elif not is_default_draft(spec) and spec != RANDOM_DRAFT and Path(str(spec)).expanduser().is_dir():
             self.draft_dir = Path(str(spec)).expanduser()
         if self.route is not None:  # else settle_kernels packs it once the choice is made
             pack_like(draft, self.route)
@@ -107,14 +107,14 @@ class Session:
 
     def _load_draft(self, spec, revision, seed, random_draft_kw):
         probe = TargetAdapter(self.target.model, ())
-        if spec in (None, "", "default"):
+        if is_default_draft(spec):
             shipped = default_draft_dir() if self.embedded_target else None
             if shipped is not None:
                 return load_draft(shipped, probe), f"shipped:{shipped.name}", []
             return (random_draft(probe, seed=seed, **(random_draft_kw or {})), "random-init",
                     ["the draft is freshly initialised (untrained): acceptance will be near zero; "
                      "pass --draft with a trained DeepSpec draft"])
-        if spec == "random":
+        if spec == RANDOM_DRAFT:
             return (random_draft(probe, seed=seed, **(random_draft_kw or {})), "random-init",
                     ["the draft is freshly initialised (untrained) as asked"])
         return load_draft(spec, probe, revision=revision), str(spec), []
@@ -138,7 +138,7 @@ def open_target(target: str | None, device: str = "auto", dtype: str = "auto", r
     tgt = load_target(target, dev, dt, revision=revision, trust_remote_code=trust_remote_code, log=log,
                       parallel=parallel)
     sess = Session(target=tgt, device=dev, dtype=dt, stop_ids=stop_token_ids(tgt.tokenizer, tgt.model),
-                   embedded_target=target in (None, "", "embedded"))
+                   embedded_target=is_embedded(target))
     if cpu_kernels == "packed" and parallel == "none":
         sess.route = apply_route(tgt.model, PACKED, sess._kept())
     elif cpu_kernels == "auto" and parallel == "none" and packing_supported(tgt.model):

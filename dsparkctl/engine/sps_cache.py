@@ -35,12 +35,10 @@ def _key(sess, gamma: int) -> str:
 
 
 def cache_dir() -> Path:
-    """`$DSPARKCTL_SPS_CACHE`, else `$DSPARKCTL_CACHE/sps` (~/.cache/dsparkctl/sps)."""
-    import os
+    """`$DSPARKCTL_SPS_CACHE`, else `sps/` of the cache root (fsutil.cache_root)."""
+    from dsparkctl.fsutil import cache_path
 
-    from dsparkctl.models.embedded import cache_root
-
-    return Path(os.environ["DSPARKCTL_SPS_CACHE"]) if os.environ.get("DSPARKCTL_SPS_CACHE") else cache_root() / "sps"
+    return cache_path("sps", "DSPARKCTL_SPS_CACHE")
 
 
 def cache_path(sess) -> Path:

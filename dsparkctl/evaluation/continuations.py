@@ -28,11 +28,10 @@ FORMAT = "dsparkctl-continuations/1"
 
 
 def cache_dir() -> Path:
-    """`$DSPARKCTL_CONTINUATIONS_CACHE`, else `$DSPARKCTL_CACHE/continuations` (~/.cache/dsparkctl);
-    an empty variable counts as unset."""
-    from dsparkctl.fsutil import cache_root, env_path
+    """`$DSPARKCTL_CONTINUATIONS_CACHE`, else `continuations/` of the cache root (fsutil.cache_root)."""
+    from dsparkctl.fsutil import cache_path
 
-    return env_path("DSPARKCTL_CONTINUATIONS_CACHE") or cache_root() / "continuations"
+    return cache_path("continuations", "DSPARKCTL_CONTINUATIONS_CACHE")
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:

@@ -340,15 +340,25 @@ def random_draft_config(target: Any, *, num_layers: int = 1, block_size: int = 5
     return DraftConfig.from_dict(base, "random draft")
 
 
+@torch.no_grad()
+def init_weights(draft: DSparkDraft, generator: torch.Generator, for_training: bool = False) -> None:
+    """The one random initialisation of a draft: every parameter but the norms (left at one) drawn
+    N(0, 0.02) from `generator`, in parameter order. `for_training`: biases, the Markov output
+    projection W2 and the confidence head start at zero instead (and draw nothing), so training
+    starts from the plain backbone and σ(c) = ½."""
+    for name, p in draft.named_parameters():
+        if name.endswith("norm.weight"):
+            continue
+        if for_training and (name.endswith(".bias") or name == "markov_head.markov_w2.weight"
+                             or name.startswith("confidence_head.")):
+            p.zero_()
+        else:
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.02)
+
+
 def random_draft(target: Any, seed: int = 0, **kw: Any) -> DSparkDraft:
     """A freshly initialised draft for `target` (untrained: for plumbing and tests)."""
-    cfg = random_draft_config(target, **kw)
-    g = torch.Generator().manual_seed(seed)
-    draft = DSparkDraft(cfg)
-    with torch.no_grad():
-        for name, p in draft.named_parameters():
-            if name.endswith("norm.weight"):
-                continue
-            p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    draft = DSparkDraft(random_draft_config(target, **kw))
+    init_weights(draft, torch.Generator().manual_seed(seed))
     draft.share_target_embeddings(target.embed_tokens(), target.lm_head())
     return draft.to(device=target.device, dtype=target.dtype).eval()

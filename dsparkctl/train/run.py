@@ -15,7 +15,7 @@ import torch
 from dsparkctl.distributed import barrier, world
 from dsparkctl.errors import InputError
 from dsparkctl.models.draft import DSparkDraft
-from dsparkctl.models.draft_io import check_draft_destination, load_draft, random_draft_config, save_draft
+from dsparkctl.models.draft_io import check_draft_destination, init_weights, load_draft, random_draft_config, save_draft
 from dsparkctl.models.target import TargetAdapter
 from dsparkctl.provenance import provenance
 from dsparkctl.strict_json import finite
@@ -26,9 +26,10 @@ from dsparkctl.train.trainer import (StepLog, Trainer, anchor_range, check_run_f
 
 
 def default_cache_dir() -> Path:
-    from dsparkctl.fsutil import env_path
+    """`train/` of the cache root (fsutil.cache_root): the data cache and the run folders."""
+    from dsparkctl.fsutil import cache_root
 
-    return (env_path("XDG_CACHE_HOME") or Path.home() / ".cache") / "dsparkctl" / "train"  # empty: unset
+    return cache_root() / "train"
 
 
 @contextlib.contextmanager
@@ -105,16 +106,9 @@ def init_draft(recipe: Recipe, adapter: TargetAdapter, mask_token_id: int) -> DS
                               mask_token_id=mask_token_id, intermediate_size=d.intermediate_size,
                               draft_vocab_size=d.vocab_size)
     draft = DSparkDraft(cfg)
-    g = torch.Generator().manual_seed(recipe.optim.seed)
-    with torch.no_grad():
-        for name, p in draft.named_parameters():
-            if name.endswith("norm.weight"):
-                continue
-            if name.endswith(".bias") or name == "markov_head.markov_w2.weight" or name.startswith("confidence_head."):
-                p.zero_()
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-        if d.init == "target":
+    init_weights(draft, torch.Generator().manual_seed(recipe.optim.seed), for_training=True)
+    if d.init == "target":
+        with torch.no_grad():
             copy_target_layers(draft, adapter.model)
     draft.share_target_embeddings(adapter.embed_tokens(), adapter.lm_head())
     return draft.float()

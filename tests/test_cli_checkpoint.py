@@ -1,6 +1,7 @@
-"""Hostile inputs to `inspect`, `download`, `extract` (issue 12): each case exits non-zero with one
-line naming the file or field, no traceback, nothing hangs, and no file of the user's is left
-or changed. Corrupt safetensors bytes are in test_checkpoint_corrupt.py; this table holds the rest."""
+"""The checkpoint commands (cli/checkpoint.py). Hostile inputs to `inspect`, `download`, `extract`
+(issue 12): each case exits non-zero with one line naming the file or field, no traceback, nothing
+hangs, and no file of the user's is left or changed. Corrupt safetensors bytes are in
+test_safetensors_io.py; this table holds the rest."""
 
 from __future__ import annotations
 

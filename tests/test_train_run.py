@@ -14,38 +14,14 @@ from typer.testing import CliRunner
 from dsparkctl import locks
 from dsparkctl.cli import common
 from dsparkctl.cli.main import app
+from tests.helpers import tiny_recipe, write_tiny_prompts
 from tests.tiny_models import save_tiny_target, write_deepspec_draft
-
-RECIPE = """name = "tiny"
-[target]
-model = "{target}"
-[draft]
-num_layers = 1
-layer_ids = [0, 2]
-block_size = 3
-markov_rank = 8
-mask_token_id = 2
-[data]
-dataset = "{prompts}"
-num_prompts = 8
-max_new_tokens = 8
-batch_size = 4
-[optim]
-steps = 2
-batch_sequences = 2
-anchors_per_sequence = 3
-threads = 1
-init_from = "{init}"
-[eval]
-holdout = 2
-"""
-
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     d = tmp_path_factory.mktemp("trainchecks")
     target = save_tiny_target(d / "target", "llama")
-    (d / "p.txt").write_text("\n".join(f"w{i} w{i + 1} w{i + 2}" for i in range(3, 40, 3)) + "\n")
+    write_tiny_prompts(d / "p.txt")
     write_deepspec_draft(d / "other-vocab", vocab=80, taps=(0, 2), block_size=3)
     write_deepspec_draft(d / "other-width", hidden=48, taps=(0, 2), block_size=3)
     return d, target
@@ -59,7 +35,7 @@ def _one_line(monkeypatch):
 def _recipe(base, tmp_path, init=""):
     d, target = base
     r = tmp_path / "r.toml"
-    r.write_text(RECIPE.format(target=target, prompts=d / "p.txt", init=init))
+    r.write_text(tiny_recipe(target, d / "p.txt", optim={"init_from": str(init)}))
     return r
 
 

@@ -1,30 +1,21 @@
-"""What a hostile review of the finished commands found (issue 12): outputs that overwrite inputs,
-loose draft configs, serve-config's unchecked files, late recipe checks, files written 0600, and
-command-line mistakes printed as a multi-line box. Each case: exit ≠ 0, one `error:` line, and
-the user's files as they were."""
+"""Commands check their inputs and outputs before any work (cli/checks.py), as a hostile review of
+the finished commands found them wanting (issue 12): outputs that overwrite inputs, serve-config's
+unchecked files, late recipe checks. Each case: exit ≠ 0, one `error:` line, and the user's files
+as they were. (Loose draft configs: test_draft_config.py; files written 0600: test_draft_io.py;
+command-line mistakes printed as a box: test_cli_common.py.)"""
 
 from __future__ import annotations
 
 import json
-import re
-import os
-import stat
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from dsparkctl.cli import common
 from dsparkctl.cli.main import app
-from dsparkctl.errors import CheckpointError
-from dsparkctl.models.draft_config import DraftConfig
-from dsparkctl.models.draft_io import load_draft, random_draft, save_draft
-from dsparkctl.models.target import TargetAdapter
 from tests.helpers import snapshot
-from tests.tiny_models import save_tiny_target, tiny_target, write_deepspec_draft
+from tests.tiny_models import save_tiny_target, write_deepspec_draft
 
 runner = CliRunner()
 
@@ -148,100 +139,3 @@ def test_serve_config_notes_another_draft_and_writes_absolute_paths(world, tmp_p
     again = runner.invoke(app, ["serve-config", "--target", "target", "--draft", "draft",
                                 "--out", str(tmp_path / "serve.sh")])
     assert again.exit_code == 0, again.output
-
-
-def _config(tmp_path: Path, **changes) -> Path:
-    folder = write_deepspec_draft(tmp_path / "d", block_size=4, with_embeddings=True)
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg.update(changes)
-    (folder / "config.json").write_text(json.dumps(cfg))
-    return folder
-
-
-CONFIGS = [
-    ("block_size a string", {"block_size": "4"}, "block_size must be an integer"),
-    ("block_size a float", {"block_size": 4.0}, "block_size must be an integer"),
-    ("block_size true", {"block_size": True}, "block_size must be an integer"),
-    ("hidden_size 0", {"hidden_size": 0}, "hidden_size must be >= 1"),
-    ("rms_norm_eps a string", {"rms_norm_eps": "1e-6"}, "rms_norm_eps must be a finite number"),
-    ("rms_norm_eps negative", {"rms_norm_eps": -1e-6}, "must be > 0"),
-    ("confidence flag a string", {"enable_confidence_head": "yes"}, "enable_confidence_head must be true or false"),
-    ("layer ids strings", {"target_layer_ids": ["0", "1"]}, "target_layer_ids must be a list of integers"),
-    ("unknown markov head", {"markov_head_type": "fancy"}, "markov_head_type 'fancy'"),
-    ("mask_token_id null", {"mask_token_id": None}, "missing mask_token_id"),
-    ("text_config a string", {"hidden_size": None, "text_config": "x"}, "text_config must be an object"),
-    ("architectures an object", {"architectures": {"a": 1}}, "architectures must be a list"),
-    ("block_size 10**9", {"block_size": 10 ** 9}, "block_size must be in"),
-    ("rope_theta 1e-300", {"rope_theta": 1e-300}, "rope_theta >= 1"),
-    # checked against the file's shapes before anything is allocated (a 10**12-wide MLP would not fit)
-    ("intermediate_size 10**12", {"intermediate_size": 10 ** 12}, "expected (1000000000000, 32) from config"),
-]
-
-
-@pytest.mark.parametrize("case,changes,needle", CONFIGS, ids=[c[0] for c in CONFIGS])
-def test_draft_config_is_typed(case, changes, needle, tmp_path):
-    folder = _config(tmp_path, **changes)
-    with pytest.raises(CheckpointError, match=re.escape(needle)):
-        load_draft(folder)
-
-
-@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
-def test_draft_config_rejects_non_finite_json(constant, tmp_path):
-    folder = write_deepspec_draft(tmp_path / "d", block_size=4)
-    text = (folder / "config.json").read_text().replace('"rms_norm_eps": 1e-06', f'"rms_norm_eps": {constant}')
-    assert constant in text
-    (folder / "config.json").write_text(text)
-    with pytest.raises(CheckpointError, match="not valid JSON"):
-        load_draft(folder)
-
-
-def test_int32_index_map_is_refused(tmp_path):
-    adapter = TargetAdapter(tiny_target("llama", vocab=64, layers=4))
-    draft = random_draft(adapter, num_layers=1, block_size=4, draft_vocab_size=16)
-    out = save_draft(draft, tmp_path / "reduced")
-    from safetensors.torch import load_file, save_file
-
-    sd = load_file(str(out / "model.safetensors"))
-    sd["draft_vocab_ids"] = sd["draft_vocab_ids"].to(torch.int32)
-    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match="1-D int64"):
-        load_draft(out, target=adapter)
-
-
-def test_saved_draft_honours_the_umask(tmp_path):
-    adapter = TargetAdapter(tiny_target("llama", vocab=64, layers=4))
-    old = os.umask(0o022)
-    try:
-        ours = {"dsparkctl": {"note": "test"}}  # what marks a folder as ours, so it may be replaced
-        out = save_draft(random_draft(adapter, num_layers=1, block_size=4), tmp_path / "d", extra_config=ours)
-        first = {f.name: stat.S_IMODE(f.stat().st_mode) for f in out.iterdir()}
-        again = save_draft(random_draft(adapter, num_layers=1, block_size=4), out, overwrite=True,
-                           extra_config=ours)
-    finally:
-        os.umask(old)
-    assert first == {"model.safetensors": 0o644, "config.json": 0o644}
-    for f in (again / "model.safetensors", again / "config.json"):
-        assert stat.S_IMODE(f.stat().st_mode) == 0o644, f
-
-
-@pytest.mark.parametrize("argv,needle", [
-    (["train", "--max-minutes", "nan"], "Invalid value for '--max-minutes'"),
-    (["profile-sps", "--measure", "bogus"], "Invalid value for '--measure'"),
-    (["train", "--no-such-option"], "No such option: --no-such-option"),
-    (["no-such-command"], "No such command"),
-    (["generate", "--dtype"], "requires an argument. (see 'dsparkctl generate --help')"),
-])
-def test_command_line_mistakes_are_one_line(argv, needle):
-    """Through the real entry point: typer's boxed usage errors become one line, exit 2."""
-    res = subprocess.run([sys.executable, "-m", "dsparkctl", *argv], capture_output=True, text=True, timeout=120)
-    assert res.returncode == 2, res
-    lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], res.stderr
-    assert "╭" not in res.stderr and res.stdout == ""
-
-
-@pytest.mark.parametrize("revision", ["../x", "a b", "", "main/", "x..y", "-rf", "a\nb", "a/.b", "mäin"])
-def test_bad_revision_is_refused_before_any_lookup(revision, monkeypatch):
-    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # were it looked up, the error would be the network
-    res = runner.invoke(app, ["inspect", "org/name", "--revision", revision])
-    assert res.exit_code == 2 and "Invalid value for '--revision'" in res.output, res.output

@@ -67,6 +67,7 @@ def _wait_for_progress(proc: subprocess.Popen, folder: Path, nbytes: int) -> Non
         time.sleep(0.001)
 
 
+@pytest.mark.slow  # kills and reruns extract many times (over a minute)
 def test_killed_extracts_leave_nothing_a_rerun_cannot_clean(big: Path, tmp_path: Path):
     out = tmp_path / "OUT"
     total = sum(big_t.nbytes for big_t in map(open_local(big).tensor, open_local(big).draft_names()))
@@ -154,6 +155,11 @@ def _symlink(folder: Path, out: Path) -> None:
     folder.symlink_to(target)
 
 
+def _damaged_owner(folder: Path, out: Path) -> None:
+    folder.mkdir()
+    (folder / partials.OWNER).write_text("[" * 4000)  # nested deeper than a JSON reader recurses
+
+
 def _a_file(folder: Path, out: Path) -> None:
     folder.write_text("mine")
 
@@ -167,6 +173,7 @@ RULES = [  # (case, builder, removed?, words of the note)
     ("owner file of another tool", _other_tool, False, "not ours"),
     ("a symlink to a claimed folder", _symlink, False, "not a folder"),
     ("a file", _a_file, False, "not a folder"),
+    ("a damaged owner file", _damaged_owner, False, "not ours"),
 ]
 
 

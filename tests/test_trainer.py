@@ -13,22 +13,16 @@ from safetensors.torch import load_file, save_file
 
 from dsparkctl.errors import InputError
 from dsparkctl.models.target import TargetAdapter
-from dsparkctl.train.data import regenerate_part, unpack
 from dsparkctl.train.recipe import load_recipe
 from dsparkctl.train.run import init_draft
 from dsparkctl.train.trainer import Trainer
-from tests.tiny_models import tiny_target
+from tests.helpers import regenerated_tiny
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    model = tiny_target("llama", vocab=64, layers=4)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
-    part = regenerate_part(model, prompts, (0, 2), max_new_tokens=16, temperature=1.0, stop_ids=[1],
-                           pad_id=2, topk=8, generator=torch.Generator().manual_seed(0))
-    return model, unpack(part, part)
+    model, _, seqs = regenerated_tiny()
+    return model, seqs
 
 
 def _trainer(model, seqs, run_dir, extra=()):

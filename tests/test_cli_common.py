@@ -1,7 +1,11 @@
-"""Numbers in option lists are bounded where they are parsed (issue 20, class 4): a typo such as
---requests 1,99999999999 is one usage line, exit 2, before any model loads."""
+"""Shared CLI plumbing (cli/common.py). Numbers in option lists are bounded where they are parsed
+(issue 20, class 4): a typo such as --requests 1,99999999999 is one usage line, exit 2, before any
+model loads; typer's own usage errors are one line too."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 from typer.testing import CliRunner
@@ -44,3 +48,30 @@ def test_through_the_cli(tmp_path, monkeypatch, argv, message):
     assert r.exit_code == 2 and r.output.startswith("error:") and len(r.output.strip().splitlines()) == 1, r.output
     assert message in r.output
     assert list(tmp_path.iterdir()) == []
+
+
+# -------- typer's own usage errors, one line each
+runner = CliRunner()
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["train", "--max-minutes", "nan"], "Invalid value for '--max-minutes'"),
+    (["profile-sps", "--measure", "bogus"], "Invalid value for '--measure'"),
+    (["train", "--no-such-option"], "No such option: --no-such-option"),
+    (["no-such-command"], "No such command"),
+    (["generate", "--dtype"], "requires an argument. (see 'dsparkctl generate --help')"),
+])
+def test_command_line_mistakes_are_one_line(argv, needle):
+    """Through the real entry point: typer's boxed usage errors become one line, exit 2."""
+    res = subprocess.run([sys.executable, "-m", "dsparkctl", *argv], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], res.stderr
+    assert "╭" not in res.stderr and res.stdout == ""
+
+
+@pytest.mark.parametrize("revision", ["../x", "a b", "", "main/", "x..y", "-rf", "a\nb", "a/.b", "mäin"])
+def test_bad_revision_is_refused_before_any_lookup(revision, monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # were it looked up, the error would be the network
+    res = runner.invoke(app, ["inspect", "org/name", "--revision", revision])
+    assert res.exit_code == 2 and "Invalid value for '--revision'" in res.output, res.output

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from dsparkctl.errors import InputError
 from dsparkctl.train.data import build_dataset, data_dir
 from dsparkctl.train.recipe import load_recipe
+from tests.helpers import write_tiny_prompts
 from tests.tiny_models import save_tiny_target
 
 
@@ -24,8 +25,7 @@ def setup(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("data")
     target = save_tiny_target(d / "target", "llama")
-    prompts = d / "p.txt"
-    prompts.write_text("\n".join(f"w{i} w{i + 1} w{i + 2}" for i in range(3, 30, 3)) + "\n")
+    prompts = write_tiny_prompts(d / "p.txt", last=30)
     model = AutoModelForCausalLM.from_pretrained(target).eval()
     for p in model.parameters():
         p.requires_grad_(False)

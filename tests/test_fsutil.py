@@ -8,6 +8,10 @@ from __future__ import annotations
 import errno
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +19,8 @@ from typer.testing import CliRunner
 
 from dsparkctl.cli import common
 from dsparkctl.cli.main import app
-from dsparkctl.fsutil import os_error_words, replace_refusal, staged, write_json, written_by_us
+from dsparkctl.fsutil import (atomic_open, os_error_words, remove_stale_temps, replace_refusal, staged, write_json,
+                              written_by_us)
 from dsparkctl.math.synthetic import SyntheticModel
 from dsparkctl.trace import write_synthetic_trace
 from tests.helpers import snapshot
@@ -245,15 +250,31 @@ def test_environment_errors_are_one_line_exit_2(monkeypatch, exc, code, line):
     assert r.exit_code == code and r.output.startswith(line) and r.output.count("\n") == 1, r.output
 
 
-def test_an_unwritable_dsparkctl_cache_is_said_before_the_conversion(tmp_path, monkeypatch):
-    from dsparkctl.errors import InputError
-    from dsparkctl.models import embedded
+@pytest.mark.parametrize("env, root", [
+    ({}, "home/.cache/dsparkctl"),
+    ({"XDG_CACHE_HOME": "xdg"}, "xdg/dsparkctl"),
+    ({"DSPARKCTL_CACHE": "mine", "XDG_CACHE_HOME": "xdg"}, "mine"),
+    ({"DSPARKCTL_CACHE": " ", "XDG_CACHE_HOME": ""}, "home/.cache/dsparkctl"),  # empty: unset
+])
+def test_every_cache_lives_under_the_one_cache_root(tmp_path, monkeypatch, env, root):
+    from dsparkctl.engine import sps_cache
+    from dsparkctl.evaluation import continuations
+    from dsparkctl.fsutil import cache_root
+    from dsparkctl.models import cpu_kernels, embedded
+    from dsparkctl.train.run import default_cache_dir
 
-    (tmp_path / "file").write_text("x")
-    monkeypatch.setenv("DSPARKCTL_CACHE", str(tmp_path / "file" / "cache"))
-    monkeypatch.setattr(embedded, "gguf_path", lambda: tmp_path / "model.gguf")
-    with pytest.raises(InputError, match=f"cannot be converted into {tmp_path}/file/cache/.*is not a folder"):
-        embedded.embedded_target_dir(log=lambda m: pytest.fail("started converting"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for name in ("DSPARKCTL_CACHE", "XDG_CACHE_HOME", "DSPARKCTL_SPS_CACHE", "DSPARKCTL_CPU_KERNELS_CACHE",
+                 "DSPARKCTL_CONTINUATIONS_CACHE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, str(tmp_path / value) if value.strip() else value)
+    r = tmp_path / root
+    assert cache_root() == embedded.cache_root() == r
+    assert (default_cache_dir(), sps_cache.cache_dir(), cpu_kernels.cache_path(), continuations.cache_dir()) == \
+        (r / "train", r / "sps", r / "cpu_kernels.json", r / "continuations")
+    monkeypatch.setenv("DSPARKCTL_SPS_CACHE", str(tmp_path / "own"))  # one cache's own place wins
+    assert sps_cache.cache_dir() == tmp_path / "own"
 
 
 @pytest.mark.parametrize("setup,refused", [("user files", True), ("empty", False), ("previous download", False)])
@@ -343,3 +364,56 @@ def test_writers_write_on_rank_zero_alone(tmp_path, monkeypatch):
     monkeypatch.setattr(distributed, "_WORLD", distributed.World(rank=0, size=2))
     write_json(tmp_path / "a.json", {"x": 1})
     assert json.loads((tmp_path / "a.json").read_text()) == {"x": 1}
+
+
+# -------- temporary files: a killed writer's are removed by the next write to the same path, a live writer's are
+# not (each writer holds a lock on its temp file; the kernel drops it on SIGKILL)
+ROOT = Path(__file__).resolve().parents[1]
+WRITER = """
+import sys, time
+sys.path.insert(0, {root!r})
+from dsparkctl.fsutil import atomic_open
+with atomic_open({path!r}, "w") as fh:
+    fh.write("partial")
+    fh.flush()
+    print("writing", flush=True)
+    time.sleep(60)
+"""
+
+
+def _writer(path: Path) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", WRITER.format(root=str(ROOT), path=str(path))],
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "writing"
+    return p
+
+
+def temps(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.endswith(".tmp"))
+
+
+def test_sigkilled_writer_leaves_a_temp_that_the_next_write_removes(tmp_path):
+    out = tmp_path / "t.jsonl"
+    p = _writer(out)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    assert len(temps(tmp_path)) == 1 and not out.exists()  # what SIGKILL leaves
+    with atomic_open(out, "w") as fh:
+        fh.write("complete\n")
+    assert out.read_text() == "complete\n" and temps(tmp_path) == []
+
+
+def test_a_live_writers_temp_and_foreign_files_are_left_alone(tmp_path):
+    out = tmp_path / "t.jsonl"
+    p = _writer(out)
+    try:
+        mine = temps(tmp_path)
+        (tmp_path / ".t.jsonl.notes.tmp").write_text("a user's file")  # not our 8-character pattern
+        (tmp_path / ".other.abcd1234.tmp").write_text("another output's temp")
+        assert remove_stale_temps(out) == []
+        assert set(mine) <= set(temps(tmp_path)) and ".t.jsonl.notes.tmp" in temps(tmp_path)
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait()
+    time.sleep(0.1)
+    assert ".other.abcd1234.tmp" in temps(tmp_path)
