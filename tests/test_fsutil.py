@@ -260,7 +260,8 @@ def test_every_cache_lives_under_the_one_cache_root(tmp_path, monkeypatch, env, 
     from dsparkctl.engine import sps_cache
     from dsparkctl.evaluation import continuations
     from dsparkctl.fsutil import cache_root
-    from dsparkctl.models import cpu_kernels, embedded
+    from dsparkctl.engine import kernel_choice
+    from dsparkctl.models import embedded
     from dsparkctl.train.run import default_cache_dir
 
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
@@ -271,7 +272,7 @@ def test_every_cache_lives_under_the_one_cache_root(tmp_path, monkeypatch, env, 
         monkeypatch.setenv(name, str(tmp_path / value) if value.strip() else value)
     r = tmp_path / root
     assert cache_root() == embedded.cache_root() == r
-    assert (default_cache_dir(), sps_cache.cache_dir(), cpu_kernels.cache_path(), continuations.cache_dir()) == \
+    assert (default_cache_dir(), sps_cache.cache_dir(), kernel_choice.cache_path(), continuations.cache_dir()) == \
         (r / "train", r / "sps", r / "cpu_kernels.json", r / "continuations")
     monkeypatch.setenv("DSPARKCTL_SPS_CACHE", str(tmp_path / "own"))  # one cache's own place wins
     assert sps_cache.cache_dir() == tmp_path / "own"
