@@ -261,16 +261,16 @@ CALIBRATION_NAME = "calibration.json"  # a draft folder's own calibration (`dspa
 
 def own_calibration(folder: str | os.PathLike | None, fingerprint: str) -> Path | None:
     """`calibration.json` in a draft's folder when it was fitted for this very draft (its
-    fingerprint is listed); None when there is none, or it does not say, or it is another draft's."""
+    fingerprint is listed); None when there is no such file, or it does not say, or it is another
+    draft's. A damaged file (not strict JSON) is an InputError: it is there to be used."""
     if folder is None:
         return None
     path = Path(folder) / CALIBRATION_NAME
     if not path.is_file():
         return None
-    try:
-        return None if calibration_draft_notes(path, fingerprint) else path
-    except InputError:
-        return None
+    obj = read(path, "calibration file", "write one with `dsparkctl calibrate`, or remove it")
+    fps = obj.get("draft_fingerprints") if isinstance(obj, dict) else None
+    return path if isinstance(fps, list) and fingerprint in fps else None
 
 
 def confidence_report(rounds: Sequence[Any], calibration: str | os.PathLike | None) -> dict[str, Any] | None:

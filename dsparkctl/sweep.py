@@ -100,14 +100,8 @@ def replay(pool: dict[str, Any], policy_specs: Sequence[str], concurrency: Seque
            prior: Sequence[float] | None = None) -> list[dict[str, Any]]:
     """Run every (policy, concurrency) cell; returns one row per cell. `prior`: the calibration's
     survival profile, where dspark/dspark-async start their skip decision."""
-    policies = [parse_policy(s, sps=sps, temperatures=temperatures, prior=prior)
-                for s in policy_specs]  # validate all first
-    need_conf = [p.spec for p in policies if p.requires_confidence]
-    if need_conf and not pool["has_confidence"]:
-        raise InputError(f"policies {', '.join(need_conf)} need confidence logits but the traces have none",
-                         "use static:K policies, or record traces with a DSpark draft")
+    policies, surv_all = _policies_and_survivals(pool, policy_specs, sps, temperatures, prior)
     logits, acc_full = pool["logits"], pool["accepted"]
-    surv_all = survival_from_logits(logits, temperatures) if need_conf else torch.zeros_like(logits)  # [N, γ]
     rows = []
     for ci, C in enumerate(concurrency):
         steps = max(1, math.ceil(rounds / C))
@@ -140,14 +134,10 @@ def replay_batches(pool: dict[str, Any], policy_specs: Sequence[str], concurrenc
                    seed: int = 0, prior: Sequence[float] | None = None) -> list[dict[str, Any]]:
     """Like `replay`, but batches of C requests of `max_new_tokens` tokens each run to the end (see
     the module doc); ≈ `rounds` generated tokens per cell, at least one batch. One row per cell."""
-    if max_new_tokens < 2:
-        raise UsageError(f"max_new_tokens must be ≥ 2 to leave a decode step, got {max_new_tokens}")
-    policies = [parse_policy(s, sps=sps, temperatures=temperatures, prior=prior) for s in policy_specs]
-    need_conf = any(p.requires_confidence for p in policies)
-    if need_conf and not pool["has_confidence"]:
-        raise InputError("these policies need confidence logits but the traces have none",
-                         "use static:K policies, or record traces with a DSpark draft")
-    surv_all = survival_from_logits(pool["logits"], temperatures) if need_conf else torch.zeros_like(pool["logits"])
+    if not 2 <= max_new_tokens <= rounds + 1:
+        raise UsageError(f"max_new_tokens must be in [2, rounds + 1 = {rounds + 1}] (a batch replays at least "
+                         f"max_new_tokens / (γ + 1) steps), got {max_new_tokens}")
+    policies, surv_all = _policies_and_survivals(pool, policy_specs, sps, temperatures, prior)
     acc_full, N = pool["accepted"], int(max_new_tokens)
     rows = []
     for ci, C in enumerate(concurrency):
@@ -188,6 +178,18 @@ def replay_batches(pool: dict[str, Any], policy_specs: Sequence[str], concurrenc
     return rows
 
 
+def _policies_and_survivals(pool, policy_specs, sps, temperatures, prior):
+    """Every policy parsed (all validated before any replay) and the pool's survivals `[N, γ]`
+    (zeros when no policy reads them)."""
+    policies = [parse_policy(s, sps=sps, temperatures=temperatures, prior=prior) for s in policy_specs]
+    need_conf = [p.spec for p in policies if p.requires_confidence]
+    if need_conf and not pool["has_confidence"]:
+        raise InputError(f"policies {', '.join(need_conf)} need confidence logits but the traces have none",
+                         "use static:K policies, or record traces with a DSpark draft")
+    logits = pool["logits"]
+    return policies, (survival_from_logits(logits, temperatures) if need_conf else torch.zeros_like(logits))
+
+
 def _plain_seconds(sps: SPSTable, R: int) -> float:
     """A plain step's price: the table's, or (without one) a drafted step verifying nothing, an upper bound."""
     t = sps.plain_seconds(R)
@@ -206,8 +208,9 @@ def run_sweep(trace_paths, sps_path, policy_specs=DEFAULT_POLICIES, concurrency=
     n = {"rounds": "rounds", "concurrency": "concurrency", **(names or {})}
     if rounds < 1:
         raise UsageError(f"{n['rounds']} must be ≥ 1, got {rounds}")
-    if max_new_tokens is not None and max_new_tokens < 2:
-        raise UsageError(f"max new tokens must be ≥ 2 to leave a decode step, got {max_new_tokens}")
+    if max_new_tokens is not None and not 2 <= max_new_tokens <= rounds + 1:
+        raise UsageError(f"max new tokens must be in [2, {n['rounds']} + 1 = {rounds + 1}], got {max_new_tokens}",
+                         f"a batch replays at least max new tokens / (γ + 1) steps; raise {n['rounds']} for longer requests")
     if not policy_specs or not concurrency:
         raise UsageError("nothing to sweep: no policies or no load levels",
                          "give at least one policy and one load level")

@@ -173,3 +173,15 @@ def test_live_mode_scores_the_confidence_head_with_the_drafts_own_calibration(tm
     doc["draft_fingerprints"] = ["0" * 16]  # another draft's
     (draft / "calibration.json").write_text(json.dumps(doc))
     assert confidence()["calibration"] is None
+
+
+def test_a_damaged_own_calibration_is_refused_in_one_line_before_the_rollouts(tmp_path):
+    target = save_tiny_target(tmp_path / "target", "qwen3", vocab=64, layers=4)
+    draft = write_deepspec_draft(tmp_path / "draft [v2]", vocab=64, hidden=32, taps=(0, 1), rank=8, block_size=4)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("w1 w2 w3\n")
+    (draft / "calibration.json").write_text('{"temperatures": [NaN, 1, 1, 1], "draft_fingerprints": []}')
+    res = runner.invoke(app, ["eval-acceptance", "--target", str(target), "--draft", str(draft), "--dataset",
+                              str(prompts), "--mode", "live", "--max-new-tokens", "8", "--out", str(tmp_path / "o.json")])
+    assert res.exit_code == 2 and "calibration.json: NaN is not a JSON number" in res.output
+    assert not (tmp_path / "o.json").exists()

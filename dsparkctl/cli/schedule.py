@@ -91,9 +91,10 @@ def sweep_scheduler(
     """Replay recorded rounds under each policy and concurrency; report tokens/step, Θ and per-user speed."""
     from dsparkctl.sweep import run_sweep
 
-    if max_new_tokens is not None and max_new_tokens < 2:
-        raise UsageError(f"--max-new-tokens must be ≥ 2 (a request's first token comes from the prefill), "
-                         f"got {max_new_tokens}", "give the new tokens per request of the batches to replay")
+    if max_new_tokens is not None and not 2 <= max_new_tokens <= rounds + 1:
+        raise UsageError(f"--max-new-tokens must be in [2, --rounds + 1 = {rounds + 1}] (a request's first token comes from "
+                         f"the prefill; a batch replays at least N / (γ + 1) steps), got {max_new_tokens}",
+                         "give the new tokens per request of the batches to replay; raise --rounds for longer ones")
     specs = _policy_specs(policies)
     levels = int_list(concurrency, "--concurrency")
     inputs = [*trace, sps_table] + ([calibration] if calibration else [])

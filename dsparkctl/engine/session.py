@@ -70,15 +70,21 @@ class Session:
         """An adapter on the same model without feature taps (for the baseline)."""
         return TargetAdapter(self.target.model, ())
 
+    def draft_folder(self, spec: str | None) -> Path | None:
+        """The local folder a draft spec reads from: the shipped draft's (embedded target), a folder
+        given by path; None for 'random' and hub ids."""
+        if is_default_draft(spec):
+            return default_draft_dir() if self.embedded_target else None
+        if spec != RANDOM_DRAFT and Path(str(spec)).expanduser().is_dir():
+            return Path(str(spec)).expanduser()
+        return None
+
     def load_draft(self, spec: str | None, revision: str | None = None, seed: int = 0,
                    random_draft_kw: dict[str, Any] | None = None) -> tuple[DSparkDraft, str, list[str]]:
         """(draft, display name, notes) for a draft spec, checked against this session's target:
         the shipped default (embedded target), 'random', a folder or a hub id."""
         draft, name, notes = self._load_draft(spec, revision, seed, random_draft_kw)
-        if is_default_draft(spec) and self.embedded_target:
-            self.draft_dir = default_draft_dir()
-        elif not is_default_draft(spec) and spec != RANDOM_DRAFT and Path(str(spec)).expanduser().is_dir():
-            self.draft_dir = Path(str(spec)).expanduser()
+        self.draft_dir = self.draft_folder(spec) or self.draft_dir
         if self.route is not None:  # else settle_kernels packs it once the choice is made
             pack_like(draft, self.route)
         return draft, name, notes

@@ -53,20 +53,19 @@ def drafts_under_test(sess: Any, sources: Sequence[str | None], labels: Sequence
                       label_name: str = "a label") -> tuple[list[DraftUnderTest], list[str]]:
     """Load each draft (a folder, a hub id, or None for the session's default) against the session's target:
     (drafts, notes to tell the user). A draft's label is given, else its folder name or hub id."""
-    from dsparkctl.calibrate import own_calibration
+    from dsparkctl.calibrate import load_temperatures, own_calibration
 
     drafts, notes = [], []
-    own_dir = sess.draft_dir
-    try:
-        for i, src in enumerate(sources):
-            sess.draft_dir = None
-            d, name, n = sess.load_draft(src, revision, seed)  # sets draft_dir for a folder or the shipped draft
-            notes += n
-            label = labels[i] if labels else ((Path(src).name or src) if src else name)
-            drafts.append(DraftUnderTest(label=label, draft=d, source=name,
-                                         calibration=own_calibration(sess.draft_dir, d.fingerprint())))
-    finally:
-        sess.draft_dir = own_dir
+    own_dir = sess.draft_dir  # load_draft points the session at the folder it read; eval keeps the session's own
+    for i, src in enumerate(sources):
+        d, name, n = sess.load_draft(src, revision, seed)
+        notes += n
+        label = labels[i] if labels else ((Path(src).name or src) if src else name)
+        cal = own_calibration(sess.draft_folder(src), d.fingerprint())
+        if cal is not None:  # a damaged file fails here, in one line, not after the rollouts
+            load_temperatures(cal, d.block_size)
+        drafts.append(DraftUnderTest(label=label, draft=d, source=name, calibration=cal))
+    sess.draft_dir = own_dir
     seen = [d.label for d in drafts]
     twice = sorted({x for x in seen if seen.count(x) > 1})
     if twice:
