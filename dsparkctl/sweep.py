@@ -114,8 +114,7 @@ def replay(pool: dict[str, Any], policy_specs: Sequence[str], concurrency: Seque
             ell, drafted = pol.run_steps(surv, pol.new_state())  # [G, C], [G]
             acc = torch.minimum(acc_if_full, ell)
             tokens = (1 + acc).sum(1).double()  # [G]
-            btok = (1 + ell).sum(1)  # [G]
-            btok = C * (1 + ell.amax(1)) if sps.padded else btok  # what the engine processes
+            btok = sps.step_tokens(ell)  # [G] what the engine processes
             step_s = sps.lengths_seconds(ell)  # [G]
             if plain_s is not None:
                 step_s = torch.where(drafted, step_s, torch.full_like(step_s, plain_s))
@@ -158,7 +157,7 @@ def replay_batches(pool: dict[str, Any], policy_specs: Sequence[str], concurrenc
                     acc = torch.minimum(acc_full[idx], ell)[0]
                     if bool(drafted[0]):
                         seconds += float(sps.lengths_seconds(ell)[0])
-                        btok_sum += R * (1 + int(ell.max())) if sps.padded else int((1 + ell).sum())
+                        btok_sum += float(sps.step_tokens(ell)[0])
                         drafted_steps += 1
                     else:
                         seconds += _plain_seconds(sps, R)

@@ -295,12 +295,17 @@ class SPSTable:
         "padded" layout, dsparkctl's engine) rather than Σ(1 + ℓ) batch tokens."""
         return self.grid is not None and self.grid.verify == "padded"
 
-    def lengths_seconds(self, lengths: torch.Tensor) -> torch.Tensor:
-        """Seconds of drafted steps with verify lengths `[..., R]` → `[...]`, in the table's layout."""
+    def step_tokens(self, lengths: torch.Tensor) -> torch.Tensor:
+        """Tokens the engine's forward processes for verify lengths `[..., R]` → `[...]` float64:
+        R × (1 + max ℓ) padded, Σ(1 + ℓ) ragged."""
         R = lengths.shape[-1]
         if self.padded:
-            return self.step_seconds(R, (R * (1 + lengths.amax(-1))).to(torch.float64))
-        return self.step_seconds(R, (lengths + 1).sum(-1).to(torch.float64))
+            return (R * (1 + lengths.amax(-1))).to(torch.float64)
+        return (lengths + 1).sum(-1).to(torch.float64)
+
+    def lengths_seconds(self, lengths: torch.Tensor) -> torch.Tensor:
+        """Seconds of drafted steps with verify lengths `[..., R]` → `[...]`, in the table's layout."""
+        return self.step_seconds(lengths.shape[-1], self.step_tokens(lengths))
 
     def level_curve(self, requests: int, gamma: int) -> torch.Tensor:
         """Seconds of a drafted step where all R requests verify L drafts, L = 0..γ → `[γ + 1]` (cached)."""
