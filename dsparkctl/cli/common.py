@@ -15,14 +15,14 @@ import re
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, Callable, Iterator, Sequence, TypeVar
+from typing import Annotated, Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
 import typer
 from rich.console import Console
 from rich.text import Text
 
 from dsparkctl.engine.session import CPU_KERNELS
-from dsparkctl.errors import DsparkError, UsageError
+from dsparkctl.errors import DsparkError, UsageError, option
 from dsparkctl.models.loading import DTYPES
 
 # Markup is off on both consoles: user text (paths, prompts, config values) is never parsed as
@@ -45,7 +45,7 @@ def styled(*parts: str | tuple[str, str]) -> Text:
 def error_line(label: str, message: str) -> Text:
     return styled((label, "bold red"), " ", message.replace("\n", " "))
 
-STATE = {"debug": False}
+STATE: dict[str, Any] = {"debug": False, "names": {}}  # --debug; how the running command names its inputs
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -199,8 +199,42 @@ def _environment_error(exc: BaseException, say: Callable[..., None], label: str)
     raise typer.Exit(2) from None
 
 
-def guarded(fn: F) -> F:
-    """Run a command; map library errors to a one-line message and a non-zero exit."""
+def option_names(fn: Callable[..., Any], fields: Mapping[str, str] | None = None) -> dict[str, str]:
+    """How this command names each input in messages: parameter `max_new_tokens` → "--max-new-tokens"
+    (its first long flag), an argument → its metavar ("PROMPTS"); `fields` maps a library field that
+    the command takes under another parameter name (`labels` → "label")."""
+    import inspect
+    import typing
+
+    from typer.models import ArgumentInfo, OptionInfo
+
+    hints = typing.get_type_hints(fn, include_extras=True)
+    names: dict[str, str] = {}
+    for p in inspect.signature(fn).parameters.values():
+        info = next((m for m in getattr(hints.get(p.name), "__metadata__", ())
+                     if isinstance(m, (OptionInfo, ArgumentInfo))), p.default)
+        if isinstance(info, ArgumentInfo):
+            names[p.name] = info.metavar or p.name.upper()
+        elif isinstance(info, OptionInfo):
+            given = (info.default, *(info.param_decls or ()))  # under Annotated the first flag is `default`
+            decls = [d.split("/")[0] for d in given if isinstance(d, str) and d.startswith("--")]
+            names[p.name] = decls[0] if decls else "--" + p.name.replace("_", "-")
+    return names | {field: names[param] for field, param in (fields or {}).items()}
+
+
+def note(message: str) -> None:
+    """A note on stderr ("note: ..."), its options named as the running command names them."""
+    from dsparkctl.errors import render
+
+    err.print(styled(("note:", "yellow"), " ", render(message, STATE["names"])), highlight=False)
+
+
+def guarded(fn: F | None = None, *, fields: Mapping[str, str] | None = None) -> Any:
+    """Run a command; map library errors to a one-line message and a non-zero exit. Messages name
+    the library's fields (`errors.option`) as this command's flags (`option_names(fn, fields)`)."""
+    if fn is None:
+        return functools.partial(guarded, fields=fields)
+    names = option_names(fn, fields)
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -218,10 +252,11 @@ def guarded(fn: F) -> F:
             err.quiet = False
             err.print(*a, **k)
         label = f"rank {w.rank} error:" if w.distributed else "error:"
+        STATE["names"] = names
         try:
             if isinstance(kwargs.get("seed"), int):
                 from dsparkctl.checks import check_seed
-                check_seed(kwargs["seed"], "--seed")
+                check_seed(kwargs["seed"], option("seed"))
             with terminate_as_interrupt():  # SIGTERM/SIGHUP unwind like Ctrl-C: temp files are cleaned up
                 return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort, SystemExit):
@@ -229,7 +264,7 @@ def guarded(fn: F) -> F:
         except DsparkError as exc:
             if STATE["debug"]:
                 raise
-            say(error_line(label, exc.one_line()), highlight=False)
+            say(error_line(label, exc.one_line(names)), highlight=False)
             raise typer.Exit(exc.exit_code) from None
         except KeyboardInterrupt:
             from dsparkctl.fsutil import WRITTEN
