@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from dsparkctl.errors import UsageError
+from dsparkctl.errors import UsageError, option
 from dsparkctl.fsutil import cannot_create, replace_refusal
 
 
@@ -103,6 +103,12 @@ def local_inputs(*specs: str | Path | None, target: str | None | bool = False,
         if p.exists():
             paths.append(p)
     return paths
+
+
+def check_positive(value: int, field: str) -> None:
+    """The one rule for counts (tokens, requests, prompts): at least 1, named as `errors.option(field)`."""
+    if value < 1:
+        raise UsageError(f"{option(field)} must be >= 1, got {value}")
 
 
 SEED_LIMIT = 2 ** 32  # derived seeds (seed · 1_000_003 + cell) stay inside torch's 64-bit range

@@ -75,3 +75,22 @@ def test_bad_revision_is_refused_before_any_lookup(revision, monkeypatch):
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # were it looked up, the error would be the network
     res = runner.invoke(app, ["inspect", "org/name", "--revision", revision])
     assert res.exit_code == 2 and "Invalid value for '--revision'" in res.output, res.output
+
+
+def test_messages_name_options_as_the_running_command_does():
+    """A library message names an input once (`errors.option`); Python callers read the field, the
+    CLI the flag of the command that ran, found from the command's own typer options."""
+    from dsparkctl.cli.common import option_names
+    from dsparkctl.cli.evaluate import eval_acceptance
+    from dsparkctl.cli.profile import profile_sps_cmd
+    from dsparkctl.errors import UsageError, option
+
+    exc = UsageError(f"{option('max_new_tokens')} must be >= 1", f"use {option('tokens_per_request')} 1,2")
+    assert str(exc) == exc.message == "max_new_tokens must be >= 1" and exc.hint == "use tokens_per_request 1,2"
+    profile = option_names(profile_sps_cmd.__wrapped__)
+    assert profile["out_path"] == profile["out"] == "--out"  # the parameter and the flag's own words
+    assert profile["tokens_per_request"] == "--tokens-per-request" and profile["json_out"] == "--json"
+    assert exc.one_line(profile) == "max_new_tokens must be >= 1 (fix: use --tokens-per-request 1,2)"
+    evaluate = option_names(eval_acceptance.__wrapped__, {"drafts": "draft"})
+    assert exc.one_line(evaluate).startswith("--max-new-tokens must be >= 1")
+    assert evaluate["drafts"] == "--draft" and evaluate["labels"] == "--label"

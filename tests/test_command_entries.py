@@ -1,6 +1,6 @@
 """The library entries of generate, eval-acceptance and profile-sps (`run_generate`,
 `run_evaluation`, `run_profile`): each refuses a bad spec before any model loads, in messages
-that name the spec's fields (or what `names` maps them to: the CLI's flags)."""
+that name the spec's fields (or, rendered with `names`, what the CLI calls them: its flags)."""
 
 from __future__ import annotations
 
@@ -46,5 +46,5 @@ def test_refused_before_any_model_loads(case, entry, spec, names, text, tmp_path
     fields = {k: Path(str(v).format(tmp=tmp_path)) for k, v in vars(spec).items() if isinstance(v, Path)}
     spec = type(spec)(**{**vars(spec), **fields})
     with pytest.raises(UsageError) as e:
-        entry(spec, names)
-    assert text.format(tmp=tmp_path) in e.value.one_line(), case
+        entry(spec)
+    assert text.format(tmp=tmp_path) in e.value.one_line(names), case

@@ -32,8 +32,35 @@ def test_whole_step_points_roll_back_exactly():
         (3, 1, True)]  # the plain step (no draft) per request count
     assert all(len(p.ms) == 2 and min(p.ms) > 0 for p in points)
     assert {s[2] for s in seen} == {16} and {s[3] for s in seen} == {16}  # the cache never grew
+    assert eng.policy.spec == "static:4"  # the engine's own policy is back after profiling
     with pytest.raises(UsageError, match="verifies more than"):
         profile_whole_step(eng, [1], [6], context_len=8)
+
+
+def test_a_rewound_round_runs_again_identically():
+    """`SpeculativeEngine.mark`: the profile times the engine's own round, then rewinds target,
+    draft context and rows; the same round from the same state gives the same tokens and leaves
+    the caches as the first did. Also after a plain step, whose draft update is deferred."""
+    import torch
+
+    from dsparkctl.engine.clock import Clock
+
+    model = tiny_target("llama")
+    tgt = TargetAdapter(model, [0, 1])
+    draft = random_draft(tgt, block_size=4, markov_rank=8, layer_ids=[0, 1], seed=3)
+    for spec in ("static:3", "static:0", "static:2"):
+        eng = SpeculativeEngine(tgt, draft, parse_policy(spec), SamplingParams(0.0))
+        live = eng.prefill([[5, 6, 7, 8, 9], [3, 4, 5, 1, 2]], 32, None)
+        eng.round(live, 32, None, Clock(None))  # a state with history (and, after static:0, deferred context)
+        rewind = eng.mark(live)
+        runs = []
+        for _ in range(2):
+            rd = eng.round(live, 32, None, Clock(None))
+            runs.append((rd.emitted.tolist(), rd.kept.tolist(), live.anchors.tolist(), live.produced.tolist(),
+                         tgt.seq_len.tolist(), tgt.valid.clone(), live.context.ctx_len.tolist(),
+                         len(live.context.pending)))
+            rewind()
+        assert runs[0][:5] == runs[1][:5] and torch.equal(runs[0][5], runs[1][5]) and runs[0][6:] == runs[1][6:], spec
 
 
 def test_cli_default_is_whole_step_and_the_file_says_so(tmp_path):

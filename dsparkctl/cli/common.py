@@ -201,8 +201,9 @@ def _environment_error(exc: BaseException, say: Callable[..., None], label: str)
 
 def option_names(fn: Callable[..., Any], fields: Mapping[str, str] | None = None) -> dict[str, str]:
     """How this command names each input in messages: parameter `max_new_tokens` → "--max-new-tokens"
-    (its first long flag), an argument → its metavar ("PROMPTS"); `fields` maps a library field that
-    the command takes under another parameter name (`labels` → "label")."""
+    (its first long flag; the flag's own words are a key too, so `out_path` with "--out" is also
+    "out"), an argument → its metavar ("PROMPTS"); `fields` maps a library field that the command
+    takes under another name (`drafts` → its parameter "draft")."""
     import inspect
     import typing
 
@@ -219,7 +220,8 @@ def option_names(fn: Callable[..., Any], fields: Mapping[str, str] | None = None
             given = (info.default, *(info.param_decls or ()))  # under Annotated the first flag is `default`
             decls = [d.split("/")[0] for d in given if isinstance(d, str) and d.startswith("--")]
             names[p.name] = decls[0] if decls else "--" + p.name.replace("_", "-")
-    return names | {field: names[param] for field, param in (fields or {}).items()}
+    by_flag = {f[2:].replace("-", "_"): f for f in names.values() if f.startswith("--")}  # `out_path` is also "out"
+    return by_flag | names | {field: names[param] for field, param in (fields or {}).items()}
 
 
 def note(message: str) -> None:

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from dsparkctl.cli.common import (CpuKernels, CpuKernelsOpt, DeviceOpt, DType, DTypeOpt, Device, JsonOpt, MaxNewTokensOpt, PresetOpt, RevisionOpt,
                                   SeedOpt, TargetOpt, TargetParallelOpt, TemperatureOpt, TrustRemoteCodeOpt, err,
-                                  guarded, out, print_json)
+                                  guarded, note, out, print_json)
 from dsparkctl.cli.common import choices
 from dsparkctl.evaluation.run import MODES
 
@@ -52,7 +52,7 @@ def result_table(dataset: str, label: str, r: dict[str, Any]) -> Table:
     return t
 
 
-@guarded
+@guarded(fields={"drafts": "draft"})
 def eval_acceptance(
     draft: Annotated[Optional[list[str]], typer.Option("--draft", help="Draft folder or hub id; repeat to compare "
                                                        "side by side (default: the shipped draft).")] = None,
@@ -89,16 +89,13 @@ def eval_acceptance(
                     chat=chat, plot=plot, trace=trace, out=out_path, revision=revision,
                     trust_remote_code=trust_remote_code, target_parallel=target_parallel,
                     cpu_kernels=cpu_kernels.value, device=device.value, dtype=dtype.value, seed=seed)
-    results = run_evaluation(spec, FLAGS, log=lambda s: err.print(s, highlight=False),
-                             note=lambda m: err.print(f"note: {m}"))
+    results = run_evaluation(spec, log=lambda s: err.print(s, highlight=False),
+                             note=note)
     if json_out:
         print_json(results)
     else:
         print_results(results)
 
-
-FLAGS = {"max_new_tokens": "--max-new-tokens", "labels": "--label", "drafts": "--draft", "out": "--out",
-         "plot": "--plot", "trace": "--trace"}  # how the library's messages name the spec's fields
 
 
 def confidence_line(conf: dict[str, Any]) -> str:

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from dsparkctl.cli.common import (CpuKernels, CpuKernelsOpt, DeviceOpt, DraftOpt, DType, DTypeOpt, Device, JsonOpt, RevisionOpt, SeedOpt,
                                   MaxNewTokensOpt, PresetOpt, TargetOpt, TargetParallelOpt, TemperatureOpt, TrustRemoteCodeOpt, err,
-                                  guarded, out, print_json, progress_bar, show_progress, styled)
+                                  guarded, note, out, print_json, progress_bar, show_progress, styled)
 from dsparkctl.math.policies import NEEDS_SPS, POLICY_SPECS
 
 
@@ -88,9 +88,9 @@ def generate(
         chat=chat, trace=trace, baseline=baseline, repeats=repeats)
     show = lambda m: err.print(styled((m, "dim")))  # noqa: E731
     with progress_bar("generate", None, unit="prompts", enabled=not stream) as update:
-        report = run_generate(spec, FLAGS, log=show if not json_out or show_progress() else lambda m: None,
+        report = run_generate(spec, log=show if not json_out or show_progress() else lambda m: None,
                               say=show,  # said even under --json: kernel timing and SPS profiling take seconds
-                              note=lambda m: err.print(styled(("note:", "yellow"), f" {m}")),
+                              note=note,
                               on_progress=lambda done, total: update(completed=done, total=total),
                               on_text=_stream_printer() if stream else None)
     if json_out:
@@ -98,9 +98,6 @@ def generate(
     else:
         print_report(report, texts=show_text and not stream)
 
-
-FLAGS = {"max_new_tokens": "--max-new-tokens", "batch_size": "--batch-size", "trace": "--trace",
-         "calibration": "--calibration"}  # how the library's messages name the spec's fields
 
 
 def print_report(report: dict[str, Any], texts: bool) -> None:

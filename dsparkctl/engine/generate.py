@@ -3,7 +3,7 @@ settles the policy, decodes the prompts (optionally against plain decoding of th
 and returns the whole report.
 
 The command builds a `GenerateSpec` from its options, calls `run_generate` and prints the report
-(strict JSON with `--json`). Messages name a spec field by `names` (the CLI passes its flags).
+(strict JSON with `--json`). Messages name a spec field with `errors.option` (the CLI renders its flag).
 """
 
 from __future__ import annotations
@@ -12,15 +12,16 @@ import contextlib
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 from dsparkctl.distributed import world
-from dsparkctl.engine.run import OnTokens, PromptsResult, plain_decoder, run_prompts, speculative_decoder
+from dsparkctl.engine.run import OnTokens, plain_decoder, run_prompts, speculative_decoder
 from dsparkctl.engine.session import Session
 from dsparkctl.engine.speculative import SpeculativeEngine, plain_generate
-from dsparkctl.errors import UsageError
+from dsparkctl.errors import UsageError, option
 from dsparkctl.math.policies import NEEDS_SPS, Policy, check_fits, parse_policy
 from dsparkctl.math.sampling import SamplingParams
+from dsparkctl.math.sps import SPSTable
 
 
 DEFAULT_POLICY = "dspark"  # what won at batch 1 in benchmarks/bench_policies.py (docs/scheduling.md)
@@ -33,7 +34,7 @@ def default_policy(sess: Session) -> str:
 
 
 def load_policy(spec: str | None, block_size: int, sps_table: Path | None, calibration: Path | None,
-                sps: "SPSTable | None" = None, placeholder: bool = False):
+                sps: SPSTable | None = None, placeholder: bool = False):
     """A verify-length policy from its spec, with the SPS table (a file, or `sps` itself) and STS
     temperatures it may need. `placeholder`: check the spec and the calibration only, with a stand-in
     table (the caller builds the policy again once this machine's table exists, `machine_sps_table`)."""
@@ -49,7 +50,6 @@ def load_policy(spec: str | None, block_size: int, sps_table: Path | None, calib
     if sps_table is not None:
         sps = load_sps_table(sps_table)
     if placeholder and sps is None:
-        from dsparkctl.math.sps import SPSTable
 
         sps = SPSTable([1, 2], [1.0, 1.0])  # names and arguments are checked, not costs
     if sps is not None:
@@ -211,7 +211,7 @@ def _quiet(message: str) -> None:
     pass
 
 
-def run_generate(spec: GenerateSpec, names: Mapping[str, str] | None = None, *,
+def run_generate(spec: GenerateSpec, *,
                  log: Callable[[str], None] = _quiet, say: Callable[[str], None] = _quiet,
                  note: Callable[[str], None] = _quiet, on_progress: Callable[[int, int], None] | None = None,
                  on_text: Callable[[int, str], None] | None = None) -> dict[str, Any]:
@@ -221,22 +221,17 @@ def run_generate(spec: GenerateSpec, names: Mapping[str, str] | None = None, *,
     before any model loads, prompt lengths and the policy's files before kernel timing or SPS
     profiling. `log` gets loading progress, `say` the slow one-time steps (kernel timing, this
     machine's SPS table), `note` what the user must be told (also kept in the report's notes),
-    `on_progress(done, total)` prompts decoded, `on_text(request, new text)` the streamed text.
-    `names` says how messages call the fields max_new_tokens, batch_size, trace and calibration."""
-    from dsparkctl.checks import Output, check_outputs, local_inputs
+    `on_progress(done, total)` prompts decoded, `on_text(request, new text)` the streamed text."""
+    from dsparkctl.checks import Output, check_outputs, check_positive, local_inputs
     from dsparkctl.data.prompts import apply_preset_wrap, encode_prompts, prompt_texts, with_preset
     from dsparkctl.engine.session import open_session
     from dsparkctl.provenance import provenance
 
-    n = {k: k for k in ("max_new_tokens", "batch_size", "trace", "calibration")} | dict(names or {})
     preset, temperature, max_new_tokens = with_preset(spec.preset, spec.temperature, spec.max_new_tokens)
     sampling = SamplingParams(temperature=temperature, top_k=spec.top_k, top_p=spec.top_p)
-    if max_new_tokens < 1:
-        raise UsageError(f"{n['max_new_tokens']} must be >= 1, got {max_new_tokens}")
-    if spec.batch_size < 1:
-        raise UsageError(f"{n['batch_size']} must be >= 1, got {spec.batch_size}")
+    check_positive(spec.batch_size, "batch_size")
     if spec.trace is not None:
-        check_outputs([Output(spec.trace, n["trace"])],
+        check_outputs([Output(spec.trace, option("trace"))],
                       local_inputs(spec.prompts_file, spec.sps_table, spec.calibration, spec.dataset,
                                    target=spec.target, drafts=[spec.draft]))
     texts = apply_preset_wrap(preset, spec.dataset,
@@ -248,11 +243,11 @@ def run_generate(spec: GenerateSpec, names: Mapping[str, str] | None = None, *,
         note(m)
     ids = encode_prompts(sess.target.tokenizer, texts, chat=spec.chat)
     gamma = sess.draft.block_size
-    check_positions(sess.target.model, ids, max_new_tokens, gamma, n["max_new_tokens"])
+    check_positions(sess.target.model, ids, max_new_tokens, gamma)
     calibration = spec.calibration
     if calibration is None and (calibration := sess.default_calibration()) is not None:
-        sess.notes.append(f"confidences calibrated with {calibration} (the draft's own; {n['calibration']} to "
-                          "override)")
+        sess.notes.append(f"confidences calibrated with {calibration} (the draft's own; a calibration given "
+                          "explicitly overrides it)")
         note(sess.notes[-1])
     policy = spec.policy or default_policy(sess)
     machine_table = policy.partition(":")[0].strip() in NEEDS_SPS and spec.sps_table is None
@@ -281,14 +276,13 @@ def run_generate(spec: GenerateSpec, names: Mapping[str, str] | None = None, *,
     return generate_report(sess, ids, opts, on_tokens=on_tokens, on_batch=progress)
 
 
-def check_positions(model: Any, ids: Sequence[Sequence[int]], max_new_tokens: int, block_size: int,
-                    name: str = "max_new_tokens") -> None:
-    """Refuse prompts that would run past the model's positions before any generation starts
-    (`name`: what the message calls max_new_tokens)."""
+def check_positions(model: Any, ids: Sequence[Sequence[int]], max_new_tokens: int, block_size: int) -> None:
+    """Refuse prompts that would run past the model's positions before any generation starts."""
     from dsparkctl.engine.profile import position_limit
 
     limit = position_limit(model)
     longest = max(len(p) for p in ids)
+    name = option("max_new_tokens")
     if limit is not None and longest + max_new_tokens + block_size + 1 > limit:
         raise UsageError(f"the longest prompt ({longest} tokens) + {name} {max_new_tokens} runs past "
                          f"the target's {limit} positions (max_position_embeddings)",

@@ -1,17 +1,18 @@
 """Steps-per-second profiling: the SPS table the schedulers plan with.
 
 Two things can be timed (`MEASURES`), and every table records which:
-  whole-step      one whole speculative step of our engine at B batch tokens: the draft's
-                  proposal (backbone, Markov loop, confidence head), the verify-length schedule,
-                  the target's forward over t tokens per request, the acceptance rule and the
-                  draft's context update. This is what SGLang's table holds (its profiler times
-                  the whole server step on a live DSpark server), and the default.
+  whole-step      one whole round of our engine (`SpeculativeEngine.round`, the code that
+                  decodes) at B batch tokens: the draft's proposal (backbone, Markov loop,
+                  confidence head), the verify-length schedule, the target's forward over t
+                  tokens per request, the acceptance rule and the commit to both caches. This is
+                  what SGLang's table holds (its profiler times the whole server step on a live
+                  DSpark server), and the default.
   target-forward  the target's verify forward alone (an upper bound on steps/s).
 
 Batch tokens B = requests × tokens per request (SGLang's definition; t = 1 + drafts verified).
 For each request count the batch is prefilled once to the chosen context length; each timed
-step is rolled back exactly (the target's cache by commit 0, the draft's context by its length),
-so every repeat sees the same state: acceptance is held fixed at "bonus only", as SGLang's
+round is rewound exactly (`SpeculativeEngine.mark`: the target's cache, the draft's context and
+the rows), so every repeat sees the same state: acceptance is held fixed at "bonus only", as SGLang's
 profiler holds it with SGLANG_SIMULATE_ACC_LEN=1.0. Whole-step profiles also time the PLAIN step
 (the target's forward over one token per request and its draw, no draft): what a step costs when
 the policy skips the draft. Repeats go round the grid (every point once, then again), so drift on
@@ -30,12 +31,13 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
-from dsparkctl.engine.clock import sync
-from dsparkctl.errors import UsageError
+from dsparkctl.engine.clock import Clock, sync
+from dsparkctl.errors import UsageError, option
+from dsparkctl.math.policies import Policy
 from dsparkctl.models.target import TargetAdapter
 
 
@@ -65,51 +67,39 @@ def position_limit(model: torch.nn.Module) -> int | None:
     return None
 
 
-def _names(names: Mapping[str, str] | None) -> dict[str, str]:
-    """How messages call the profile's fields: their own names, or what the caller passes (the CLI its flags)."""
-    return {k: k for k in ("requests", "tokens_per_request", "context_len", "repeats", "warmup", "out",
-                           "sglang_out", "plot")} | dict(names or {})
-
-
-def check_context(model: torch.nn.Module, context_len: int, tokens_per_request: Sequence[int],
-                  names: Mapping[str, str] | None = None) -> None:
+def check_context(model: torch.nn.Module, context_len: int, tokens_per_request: Sequence[int]) -> None:
     """Refuse a grid that runs past the model's positions: context + the longest step must fit."""
-    n = _names(names)
     limit = position_limit(model)
     need = context_len + max(tokens_per_request)
     if limit is not None and need > limit:
-        raise UsageError(f"{n['context_len']} {context_len} + {max(tokens_per_request)} tokens per request = {need} "
+        raise UsageError(f"{option('context_len')} {context_len} + {max(tokens_per_request)} tokens per request = {need} "
                          f"positions, beyond the model's {limit} (max_position_embeddings)",
-                         f"use {n['context_len']} ≤ {limit - max(tokens_per_request)}")
+                         f"use {option('context_len')} ≤ {limit - max(tokens_per_request)}")
 
 
-def check_verify_width(block_size: int, tokens_per_request: Sequence[int],
-                       names: Mapping[str, str] | None = None) -> None:
+def check_verify_width(block_size: int, tokens_per_request: Sequence[int]) -> None:
     """Refuse whole steps that verify more tokens per request than the draft proposes + 1."""
-    n = _names(names)
     if max(tokens_per_request) > block_size + 1:
-        raise UsageError(f"{n['tokens_per_request']} {max(tokens_per_request)} verifies more than the draft's "
+        raise UsageError(f"{option('tokens_per_request')} {max(tokens_per_request)} verifies more than the draft's "
                          f"γ={block_size} drafts + 1", f"use tokens per request ≤ {block_size + 1}")
 
 
-def check_grid(requests: Sequence[int], tokens: Sequence[int], names: Mapping[str, str] | None = None) -> None:
+def check_grid(requests: Sequence[int], tokens: Sequence[int]) -> None:
     """Refuse a grid with one batch-token count: SGLang reads a one-probe table as uninitialised."""
-    n = _names(names)
     if len({r * t for r in requests for t in tokens}) < 2:
-        raise UsageError(f"the grid {n['requests']} {','.join(map(str, requests))} × {n['tokens_per_request']} "
+        raise UsageError(f"the grid {option('requests')} {','.join(map(str, requests))} × {option('tokens_per_request')} "
                          f"{','.join(map(str, tokens))} gives one batch-token count; SGLang treats a one-probe "
                          "table as uninitialised (it verifies every draft)",
-                         f"profile at least two batch-token counts, e.g. {n['tokens_per_request']} 1,2,4,6")
+                         f"profile at least two batch-token counts, e.g. {option('tokens_per_request')} 1,2,4,6")
 
 
 def check_batch_tokens(requests: Sequence[int], tokens: Sequence[int], context_len: int,
-                       limit: int = 1 << 22, names: Mapping[str, str] | None = None) -> None:
+                       limit: int = 1 << 22) -> None:
     """Refuse a profiling grid whose largest batch (requests × (context + tokens)) would not fit a
     sane allocation (`limit` token positions, 4M by default): one line before any model loads."""
-    n = _names(names)
     worst = max(requests) * (context_len + max(tokens))
     if worst > limit:
-        raise UsageError(f"{n['requests']} {max(requests)} with {n['context_len']} {context_len} and {max(tokens)} "
+        raise UsageError(f"{option('requests')} {max(requests)} with {option('context_len')} {context_len} and {max(tokens)} "
                          f"tokens per request is {worst:,} token positions in one batch (at most {limit:,})",
                          "profile fewer requests or a shorter context")
 
@@ -150,48 +140,67 @@ def profile_sps(adapter: TargetAdapter, requests: Sequence[int], tokens_per_requ
 MEASURES = ("whole-step", "target-forward")
 
 
+class _Probe(Policy):
+    """Profiling only: every step drafts and verifies exactly `ell` drafts per request (0 too: a
+    drafted step that verifies nothing); `ell=None` plans plain steps (no draft)."""
+
+    name, requires_confidence = "probe", False
+
+    def __init__(self, ell: int | None):
+        super().__init__(f"probe:{ell}")
+        self.ell = ell
+
+    @property
+    def can_skip(self) -> bool:
+        return self.ell is None
+
+    def plan(self, num_requests: int, state: Any = None) -> bool:
+        return self.ell is not None
+
+    def choose_batched(self, survival: torch.Tensor, state: Any = None) -> torch.Tensor:
+        return torch.full(survival.shape[:2], self.ell, dtype=torch.long)
+
+
 @torch.no_grad()
 def profile_whole_step(engine: Any, requests: Sequence[int], tokens_per_request: Sequence[int], context_len: int,
                        repeats: int = 5, warmup: int = 2, seed: int = 0,
                        on_point: Callable[[SPSPoint], None] | None = None) -> list[SPSPoint]:
-    """Time draft + schedule + verify + context update (a SpeculativeEngine's round) per grid
-    point, and the plain step (no draft) per request count."""
+    """Time the engine's own round (plan → draft → schedule → verify → commit, `SpeculativeEngine.round`)
+    per grid point, verifying tokens_per_request - 1 drafts per request, and its plain step (no
+    draft) per request count; each timed round is rewound (`SpeculativeEngine.mark`) so every
+    repeat starts from the same context."""
     gamma = engine.draft.block_size
     check_verify_width(gamma, tokens_per_request)
     check_context(engine.target.model, context_len, tokens_per_request)
     gen = torch.Generator().manual_seed(seed)
-    tgt, drf = engine.target, engine.draft
-    dev = tgt.device
-    V = tgt.vocab_size
+    dev = engine.target.device
+    budget = gamma + 2  # ℓ ≤ γ is never capped by the token budget
+    probes = {t: _Probe(t - 1) for t in set(tokens_per_request)}
     points: list[SPSPoint] = []
-    for R in sorted(set(requests)):
-        prompts = torch.randint(0, V, (R, context_len), generator=gen).tolist()
-        live = engine.prefill(prompts, gamma + 2, None)
-        ctx_len = live.context.ctx_len.clone()
-        zero = torch.zeros(R, dtype=torch.long, device=dev)
-        here = [SPSPoint(R, t, []) for t in sorted(set(tokens_per_request))] + [SPSPoint(R, 1, [], plain=True)]
-        for i in range(warmup + repeats):
+    policy = engine.policy
+    try:
+        for R in sorted(set(requests)):
+            prompts = torch.randint(0, engine.target.vocab_size, (R, context_len), generator=gen).tolist()
+            live = engine.prefill(prompts, budget, None)
+            rewind = engine.mark(live)
+            here = [SPSPoint(R, t, []) for t in sorted(set(tokens_per_request))] + [SPSPoint(R, 1, [], plain=True)]
+            for i in range(warmup + repeats):
+                for p in here:
+                    engine.policy = _Probe(None) if p.plain else probes[p.tokens_per_request]
+                    clock = Clock(dev)
+                    clock.start()
+                    engine.round(live, budget, None, clock)
+                    clock.lap("commit")  # the round's laps end at verify
+                    dt = sum(clock.totals.values())
+                    rewind()
+                    if i >= warmup:
+                        p.ms.append(dt)
             for p in here:
-                sync(dev)
-                t0 = time.perf_counter()
-                if p.plain:
-                    engine.plain_step(live, None)
-                else:
-                    prop = drf.propose(live.context, live.anchors, engine.draft_sampling, None)
-                    engine.policy.choose(prop.confidence_logits, block_size=gamma, num_requests=R)
-                    ell = torch.full((R,), p.tokens_per_request - 1, dtype=torch.long, device=dev)
-                    res, out = engine.verify(live, prop.block, ell, None)
-                    drf.append_context(live.context, out.features, res.accepted + 1)
-                sync(dev)
-                dt = (time.perf_counter() - t0) * 1000.0
-                tgt.commit(zero)  # exact rollback of the target ...
-                live.context.ctx_len = ctx_len.clone()  # ... and of the draft's context
-                if i >= warmup:
-                    p.ms.append(dt)
-        for p in here:
-            points.append(p)
-            if on_point:
-                on_point(p)
+                points.append(p)
+                if on_point:
+                    on_point(p)
+    finally:
+        engine.policy = policy
     return points
 
 
@@ -275,13 +284,12 @@ class ProfileSpec:
     seed: int = 0
 
 
-def run_profile(spec: ProfileSpec, names: Mapping[str, str] | None = None, *,
+def run_profile(spec: ProfileSpec, *,
                 log: Callable[[str], None] = lambda m: None,
                 on_progress: Callable[[int, int], None] | None = None) -> tuple[dict[str, Any], Any]:
     """Check the spec (numbers, grid, every output path before any model loads; the grid against
     the model before kernel timing), profile, fit, write our table, SGLang's and the PNG: (the
-    result document, the SPSTable). `on_progress(done, total)` counts grid points; `names` says
-    how messages call the spec's fields (the CLI passes its flags)."""
+    result document, the SPSTable). `on_progress(done, total)` counts grid points."""
     import functools
     import itertools
 
@@ -294,35 +302,34 @@ def run_profile(spec: ProfileSpec, names: Mapping[str, str] | None = None, *,
     from dsparkctl.provenance import provenance
     from dsparkctl.sps_io import save_sps_table
 
-    n = _names(names)
     whole = spec.measure == "whole-step"
     if spec.measure not in MEASURES:
         raise UsageError(f"unknown measure {spec.measure!r}", f"use one of {', '.join(MEASURES)}")
     if spec.context_len < 1 or spec.repeats < 1 or spec.warmup < 0:
-        raise UsageError(f"{n['context_len']} and {n['repeats']} must be >= 1, {n['warmup']} >= 0",
-                         f"e.g. {n['context_len']} 256 {n['repeats']} 5 {n['warmup']} 2")
+        raise UsageError(f"{option('context_len')} and {option('repeats')} must be >= 1, {option('warmup')} >= 0",
+                         f"e.g. {option('context_len')} 256 {option('repeats')} 5 {option('warmup')} 2")
     inputs = local_inputs(target=spec.target, drafts=[spec.draft])
-    check_outputs([Output(spec.out, n["out"])], inputs)  # first: the other names derive from it
+    check_outputs([Output(spec.out, option("out"))], inputs)  # first: the other names derive from it
     sg = spec.sglang_out or spec.out.with_name(spec.out.stem + ".sglang.json")
     png = spec.plot or spec.out.with_suffix(".png")
-    check_outputs([Output(spec.out, n["out"]), Output(sg, n["sglang_out"]), Output(png, n["plot"], "figure")], inputs)
+    check_outputs([Output(spec.out, option("out")), Output(sg, option("sglang_out")), Output(png, option("plot"), "figure")], inputs)
     reqs = list(spec.requests)
     toks = list(spec.tokens_per_request) if spec.tokens_per_request is not None else (None if whole else [1, 2, 3, 4, 6, 8])
     if toks is not None:
-        check_grid(reqs, toks, n)  # before any model loads
-    check_batch_tokens(reqs, toks or [8], spec.context_len, names=n)
+        check_grid(reqs, toks)  # before any model loads
+    check_batch_tokens(reqs, toks or [8], spec.context_len)
     if whole:
         sess = open_session(spec.target, spec.draft, spec.device, spec.dtype, spec.revision, seed=spec.seed, log=log,
                             cpu_kernels=spec.cpu_kernels, settle=False)
         gamma = sess.draft.block_size
         if toks is None:
             toks = list(range(1, gamma + 2))
-            check_grid(reqs, toks, n)
-        check_verify_width(gamma, toks, n)
+            check_grid(reqs, toks)
+        check_verify_width(gamma, toks)
     else:
         sess = open_target(spec.target, spec.device, spec.dtype, spec.revision, log=log, cpu_kernels=spec.cpu_kernels,
                            settle=False)
-    check_context(sess.target.model, spec.context_len, toks, n)
+    check_context(sess.target.model, spec.context_len, toks)
     sess.settle_kernels(log)  # every input is checked: the timing is not wasted
     if whole:
         engine = SpeculativeEngine(sess.adapter, sess.draft, parse_policy(f"static:{gamma}"), SamplingParams(0.0),

@@ -19,7 +19,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from dsparkctl.distributed import DATA_PARALLEL, Split
-from dsparkctl.errors import UsageError
+from dsparkctl.errors import UsageError, option
 from dsparkctl.engine.speculative import RequestOutput, RunReport, SpeculativeEngine, plain_generate
 from dsparkctl.math.sampling import SamplingParams
 from dsparkctl.math.stats import AcceptanceStats
@@ -86,7 +86,7 @@ def run_prompts(decode: Decoder, prompts: Sequence[Sequence[int]], batch_size: i
     shard = split.active and batches is None
     if shard:  # under torchrun: this rank's batches; rows are buffered and merged on every rank below
         if on_tokens:
-            raise UsageError("streaming tokens is for one process", "drop --stream under torchrun")
+            raise UsageError("streaming tokens is for one process", f"drop {option('stream')} under torchrun")
         todo = split.mine(todo)
         rows: list[TraceRound] = []
         final_on_round, on_round = on_round, rows.extend  # every rank keeps its rows (writers are rank-aware)

@@ -9,7 +9,7 @@ from typing import Any, Callable
 import torch
 
 from dsparkctl.distributed import Split
-from dsparkctl.errors import UsageError
+from dsparkctl.errors import UsageError, option
 from dsparkctl.models.draft import DSparkDraft
 from dsparkctl.models.draft_io import load_draft, random_draft
 from dsparkctl.models.loading import (RANDOM_DRAFT, LoadedTarget, default_draft_dir, is_default_draft, is_embedded,
@@ -138,7 +138,7 @@ def open_target(target: str | None, device: str = "auto", dtype: str = "auto", r
     `settle=False` leaves an auto choice pending (the caller checks its other inputs first, then
     calls `Session.settle_kernels`)."""
     if cpu_kernels not in CPU_KERNELS:
-        raise UsageError(f"unknown --cpu-kernels {cpu_kernels!r}", f"use one of {', '.join(CPU_KERNELS)}")
+        raise UsageError(f"unknown {option('cpu_kernels')} {cpu_kernels!r}", f"use one of {', '.join(CPU_KERNELS)}")
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     tgt = load_target(target, dev, dt, revision=revision, trust_remote_code=trust_remote_code, log=log,

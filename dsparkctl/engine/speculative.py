@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 import torch
 
 from dsparkctl.engine.clock import Clock
-from dsparkctl.errors import UsageError
+from dsparkctl.checks import check_positive
 from dsparkctl.math.policies import Policy, check_fits
 from dsparkctl.math.sampling import SamplingParams, draw, warp_probs
 from dsparkctl.math.stats import AcceptanceStats
@@ -187,6 +187,20 @@ class SpeculativeEngine:
         return Round(verify_lengths=ell, budget_capped=capped, accepted=res.accepted, emitted=res.emitted, kept=kept,
                      stopped=stopped, confidence_logits=prop.confidence_logits, draft_ms=draft_ms, verify_ms=verify_ms)
 
+    def mark(self, live: LiveRows) -> Callable[[], None]:
+        """Where the rows stand now; calling the result rewinds target, draft and rows there, so a
+        round can be run (and timed) again from the same state (engine/profile.py)."""
+        target = self.target.mark()
+        ctx_len, pending = live.context.ctx_len.clone(), list(live.context.pending)
+        anchors, produced = live.anchors.clone(), live.produced.clone()
+
+        def rewind() -> None:
+            self.target.rewind(target)
+            live.context.ctx_len = ctx_len.clone()  # the draft's K/V past ctx_len is never read
+            live.context.pending = list(pending)
+            live.anchors, live.produced = anchors.clone(), produced.clone()
+        return rewind
+
     # ------------------------------------------------------------------ the loop
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
@@ -195,8 +209,7 @@ class SpeculativeEngine:
                  on_tokens: Callable[[int, list[int]], None] | None = None) -> RunReport:
         """Generate for all prompts in one batch. Returns outputs in prompt order. Trace rows are
         built only when `on_round` listens."""
-        if max_new_tokens < 1:
-            raise UsageError("max_new_tokens must be >= 1")
+        check_positive(max_new_tokens, "max_new_tokens")
         gamma = self.draft.block_size
         outputs = [RequestOutput(prompt_tokens=list(p)) for p in prompts]
         stats = AcceptanceStats(block_size=gamma)

@@ -10,13 +10,13 @@ import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from dsparkctl.calibrate import confidence_report
 from dsparkctl.distributed import DATA_PARALLEL, Split
-from dsparkctl.errors import UsageError
+from dsparkctl.errors import UsageError, option
 from dsparkctl.evaluation.continuations import cached_continuations
 from dsparkctl.evaluation.live import LiveResult, live_rollouts
 from dsparkctl.evaluation.teacher_forced import evaluate_sequences
@@ -133,47 +133,43 @@ class EvalSpec:
     seed: int = 0
 
 
-def run_evaluation(spec: EvalSpec, names: Mapping[str, str] | None = None, *,
+def run_evaluation(spec: EvalSpec, *,
                    log: Callable[[str], None] = lambda s: None,
                    note: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Check the spec (numbers, labels, every output path, prompt files) before any model loads,
     the drafts' sizes before kernel timing, then evaluate: the eval-acceptance document (also
-    written to `spec.out`; the plot to `spec.plot`). `names` says how messages call the fields
-    max_new_tokens, labels, drafts, out, plot and trace (the CLI passes its flags)."""
+    written to `spec.out`; the plot to `spec.plot`)."""
     from dsparkctl.checks import Output, check_outputs, local_inputs
     from dsparkctl.data.prompts import apply_preset_wrap, encode_prompts, load_prompts, with_preset
     from dsparkctl.engine.session import open_target
     from dsparkctl.fsutil import write_json
 
-    n = {k: k for k in ("max_new_tokens", "labels", "drafts", "out", "plot", "trace")} | dict(names or {})
     preset, temperature, max_new_tokens = with_preset(spec.preset, spec.temperature, spec.max_new_tokens)
-    if max_new_tokens < 1:
-        raise UsageError(f"{n['max_new_tokens']} must be >= 1, got {max_new_tokens}")
     if spec.mode not in MODES:
         raise UsageError(f"unknown mode {spec.mode!r}", f"use one of {', '.join(MODES)}")
     if spec.labels and len(spec.labels) != len(spec.drafts):
-        raise UsageError(f"{n['labels']} must be given once per {n['drafts']}")
+        raise UsageError(f"{option('labels')} must be given once per {option('drafts')}")
     live = spec.mode != "teacher-forced"
     sources = spec.drafts or (None,)
     inputs = local_inputs(*spec.datasets, target=spec.target, drafts=sources)
-    check_outputs([o for o in (Output(spec.out, n["out"]) if spec.out else None,
-                               Output(spec.plot, n["plot"], kind="figure") if spec.plot else None,
-                               Output(spec.trace, n["trace"]) if spec.trace else None) if o is not None], inputs)
+    check_outputs([o for o in (Output(spec.out, option("out")) if spec.out else None,
+                               Output(spec.plot, option("plot"), kind="figure") if spec.plot else None,
+                               Output(spec.trace, option("trace")) if spec.trace else None) if o is not None], inputs)
     # prompts first: bad prompt files fail before any model loads
     texts = {ds: apply_preset_wrap(preset, ds, load_prompts(ds, spec.field, spec.limit)) for ds in spec.datasets}
     sess = open_target(spec.target, spec.device, spec.dtype, spec.revision, spec.trust_remote_code, log=log,
                        parallel=spec.target_parallel, cpu_kernels=spec.cpu_kernels, settle=False)
     drafts, notes = drafts_under_test(sess, sources, spec.labels, spec.revision, spec.seed,
-                                      label_name=n["labels"])
+                                      label_name=option("labels"))
     if spec.trace is not None and live:  # the per-pair files, checked like the trace itself
-        check_outputs([Output(p, n["trace"]) for p in
+        check_outputs([Output(p, option("trace")) for p in
                        trace_paths(spec.trace, spec.datasets, [d.label for d in drafts]).values()], inputs)
     for m in notes:
         note(m)
     gamma = max(d.draft.block_size for d in drafts)
     if spec.mode != "live" and max_new_tokens <= gamma:
-        raise UsageError(f"{n['max_new_tokens']} {max_new_tokens} leaves no full block of γ={gamma} to score "
-                         "teacher-forced", f"use {n['max_new_tokens']} > {gamma}")
+        raise UsageError(f"{option('max_new_tokens')} {max_new_tokens} leaves no full block of γ={gamma} to score "
+                         "teacher-forced", f"use {option('max_new_tokens')} > {gamma}")
     lt = sess.target
     prompts = {ds: encode_prompts(lt.tokenizer, texts[ds], chat=spec.chat) for ds in spec.datasets}
     opts = EvalOptions(mode=spec.mode, params=SamplingParams(temperature=temperature),

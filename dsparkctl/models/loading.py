@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from dsparkctl.errors import InputError, UsageError
+from dsparkctl.errors import InputError, UsageError, option
 
 EMBEDDED = "embedded"  # --target: the embedded SmolLM2 (as is an unset or empty --target)
 DEFAULT_DRAFT = "default"  # --draft: the draft shipped for the embedded target (as is an unset or empty --draft)
@@ -44,8 +44,8 @@ def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device(rank_device("auto") if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda was asked for but torch sees no CUDA device",
-                         "use --device cpu, or install a CUDA build of torch")
+        raise UsageError(f"{option('device')} cuda was asked for but torch sees no CUDA device",
+                         f"use {option('device')} cpu, or install a CUDA build of torch")
     return torch.device(rank_device(device))
 
 
@@ -104,15 +104,15 @@ def load_target(spec: str | None, device: torch.device, dtype: torch.dtype, revi
     if not (folder / "config.json").is_file():
         raise InputError(f"{folder} has no config.json", "pass a transformers model folder or hub id")
     if parallel not in TARGET_PARALLEL:
-        raise UsageError(f"unknown --target-parallel {parallel!r}", f"use one of {', '.join(TARGET_PARALLEL)}")
+        raise UsageError(f"unknown {option('target_parallel')} {parallel!r}", f"use one of {', '.join(TARGET_PARALLEL)}")
     kw: dict = {}
     if parallel == "device-map":
         kw["device_map"] = "auto"
     elif parallel == "tp":
         from dsparkctl.distributed import world
         if not world().distributed:
-            raise UsageError("--target-parallel tp shards the target across torchrun ranks",
-                             "launch with torchrun --nproc-per-node N, or use device-map in one process")
+            raise UsageError(f"{option('target_parallel')} tp shards the target across torchrun ranks",
+                             "launch with `torchrun --nproc-per-node N`, or use device-map in one process")
         kw["tp_plan"] = "auto"
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=trust_remote_code, **kw)

@@ -137,6 +137,7 @@ class TargetAdapter:
         self.valid: torch.Tensor | None = None  # [R, S] bool, slot holds a committed token
         self.seq_len: torch.Tensor | None = None  # [R] committed tokens per row = next position
         self._pending: tuple[int, int] | None = None  # (first slot, T) of the last uncommitted feed
+        self._compactions = 0  # slots were rearranged this many times (`mark`/`rewind` need none between)
 
     # --------------------------------------------------------------------- properties
     @property
@@ -211,6 +212,22 @@ class TargetAdapter:
         self.seq_len = self.seq_len + keep
         self._trim()
 
+    def mark(self) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """The committed state, for `rewind` after trial rounds (profiling)."""
+        assert self._pending is None, "commit() the previous feed first"
+        return self.valid.clone(), self.seq_len.clone(), int(self.valid.shape[1]), self._compactions
+
+    def rewind(self, mark: tuple[torch.Tensor, torch.Tensor, int, int]) -> None:
+        """Back to `mark`: every token fed or committed since is dropped (the slots before it
+        are untouched, as long as no compaction rearranged them since)."""
+        valid, seq_len, slots, compactions = mark
+        if compactions != self._compactions:
+            raise RuntimeError("the cache was compacted since mark(): it cannot be rewound")
+        self._pending = None
+        if self.valid.shape[1] > slots:
+            self.cache.crop(slots - int(self.valid.shape[1]))  # negative: drop that many (the form every transformers accepts)
+        self.valid, self.seq_len = valid.clone(), seq_len.clone()
+
     def _layers(self):
         for layer in self.cache.layers:
             if getattr(layer, "is_sliding", False) or not hasattr(layer, "keys"):
@@ -234,6 +251,7 @@ class TargetAdapter:
     def _compact(self) -> None:
         """Gather each row's valid slots to the left; holes collect at the right end."""
         L = int(self.seq_len.max())
+        self._compactions += 1
         # stable sort puts valid slots first, in their original order
         order = torch.sort((~self.valid).to(torch.int8), dim=1, stable=True).indices[:, :L]  # [R, L]
         for layer in self._layers():

@@ -26,7 +26,6 @@ token at P+j (j = 0..S-P-1), stored as ids (int32) and log-probabilities (fp16, 
 
 from __future__ import annotations
 
-import json
 import os
 import random
 from dataclasses import dataclass
