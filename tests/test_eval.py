@@ -185,3 +185,26 @@ def test_a_damaged_own_calibration_is_refused_in_one_line_before_the_rollouts(tm
                               str(prompts), "--mode", "live", "--max-new-tokens", "8", "--out", str(tmp_path / "o.json")])
     assert res.exit_code == 2 and "calibration.json: NaN is not a JSON number" in res.output
     assert not (tmp_path / "o.json").exists()
+
+
+@pytest.mark.parametrize("command", ["generate", "eval-acceptance"])
+def test_requests_past_the_targets_positions_are_refused_before_decoding(command, tmp_path):
+    """One rule for both generating commands: prompt + --max-new-tokens + a block must fit the
+    target's positions; refused in one line naming the flag, nothing written."""
+    target = save_tiny_target(tmp_path / "target", "llama", vocab=64, layers=4)
+    cfg = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 24}))
+    draft = write_deepspec_draft(tmp_path / "draft", vocab=64, hidden=32, taps=(0, 1), rank=8, block_size=4)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("w1 w2 w3\nw4 w5 w6 w7 w8 w9\n")
+    out = tmp_path / "r.json"
+    source = ["--prompts-file", str(prompts)] if command == "generate" else ["--dataset", str(prompts)]
+    extra = ["--trace", str(out)] if command == "generate" else ["--out", str(out)]
+    base = [command, "--target", str(target), "--draft", str(draft), "--no-chat", *source, *extra]
+    res = runner.invoke(app, [*base, "--max-new-tokens", "40"])
+    assert res.exit_code == 2, res.output
+    assert "the longest prompt (6 tokens) + --max-new-tokens 40 runs past the target's 24 positions" in res.output
+    assert "use --max-new-tokens ≤ 13" in res.output and not out.exists()
+    res = runner.invoke(app, [*base, "--max-new-tokens", "12", "--policy" if command == "generate" else "--mode",
+                              "static:2" if command == "generate" else "live"])
+    assert res.exit_code == 0, res.output  # within the positions it runs

@@ -141,6 +141,7 @@ def run_evaluation(spec: EvalSpec, *,
     written to `spec.out`; the plot to `spec.plot`)."""
     from dsparkctl.checks import Output, check_outputs, local_inputs
     from dsparkctl.data.prompts import apply_preset_wrap, encode_prompts, load_prompts, with_preset
+    from dsparkctl.engine.generate import check_positions
     from dsparkctl.engine.session import open_target
     from dsparkctl.fsutil import write_json
 
@@ -172,6 +173,8 @@ def run_evaluation(spec: EvalSpec, *,
                          "teacher-forced", f"use {option('max_new_tokens')} > {gamma}")
     lt = sess.target
     prompts = {ds: encode_prompts(lt.tokenizer, texts[ds], chat=spec.chat) for ds in spec.datasets}
+    for ids in prompts.values():  # generate's rule: every prompt + its tokens + a block fits the positions
+        check_positions(lt.model, ids, max_new_tokens, gamma)
     opts = EvalOptions(mode=spec.mode, params=SamplingParams(temperature=temperature),
                        max_new_tokens=max_new_tokens, seed=spec.seed, batch_size=spec.batch_size,
                        trace=spec.trace if live else None, preset=preset.name if preset else None)
