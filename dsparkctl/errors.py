@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from typing import Mapping
 
-_MARK = "\x1f"  # a unit separator never occurs in a message's own text
+_MARK = "\ue000"  # a private-use character: not expected in a message, a path or a value
 _OPTION = re.compile(f"{_MARK}([A-Za-z_][A-Za-z0-9_]*){_MARK}")
 
 
