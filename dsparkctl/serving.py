@@ -32,9 +32,9 @@ import json
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-from dsparkctl.errors import InputError, UsageError
+from dsparkctl.errors import InputError, UsageError, option
 
 RAGGED_ENV = "SGLANG_RAGGED_VERIFY_MODE"
 
@@ -71,7 +71,7 @@ def k_table_from_sweep(sweep: Any, block_size: int, max_batch_size: int | None =
             best[c] = (thr, k)
     if not best:
         raise InputError("the sweep has no static:K policies to pick a length per batch size from",
-                         f"run sweep-scheduler --policies static:1,...,static:{block_size} (and others)")
+                         f"run `dsparkctl sweep-scheduler --policies static:1,...,static:{block_size}` (and others)")
     cs = sorted(best)
     ranges: list[list[int]] = []
     for i, c in enumerate(cs):
@@ -222,20 +222,20 @@ SCRIPT_HEADER = "#!/usr/bin/env bash\n# written by dsparkctl serve-config\n"
 
 
 def check_script_destination(path: Path) -> None:
-    """`--out` may replace a script serve-config wrote, never another file."""
+    """The script (`ServeSpec.out`) may replace a script serve-config wrote, never another file."""
     if path.is_file():
         with open(path, "rb") as fh:
             head = fh.read(len(SCRIPT_HEADER))
         if head != SCRIPT_HEADER.encode():
             raise InputError(f"{path} exists and is not a script serve-config wrote; refusing to overwrite it",
-                             "choose a new file for --out")
+                             f"choose a new file for {option('out')}")
 
 
 def check_target_id(tid: str) -> None:
     """A target name the server can take: a hub id or a path, one line, no spaces."""
     if not tid.strip() or tid.startswith("-") or any(c.isspace() or not c.isprintable() for c in tid):
-        raise InputError(f"--target-id {tid!r} must be a non-empty hub id or path without spaces or control "
-                         "characters, not starting with '-'", "e.g. --target-id Qwen/Qwen3-8B")
+        raise InputError(f"{option('target_id')} {tid!r} must be a non-empty hub id or path without spaces or "
+                         "control characters, not starting with '-'", f"e.g. {option('target_id')} Qwen/Qwen3-8B")
 
 
 def sglang_file(path: Path, kind: str) -> Path:
@@ -334,16 +334,16 @@ def export_drafts(sess: Any, export_full_vocab: Path | None, export_vllm: Path |
     d = sess.draft
     if d.draft_vocab_ids is None:
         if export_full_vocab is not None or export_vllm is not None:
-            raise UsageError(f"--export-{'full-vocab' if export_full_vocab is not None else 'vllm'} is for "
-                             "reduced-vocabulary drafts; this one covers the full vocabulary",
+            given = option("export_full_vocab" if export_full_vocab is not None else "export_vllm")
+            raise UsageError(f"{given} is for reduced-vocabulary drafts; this one covers the full vocabulary",
                              "drop it: both engines read this draft folder as it is")
         return {}
     K = d.cfg.draft_vocab_size
     if export_full_vocab is None:
         raise UsageError(f"{sess.draft_name} has a reduced vocabulary ({K} ids); SGLang reads only a "
                          "full-vocabulary copy (it uses the target's head) and vLLM its own reduced form",
-                         "add --export-full-vocab DIR (for SGLang; vLLM loads it too) and optionally --export-vllm "
-                         "DIR (vLLM's reduced form, a smaller head)")
+                         f"add {option('export_full_vocab')} DIR (for SGLang; vLLM loads it too) and optionally "
+                         f"{option('export_vllm')} DIR (vLLM's reduced form, a smaller head)")
     save_draft(expand_vocabulary(d, sess.adapter), export_full_vocab, overwrite=True, extra_config={
         "dsparkctl": {"expanded_from": sess.draft_name, "engine": "sglang",
                       "note": "full-vocabulary copy of a reduced-vocabulary draft, for SGLang (vLLM loads it too)"}})
@@ -374,7 +374,7 @@ def plan_serving(sess: Any, draft: str | None, target: str | None, target_id: st
         check_sts(files.sts_file, gamma)
         if not d.cfg.enable_confidence_head:
             raise InputError("the draft has no confidence head, so SGLang ignores an STS file",
-                             "drop --calibration, or serve a draft with a confidence head")
+                             f"drop {option('calibration')}, or serve a draft with a confidence head")
     draft_path = _local(draft) if not is_default_draft(draft) else str(default_draft_dir())
     exports = export_drafts(sess, export_full_vocab, export_vllm)
     sglang_draft = exports.get("sglang", draft_path)
@@ -427,3 +427,96 @@ def write_script(path: Path, result: dict[str, Any]) -> None:
         fh.write(SCRIPT_HEADER + "# SGLang:\n")
         fh.write(result["sglang"]["command"] + "\n# vLLM:\n# " + result["vllm"]["command"] + "\n")
     result["script"] = str(path)
+
+
+@dataclass(frozen=True)
+class ServeSpec:
+    """Everything `serve-config` runs, as the user gave it (`run_serve_config` checks it)."""
+    draft: str | None = None  # folder or hub id; None: the shipped draft (embedded target only); not "random"
+    target: str | None = None  # folder or hub id; None: the embedded model
+    target_id: str | None = None  # the target as the server names it; None: target, or the embedded model's hub id
+    revision: str | None = None
+    sps_table: Path | None = None  # profile-sps output (ours, or the .sglang.json beside it)
+    calibration: Path | None = None  # calibrate output (ours, or the .sglang-sts.json); None: the draft's own
+    sweep: Path | None = None  # sweep-scheduler --out result: vLLM's length per batch size
+    export_full_vocab: Path | None = None  # a reduced-vocabulary draft's full-vocabulary copy (SGLang) goes here
+    export_vllm: Path | None = None  # and vLLM's reduced form here (needs export_full_vocab)
+    out: Path | None = None  # also write a shell script with both commands
+
+
+def check_serve_spec(spec: ServeSpec) -> None:
+    """Every check that needs no model and reads no tuning file: the outputs, the draft, the
+    exports' pairing, and every name that reaches the commands and the script."""
+    from dsparkctl.checks import Output, check_outputs, local_inputs
+    from dsparkctl.models.draft_io import check_draft_destination
+    from dsparkctl.models.loading import RANDOM_DRAFT, is_default_draft, is_embedded
+
+    check_outputs([o for o in (Output(spec.out, option("out")) if spec.out else None,
+                               Output(spec.export_full_vocab, option("export_full_vocab"), "folder")
+                               if spec.export_full_vocab else None,
+                               Output(spec.export_vllm, option("export_vllm"), "folder") if spec.export_vllm else None)
+                   if o is not None],
+                  local_inputs(spec.sps_table, spec.calibration, spec.sweep, target=spec.target, drafts=[spec.draft]))
+    if spec.draft == RANDOM_DRAFT:
+        raise UsageError(f"{option('draft')} random is an untrained draft: there is nothing to serve",
+                         f"pass a trained draft folder or hub id (or omit {option('draft')} for the shipped one)")
+    if is_default_draft(spec.draft) and not is_embedded(spec.target):
+        raise UsageError(f"serve-config needs {option('draft')} for this target: the shipped draft is the embedded "
+                         "target's", "pass the draft folder or hub id you will serve")
+    if spec.export_vllm is not None and spec.export_full_vocab is None:
+        raise UsageError(f"{option('export_vllm')} comes with {option('export_full_vocab')}: SGLang's command needs "
+                         "the full-vocabulary copy (it cannot read vLLM's reduced form)",
+                         f"add {option('export_full_vocab')} DIR")
+    if spec.target_id is not None:
+        check_target_id(spec.target_id)
+    for name in ("target", "draft", "sps_table", "calibration", "export_full_vocab"):
+        value = getattr(spec, name)
+        if value is not None:  # they reach the commands and the script: refused before the models load
+            p = Path(value).expanduser()
+            refuse_control_characters(option(name), str(p.resolve()) if str(value) and p.exists() else str(value))
+    if spec.out is not None:
+        check_script_destination(spec.out)
+    for folder in (spec.export_full_vocab, spec.export_vllm):
+        if folder is not None:
+            check_draft_destination(folder, overwrite=True)
+
+
+def run_serve_config(spec: ServeSpec, *, log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """Check the spec (`check_serve_spec`) and read the tuning files before any model loads, then
+    open target and draft on the CPU and plan both engines (`plan_serving`: the per-engine exports
+    of a reduced-vocabulary draft are written if asked) and write the script `spec.out`. Returns
+    the serve-config document, its notes led by what the calibration's draft check said.
+
+    Without `spec.calibration` the draft's own `calibration.json` (beside it) is used, with a note;
+    one fitted for another draft is left unused, with a note."""
+    import dataclasses
+
+    from dsparkctl.calibrate import CALIBRATION_NAME, calibration_draft_notes
+    from dsparkctl.engine.session import draft_folder_for, open_session
+    from dsparkctl.models.loading import is_embedded
+
+    check_serve_spec(spec)
+    calibration, own = spec.calibration, None
+    if calibration is None:  # the draft's own calibration, shipped beside it (checked against it below)
+        folder = draft_folder_for(spec.draft, is_embedded(spec.target))
+        if folder is not None and (folder / CALIBRATION_NAME).is_file():
+            calibration = own = folder / CALIBRATION_NAME
+    files = read_serve_inputs(spec.sps_table, calibration, spec.sweep)  # before the models load
+    sess = open_session(spec.target, spec.draft, "cpu", "fp32", spec.revision, log=log)
+    cal_notes: list[str] = []
+    if calibration is not None:
+        try:
+            cal_notes = calibration_draft_notes(calibration, sess.draft.fingerprint())
+        except InputError:
+            if own is None:
+                raise
+            cal_notes = [f"{own} is not this draft's calibration: not used"]
+            files = dataclasses.replace(files, sts_file=None)
+        if own is not None and files.sts_file is not None:
+            cal_notes.append(f"the confidences are calibrated with the draft's own {own} (--calibration to override)")
+    result = plan_serving(sess, spec.draft, spec.target, spec.target_id, files, spec.export_full_vocab,
+                          spec.export_vllm)
+    result["notes"] = cal_notes + result["notes"]
+    if spec.out is not None:
+        write_script(spec.out, result)
+    return result

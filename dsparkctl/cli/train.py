@@ -10,7 +10,6 @@ import typer
 
 from dsparkctl.cli.common import (Device, DeviceOpt, JsonOpt, err, guarded, out, print_json, progress_bar,
                                   show_progress)
-from dsparkctl.errors import UsageError
 
 
 def register(app: typer.Typer) -> None:
@@ -21,10 +20,15 @@ class Reporter:
     """Progress to stderr: a bar on a terminal, else a line every 10 steps; data parts and
     held-out evaluations as lines."""
 
-    def __init__(self, steps: int, update: Any, bar: bool):
-        self.steps, self.update, self.bar = steps, update, bar
+    def __init__(self, update: Any, bar: bool):
+        self.steps, self.update, self.bar = 0, update, bar
         self.t0 = time.perf_counter()
         self.first: tuple[int, float] | None = None
+
+    def start(self, steps: int) -> None:
+        """Training begins (the target is loaded): `steps` in all; the clock starts now."""
+        self.steps, self.t0 = steps, time.perf_counter()
+        self.update(total=steps)
 
     def data(self, done: int, total: int) -> None:
         el = time.perf_counter() - self.t0
@@ -53,7 +57,7 @@ class Reporter:
                   highlight=False)
 
 
-@guarded
+@guarded(fields={"out": "out_dir", "overrides": "set_"})
 def train(
     recipe: Annotated[Path, typer.Argument(help="Recipe TOML (see recipes/).")],
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the run's latest checkpoint.")] = False,
@@ -76,55 +80,31 @@ def train(
     json_out: JsonOpt = False,
 ) -> None:
     """Train a DSpark/DFlash draft by self-distillation from the target (resumable)."""
-    import torch
+    from dsparkctl.train.run import TrainSpec, run_train
 
-    from dsparkctl.engine.session import open_target
-    from dsparkctl.train.recipe import load_recipe
-    from dsparkctl.train.run import export_checkpoint, run_training
+    spec = TrainSpec(recipe=recipe, overrides=tuple(set_ or ()), resume=resume, out=out_dir, cache_dir=cache_dir,
+                     max_steps=max_steps, max_minutes=max_minutes, export_step=export_step, device=device.value,
+                     with_embeddings=with_embeddings)
+    with progress_bar("train", None, describe=True) as update:
+        rep = Reporter(update, bar=show_progress())
+        doc = run_train(spec, log=lambda s: err.print(s, highlight=False), on_start=rep.start, on_data=rep.data,
+                        on_step=rep.step, on_eval=rep.evaluated)
+    if "exported_step" in doc:  # a line, with or without --json
+        out.print(f"exported step {doc['exported_step']} of {doc['recipe']} to {doc['draft']}", highlight=False)
+    elif json_out:
+        print_json(doc)
+    else:
+        print_summary(doc)
 
-    rec = load_recipe(recipe, set_ or [])
-    if (with_embeddings or export_step is not None) and out_dir is None:
-        raise UsageError("--with-embeddings and --export-step need --out FOLDER", "e.g. --out my-draft")
-    if max_minutes is not None and not max_minutes < float("inf"):
-        raise UsageError(f"--max-minutes must be a finite number, got {max_minutes}", "e.g. --max-minutes 30")
-    if out_dir is not None:
-        from dsparkctl.checks import Output, check_outputs, local_inputs
-        from dsparkctl.models.draft_io import check_draft_destination
 
-        check_outputs([Output(out_dir, "--out", "folder")],
-                      local_inputs(rec.optim.init_from or None, target=rec.target.model))
-        check_draft_destination(out_dir, overwrite=True)  # before the target loads
-    if rec.optim.threads:
-        torch.set_num_threads(rec.optim.threads)
-    sess = open_target(None if rec.target.model == "embedded" else rec.target.model, device.value, rec.target.dtype,
-                       log=lambda s: err.print(s, highlight=False))
-    lt = sess.target
-    if export_step is not None:
-        path = export_checkpoint(rec, export_step, model=lt.model, tokenizer=lt.tokenizer, out=out_dir,
-                                 stop_ids=sess.stop_ids, cache_dir=cache_dir, with_embeddings=with_embeddings)
-        out.print(f"exported step {export_step} of {rec.name} to {path}", highlight=False)
-        return
-    with progress_bar("train", rec.optim.steps, describe=True) as update:
-        rep = Reporter(rec.optim.steps, update, bar=show_progress())
-        res = run_training(rec, model=lt.model, tokenizer=lt.tokenizer, stop_ids=sess.stop_ids, resume=resume,
-                           cache_dir=cache_dir, out=out_dir, log=lambda s: err.print(s, highlight=False),
-                           on_data=rep.data, on_step=rep.step, stop_after=max_steps, on_eval=rep.evaluated,
-                           max_seconds=max_minutes * 60 if max_minutes is not None else None,
-                           with_embeddings=with_embeddings)
-    summary = {"recipe": rec.name, "recipe_hash": rec.digest(), "run_dir": res.run_dir, "draft": res.draft_dir,
-               "steps": res.steps, "resumed_from": res.resumed_from, "train_seconds": round(res.seconds, 1),
-               "train_sequences": res.train_sequences, "heldout_sequences": res.heldout_sequences,
-               "vocab_coverage": res.vocab_coverage,
-               "last_loss": res.last.to_json() if res.last else None, "heldout_teacher_forced": res.heldout}
-    if json_out:
-        print_json(summary)
-        return
-    h = res.heldout
-    out.print(f"trained {rec.name} to step {res.steps} (resumed from {res.resumed_from}) in {res.seconds / 60:.1f} min",
-              highlight=False)
-    if res.last:
-        out.print(f"last loss {res.last.loss:.3f}: ce {res.last.ce:.3f}  l1 {res.last.l1:.3f}  bce {res.last.bce:.3f}")
+def print_summary(doc: dict[str, Any]) -> None:
+    """The human view of a training run: steps and time, the last loss, held-out τ, the draft."""
+    h, last = doc["heldout_teacher_forced"], doc["last_loss"]
+    out.print(f"trained {doc['recipe']} to step {doc['steps']} (resumed from {doc['resumed_from']}) in "
+              f"{doc['train_seconds'] / 60:.1f} min", highlight=False)
+    if last:
+        out.print(f"last loss {last['loss']:.3f}: ce {last['ce']:.3f}  l1 {last['l1']:.3f}  bce {last['bce']:.3f}")
     tau = h.get("tau")
-    out.print(f"held-out teacher-forced τ (γ={rec.draft.block_size}, T={h['temperature']}): {tau:.3f} over "
+    out.print(f"held-out teacher-forced τ (γ={h['block_size']}, T={h['temperature']}): {tau:.3f} over "
               f"{h['anchors']} anchors" if tau is not None else "held-out τ: no full blocks")
-    out.print(f"draft: {res.draft_dir}", highlight=False)
+    out.print(f"draft: {doc['draft']}", highlight=False)

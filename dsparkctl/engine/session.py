@@ -20,6 +20,16 @@ from dsparkctl.models.target import TargetAdapter
 CPU_KERNELS = ("auto", "packed", "stock")
 
 
+def draft_folder_for(spec: str | None, embedded_target: bool) -> Path | None:
+    """The local folder a draft spec reads from: the shipped draft's (with the embedded target), a
+    folder given by path; None for 'random' and hub ids. Known before any model loads."""
+    if is_default_draft(spec):
+        return default_draft_dir() if embedded_target else None
+    if spec != RANDOM_DRAFT and Path(str(spec)).expanduser().is_dir():
+        return Path(str(spec)).expanduser()
+    return None
+
+
 @dataclass
 class Session:
     target: LoadedTarget
@@ -71,13 +81,8 @@ class Session:
         return TargetAdapter(self.target.model, ())
 
     def draft_folder(self, spec: str | None) -> Path | None:
-        """The local folder a draft spec reads from: the shipped draft's (embedded target), a folder
-        given by path; None for 'random' and hub ids."""
-        if is_default_draft(spec):
-            return default_draft_dir() if self.embedded_target else None
-        if spec != RANDOM_DRAFT and Path(str(spec)).expanduser().is_dir():
-            return Path(str(spec)).expanduser()
-        return None
+        """The local folder a draft spec reads from in this session (`draft_folder_for`)."""
+        return draft_folder_for(spec, self.embedded_target)
 
     def load_draft(self, spec: str | None, revision: str | None = None, seed: int = 0,
                    random_draft_kw: dict[str, Any] | None = None) -> tuple[DSparkDraft, str, list[str]]:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from dsparkctl.errors import InputError
+from dsparkctl.errors import InputError, option
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -277,7 +277,8 @@ def parse_overrides(pairs: Sequence[str]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for pair in pairs:
         if "=" not in pair:
-            raise InputError(f"--set {pair!r}: expected key=value", "e.g. --set draft.markov_rank=0")
+            raise InputError(f"{option('overrides')} {pair!r}: expected key=value",
+                             f"e.g. {option('overrides')} draft.markov_rank=0")
         key, text = (s.strip() for s in pair.split("=", 1))
         if "." in key:
             sec, name = key.split(".", 1)
@@ -285,8 +286,8 @@ def parse_overrides(pairs: Sequence[str]) -> dict[str, dict[str, Any]]:
             sec, name = unique[key], key
         else:
             hint = "qualify it with its section, e.g. optim.seed" if key in clash else "see the recipe's keys"
-            raise InputError(f"--set {key}: unknown recipe key" if key not in clash
-                             else f"--set {key}: ambiguous key", hint)
+            raise InputError(f"{option('overrides')} {key}: unknown recipe key" if key not in clash
+                             else f"{option('overrides')} {key}: ambiguous key", hint)
         try:
             value = tomllib.loads(f"v = {text}")["v"]
         except tomllib.TOMLDecodeError:
@@ -313,7 +314,8 @@ def load_recipe(path: str | Path | None, overrides: Sequence[str] = ()) -> Recip
             raw["name"] = p.stem
     for sec, kv in parse_overrides(overrides).items():
         if sec not in SECTIONS:
-            raise InputError(f"--set {sec}.…: unknown recipe section {sec!r}", f"use {', '.join(SECTIONS)}")
+            raise InputError(f"{option('overrides')} {sec}.…: unknown recipe section {sec!r}",
+                             f"use {', '.join(SECTIONS)}")
         base = raw.setdefault(sec, {})
         if not isinstance(base, dict):
             raise InputError(f"{source}: [{sec}] must be a table")

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from dsparkctl.distributed import barrier, world
-from dsparkctl.errors import InputError
+from dsparkctl.errors import InputError, UsageError, option
 from dsparkctl.models.draft import DSparkDraft
 from dsparkctl.models.draft_io import check_draft_destination, init_weights, load_draft, random_draft_config, save_draft
 from dsparkctl.models.target import TargetAdapter
@@ -155,9 +155,10 @@ def load_init_draft(recipe: Recipe, draft: DSparkDraft, adapter: TargetAdapter,
 
 def check_embeddings_export(draft_vocab_size: int, with_embeddings: bool) -> None:
     if with_embeddings and draft_vocab_size:
-        raise InputError("--with-embeddings writes a DeepSpec draft for loaders that do not borrow the target's "
-                         "embedding and LM head; a reduced-vocabulary draft is not one of those",
-                         "train with draft.vocab_size = 0 for DeepSpec's eval.py, or drop --with-embeddings")
+        raise InputError(f"{option('with_embeddings')} writes a DeepSpec draft for loaders that do not borrow the "
+                         "target's embedding and LM head; a reduced-vocabulary draft is not one of those",
+                         "train with draft.vocab_size = 0 for DeepSpec's eval.py, or drop "
+                         f"{option('with_embeddings')}")
 
 
 def export_draft(draft: DSparkDraft, out: Path, scale: torch.Tensor | None, extra: dict[str, Any],
@@ -317,7 +318,7 @@ def run_training(recipe: Recipe, *, model: Any, tokenizer: Any, stop_ids: list[i
     with run_lock(run_dir):  # two identical runs at once never share one run folder
         if os.path.lexists(run_dir / "latest.json") and not resume:
             raise InputError(f"{run_dir} already holds checkpoints of this recipe",
-                             "pass --resume to continue it, or delete the folder to start over")
+                             f"pass {option('resume')} to continue it, or delete the folder to start over")
         check_run_files(run_dir)  # a FIFO or link where we append or write would block or lead elsewhere
         if resume:
             read_latest(run_dir)  # a damaged run folder is refused now, not after the data are built
@@ -381,3 +382,69 @@ def export_checkpoint(recipe: Recipe, step: int, *, model: Any, tokenizer: Any, 
     extra = {"dsparkctl": provenance(recipe=recipe.to_dict(), recipe_hash=recipe.digest(), steps=step,
                                      target=recipe.target.model, exported_from=str(path))}
     return export_draft(draft, out, scale, extra, with_embeddings)
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """Everything `train` runs, as the user gave it (`run_train` checks it)."""
+    recipe: Path | None = None  # recipe TOML; None: the defaults (train/recipe.py)
+    overrides: tuple[str, ...] = ()  # recipe keys set on top: "section.key=value" or "key=value"
+    resume: bool = False  # continue from the run's latest checkpoint
+    out: Path | None = None  # also write the trained draft here (needed by export_step and with_embeddings)
+    cache_dir: Path | None = None  # data cache and runs; None: default_cache_dir()
+    max_steps: int | None = None  # stop after this many more steps (a checkpoint is written)
+    max_minutes: float | None = None  # stop after this many minutes of training (a checkpoint is written)
+    export_step: int | None = None  # do not train: write the kept checkpoint of this step as a draft to `out`
+    device: str = "auto"
+    with_embeddings: bool = False  # also write the target's embedding and LM head into `out` (DeepSpec's eval.py)
+
+
+def run_train(spec: TrainSpec, *, log: Callable[[str], None] = print,
+              on_start: Callable[[int], None] | None = None, on_data: Callable[[int, int], None] | None = None,
+              on_step: Callable[[StepLog], None] | None = None,
+              on_eval: Callable[[int, dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Load the recipe and check the spec (options, the draft folder `out`) before the target
+    loads, then train (`run_training`) or, with `export_step`, export that kept checkpoint
+    (`export_checkpoint`). Returns the train document: the recipe, run folder, draft, steps,
+    timing, data, last loss and held-out teacher-forced stats; for an export, the recipe, the
+    step and the draft folder written (`exported_step`, `draft`).
+
+    `on_start(steps)`: the recipe's step count, once the target is loaded and training begins."""
+    from dsparkctl.checks import Output, check_outputs, local_inputs
+    from dsparkctl.engine.session import open_target
+    from dsparkctl.train.recipe import load_recipe
+
+    rec = load_recipe(spec.recipe, spec.overrides)
+    if (spec.with_embeddings or spec.export_step is not None) and spec.out is None:
+        raise UsageError(f"{option('with_embeddings')} and {option('export_step')} need {option('out')} FOLDER",
+                         f"e.g. {option('out')} my-draft")
+    if spec.max_minutes is not None and not spec.max_minutes < float("inf"):
+        raise UsageError(f"{option('max_minutes')} must be a finite number, got {spec.max_minutes}",
+                         f"e.g. {option('max_minutes')} 30")
+    if spec.out is not None:
+        check_outputs([Output(spec.out, option("out"), "folder")],
+                      local_inputs(rec.optim.init_from or None, target=rec.target.model))
+        check_draft_destination(spec.out, overwrite=True)
+        check_embeddings_export(rec.draft.vocab_size, spec.with_embeddings)
+    if rec.optim.threads:
+        torch.set_num_threads(rec.optim.threads)
+    sess = open_target(None if rec.target.model == "embedded" else rec.target.model, spec.device, rec.target.dtype,
+                       log=log)
+    lt = sess.target
+    if spec.export_step is not None:
+        path = export_checkpoint(rec, spec.export_step, model=lt.model, tokenizer=lt.tokenizer, out=spec.out,
+                                 stop_ids=sess.stop_ids, cache_dir=spec.cache_dir,
+                                 with_embeddings=spec.with_embeddings)
+        return {"recipe": rec.name, "recipe_hash": rec.digest(), "exported_step": spec.export_step, "draft": path}
+    if on_start:
+        on_start(rec.optim.steps)
+    res = run_training(rec, model=lt.model, tokenizer=lt.tokenizer, stop_ids=sess.stop_ids, resume=spec.resume,
+                       cache_dir=spec.cache_dir, out=spec.out, log=log, on_data=on_data, on_step=on_step,
+                       stop_after=spec.max_steps, on_eval=on_eval,
+                       max_seconds=spec.max_minutes * 60 if spec.max_minutes is not None else None,
+                       with_embeddings=spec.with_embeddings)
+    return {"recipe": rec.name, "recipe_hash": rec.digest(), "run_dir": res.run_dir, "draft": res.draft_dir,
+            "steps": res.steps, "resumed_from": res.resumed_from, "train_seconds": round(res.seconds, 1),
+            "train_sequences": res.train_sequences, "heldout_sequences": res.heldout_sequences,
+            "vocab_coverage": res.vocab_coverage,
+            "last_loss": res.last.to_json() if res.last else None, "heldout_teacher_forced": res.heldout}

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from dsparkctl.errors import InputError
+from dsparkctl.errors import InputError, option
 from dsparkctl.fsutil import append_line, atomic_dir, full_disk_error, write_json
 from dsparkctl.strict_json import finite
 from dsparkctl.models.draft import DSparkDraft
@@ -377,7 +377,7 @@ class Trainer:
         tensors, state = read_checkpoint(path, step, trainable(self.draft), self.opt, self.gen)
         if state["recipe_digest"] != self.recipe.digest("draft", "optim"):
             raise InputError(f"{path}: checkpoint was made with a different draft/optim recipe",
-                             "resume with the same recipe, or start a fresh run without --resume")
+                             f"resume with the same recipe, or start a fresh run without {option('resume')}")
         params = trainable(self.draft)
         opt_before = self.opt.state_dict()
         gen_before = self.gen.get_state()
