@@ -253,9 +253,11 @@ def test_cli_train_end_to_end_resume_and_export(tmp_path):
     cfg = json.loads((Path(done["draft"]) / "config.json").read_text())
     assert cfg["markov_rank"] == 8 and cfg["dsparkctl"]["steps"] == 4
     out = tmp_path / "step2"
-    res = CliRunner().invoke(app, ["train", str(recipe), "--cache-dir", str(cache), "--export-step", "2", "--out", str(out)])
+    res = CliRunner().invoke(app, ["train", str(recipe), "--cache-dir", str(cache), "--export-step", "2", "--out", str(out),
+                                   "--json"])
     assert res.exit_code == 0, res.output
     assert (out / "model.safetensors").is_file()
+    assert json.loads(res.stdout)["exported_step"] == 2  # --json prints the export's document too
 
 
 def test_cached_heldout_tau_equals_a_real_teacher_forced_evaluation(tmp_path):

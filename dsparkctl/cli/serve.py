@@ -15,7 +15,7 @@ def register(app: typer.Typer) -> None:
                 "command with its environment and tuning files, and vLLM's --speculative-config.")(serve_config)
 
 
-@guarded(fields={"out": "out_path"})
+@guarded
 def serve_config(
     draft: DraftOpt = None,
     target: TargetOpt = None,

@@ -57,7 +57,7 @@ class Reporter:
                   highlight=False)
 
 
-@guarded(fields={"out": "out_dir", "overrides": "set_"})
+@guarded(fields={"overrides": "set_"})
 def train(
     recipe: Annotated[Path, typer.Argument(help="Recipe TOML (see recipes/).")],
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the run's latest checkpoint.")] = False,
@@ -89,10 +89,10 @@ def train(
         rep = Reporter(update, bar=show_progress())
         doc = run_train(spec, log=lambda s: err.print(s, highlight=False), on_start=rep.start, on_data=rep.data,
                         on_step=rep.step, on_eval=rep.evaluated)
-    if "exported_step" in doc:  # a line, with or without --json
-        out.print(f"exported step {doc['exported_step']} of {doc['recipe']} to {doc['draft']}", highlight=False)
-    elif json_out:
+    if json_out:
         print_json(doc)
+    elif "exported_step" in doc:
+        out.print(f"exported step {doc['exported_step']} of {doc['recipe']} to {doc['draft']}", highlight=False)
     else:
         print_summary(doc)
 
