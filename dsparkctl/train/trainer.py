@@ -170,7 +170,7 @@ def damaged(file: Path, why: str) -> InputError:
     """The one refusal of a damaged run folder: one line naming the file."""
     run = file.parent.parent.parent if file.parent.parent.name == "checkpoints" else file.parent
     return InputError(f"{file}: {why}; the run folder is damaged",
-                      f"delete {run} to start the run over, or train into another --cache-dir")
+                      f"delete {run} to start the run over, or train into another {option('cache_dir')}")
 
 
 def checkpoint_folders(run_dir: Path) -> list[tuple[Path, int]]:
