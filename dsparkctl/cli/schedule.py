@@ -143,7 +143,7 @@ def audit_table(report: dict[str, Any]) -> Table:
                 "mean ℓ", "drafted", "verdict"):
         t.add_column(col, justify="right", no_wrap=col not in ("χ² 1st (p)", "χ² 1st+2nd (p)"))
     for r in report["results"]:
-        verdict = "pass" if r["passed"] else ("FAIL (biased, expected)" if not r["claimed_lossless"] else "FAIL")
+        verdict = r["verdict"] if r["verdict"] == "pass" or r["claimed_lossless"] else "FAIL (biased, expected)"
         t.add_row(r["setting"], r["policy"], str(r["rounds"]),
                   f"{r['p_token0']:.4f} [{r['p_token0_ci'][0]:.4f}, {r['p_token0_ci'][1]:.4f}]",
                   f"{r['target_token0']:.3f}", f"{_stat(r['first_stat'])} ({r['first_p']:.3g})",
