@@ -229,7 +229,7 @@ def run_calibrate(spec: CalibrateSpec, *, log: Callable[[str], None] = lambda m:
     sglang_out = spec.sglang_out or spec.out.with_name(spec.out.stem + ".sglang-sts.json")
     plot_dir = spec.plot_dir or spec.out.with_name(spec.out.stem + "_reliability")
     check_outputs([Output(spec.out, option("out")), Output(sglang_out, option("sglang_out")),
-                   Output(plot_dir, option("plot_dir"), "folder")], inputs=list(spec.traces))
+                   Output(plot_dir, option("plot_dir"), "folder")], inputs=[Path(p) for p in spec.traces])
     check_settings(spec.holdout, spec.bins)
     inputs = load_inputs(spec.traces, spec.bins)
     reliability_paths(plot_dir, inputs[0].gamma)  # a user's file among the PNG names stops it before the fit

@@ -270,7 +270,7 @@ def run_sweep_scheduler(spec: SweepSpec, *, log: Callable[[str], None] = lambda 
     from dsparkctl.fsutil import write_json
 
     check_max_new_tokens(spec.max_new_tokens, spec.rounds)
-    inputs = [*spec.traces, spec.sps_table] + ([spec.calibration] if spec.calibration else [])
+    inputs = [Path(p) for p in (*spec.traces, spec.sps_table, *([spec.calibration] if spec.calibration else []))]
     check_outputs([Output(p, option(field), kind) for p, field, kind in
                    ((spec.plot, "plot", "figure"), (spec.out, "out", "file")) if p is not None], inputs=inputs)
     result = run_sweep(spec.traces, spec.sps_table, spec.policies, spec.concurrency, spec.calibration, spec.rounds,
