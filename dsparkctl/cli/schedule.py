@@ -10,7 +10,9 @@ from rich.table import Table
 
 from dsparkctl.cli.common import JsonOpt, SeedOpt, err, error_line, guarded, int_list, out, print_json, styled
 from dsparkctl.errors import UsageError
+from dsparkctl.math.audit import AuditSpec
 from dsparkctl.math.policies import POLICY_SPECS
+from dsparkctl.sweep import DEFAULT_CONCURRENCY, DEFAULT_POLICIES, SweepSpec
 
 POLICY_HELP = f"Policies: {POLICY_SPECS}."
 
@@ -67,11 +69,11 @@ def sweep_scheduler(
     trace: Annotated[list[Path], typer.Option("--trace", help="Full-verification trace(s); repeat the option.")],
     sps_table: Annotated[Path, typer.Option("--sps-table", help="SPS table (ours or SGLang's).")],
     policies: Annotated[str, typer.Option("--policies", help="Comma-separated. " + POLICY_HELP)] =
-        "static:0,static:1,static:3,threshold:0.5,survival:0.4,budget:256,dspark,dspark-async",
+        ",".join(DEFAULT_POLICIES),
     concurrency: Annotated[str, typer.Option("--concurrency", help="Comma-separated load levels.")] =
-        "1,2,4,8,16,32,64,128,256,512,1024",
+        ",".join(map(str, DEFAULT_CONCURRENCY)),
     calibration: Annotated[Path | None, typer.Option("--calibration", help="calib.json or SGLang STS file.")] = None,
-    rounds: Annotated[int, typer.Option("--rounds", help="Request-rounds replayed per (policy, concurrency).")] = 20_000,
+    rounds: Annotated[int, typer.Option("--rounds", help="Request-rounds replayed per (policy, concurrency).")] = SweepSpec.rounds,
     max_new_tokens: Annotated[int | None, typer.Option(
         "--max-new-tokens", help="Replay batches of C requests of N new tokens each, run to the end as "
         "`generate --batch-size C --max-new-tokens N` runs them (default: the steady state, C requests every step).")] = None,
@@ -81,7 +83,7 @@ def sweep_scheduler(
     json_out: JsonOpt = False,
 ) -> None:
     """Replay recorded rounds under each policy and concurrency; report tokens/step, Θ and per-user speed."""
-    from dsparkctl.sweep import SweepSpec, run_sweep_scheduler
+    from dsparkctl.sweep import run_sweep_scheduler
 
     spec = SweepSpec(traces=tuple(trace), sps_table=sps_table, policies=tuple(_policy_specs(policies)),
                      concurrency=tuple(int_list(concurrency, "--concurrency")), calibration=calibration,
@@ -110,18 +112,18 @@ def sweep_table(result: dict[str, Any]) -> Table:
 @guarded
 def audit(
     policies: Annotated[str, typer.Option("--policies", help="Comma-separated. " + POLICY_HELP)] =
-        "retrospective,dspark,dspark-async,static:1,static:2,threshold:0.6,survival:0.3,budget:2",
-    rounds: Annotated[int, typer.Option("--rounds", help="Request-rounds simulated per policy and setting.")] = 200_000,
+        ",".join(AuditSpec.policies),
+    rounds: Annotated[int, typer.Option("--rounds", help="Request-rounds simulated per policy and setting.")] = AuditSpec.rounds,
     plain_rounds: Annotated[int, typer.Option("--plain-rounds", help="Request-rounds per policy on the settings "
                                               "whose SPS table prices a plain step (+plain: dspark and dspark-async "
-                                              "skip the draft there, simulated one step at a time).")] = 40_000,
-    random_settings: Annotated[int, typer.Option("--random-settings", help="Randomised settings besides Appendix A.")] = 3,
-    alpha: Annotated[float, typer.Option("--alpha", help="Chi-square significance level.")] = 1e-3,
+                                              "skip the draft there, simulated one step at a time).")] = AuditSpec.plain_rounds,
+    random_settings: Annotated[int, typer.Option("--random-settings", help="Randomised settings besides Appendix A.")] = AuditSpec.random_settings,
+    alpha: Annotated[float, typer.Option("--alpha", help="Chi-square significance level.")] = AuditSpec.alpha,
     seed: SeedOpt = 0,
     json_out: JsonOpt = False,
 ) -> None:
     """Losslessness audit: chi-square of the first (and first two) output tokens against the target."""
-    from dsparkctl.math.audit import AuditSpec, run_audit
+    from dsparkctl.math.audit import run_audit
 
     spec = AuditSpec(policies=tuple(_policy_specs(policies)), rounds=rounds, plain_rounds=plain_rounds,
                      random_settings=random_settings, alpha=alpha, seed=seed)
