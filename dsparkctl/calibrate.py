@@ -1,5 +1,8 @@
 """`calibrate`: fit STS temperatures on traces, report held-out metrics, write our JSON and SGLang's.
 
+`run_calibrate(CalibrateSpec)` is the command as one call (every check, the fit, all outputs
+written together); `run_calibration` is the fit and its metrics alone, in memory.
+
 SGLang's STS file (`--speculative-dspark-confidence-sts-path`) is read by
 `DSparkStsCalibration` in sglang `python/sglang/srt/speculative/dspark_components/dspark_sts.py`
 (msgspec struct): `temperatures: list[float]` (required, all > 0), optional `dataset: str`,
