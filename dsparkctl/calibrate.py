@@ -1,5 +1,8 @@
 """`calibrate`: fit STS temperatures on traces, report held-out metrics, write our JSON and SGLang's.
 
+`run_calibrate(CalibrateSpec)` is the command as one call (every check, the fit, all outputs
+written together); `run_calibration` is the fit and its metrics alone, in memory.
+
 SGLang's STS file (`--speculative-dspark-confidence-sts-path`) is read by
 `DSparkStsCalibration` in sglang `python/sglang/srt/speculative/dspark_components/dspark_sts.py`
 (msgspec struct): `temperatures: list[float]` (required, all > 0), optional `dataset: str`,
@@ -12,11 +15,12 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import torch
 
-from dsparkctl.errors import InputError, UsageError
+from dsparkctl.errors import InputError, UsageError, option
 from dsparkctl.math.calibration import CalibrationData, fit_sts, position_metrics, split_requests
 from dsparkctl.provenance import provenance
 from dsparkctl.strict_json import read
@@ -134,28 +138,44 @@ def _load_inputs(paths: Sequence[str | os.PathLike]) -> tuple[CalibrationData, t
     return data, torch.cat(keys), traces
 
 
-def run_calibration(trace_paths: Sequence[str | os.PathLike], holdout: float = 0.2, bins: int = 20,
-                    seed: int = 0, names: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Read, split by request, fit STS on the training part, measure before/after on the held-out part.
-
-    `bins` is bounded by the data: at most one bin per recorded round (more bins than rounds only
-    adds empty ones, and each costs memory in the fit and a row in every reliability diagram).
-    `names` says how messages call `holdout` and `bins` (the CLI passes its flags)."""
-    n = {"holdout": "holdout", "bins": "bins", **(names or {})}
+def check_settings(holdout: float, bins: int) -> None:
+    """The split and the bin count, before any trace is read."""
     if not 0.0 < holdout < 1.0:
-        raise UsageError(f"{n['holdout']} must be in (0, 1), got {holdout}", "hold out a fraction such as 0.2")
+        raise UsageError(f"{option('holdout')} must be in (0, 1), got {holdout}", "hold out a fraction such as 0.2")
     if bins < 2:
-        raise UsageError(f"{n['bins']} must be ≥ 2, got {bins}", "use e.g. 20 bins")
+        raise UsageError(f"{option('bins')} must be ≥ 2, got {bins}", "use e.g. 20 bins")
+
+
+def load_inputs(trace_paths: Sequence[str | os.PathLike], bins: int) -> tuple[CalibrationData, torch.Tensor, list[Trace]]:
+    """The pooled rounds (`_load_inputs`), with `bins` bounded by them: at most one bin per recorded
+    round (more bins than rounds only adds empty ones, and each costs memory in the fit and a row
+    in every reliability diagram)."""
     data, keys, traces = _load_inputs(trace_paths)
     if bins > data.logits.shape[0]:
-        raise UsageError(f"{n['bins']} {bins} is more than the {data.logits.shape[0]} rounds in the traces",
+        raise UsageError(f"{option('bins')} {bins} is more than the {data.logits.shape[0]} rounds in the traces",
                          f"use at most {data.logits.shape[0]} bins (e.g. 20)")
+    return data, keys, traces
+
+
+def run_calibration(trace_paths: Sequence[str | os.PathLike], holdout: float = 0.2, bins: int = 20,
+                    seed: int = 0) -> dict[str, Any]:
+    """Read, split by request, fit STS on the training part, measure before/after on the held-out part
+    (in memory; `run_calibrate` also checks and writes the outputs)."""
+    check_settings(holdout, bins)
+    return fit_calibration(trace_paths, load_inputs(trace_paths, bins), holdout, bins, seed)
+
+
+def fit_calibration(trace_paths: Sequence[str | os.PathLike],
+                    inputs: tuple[CalibrationData, torch.Tensor, list[Trace]], holdout: float, bins: int,
+                    seed: int) -> dict[str, Any]:
+    """The calibration document of `inputs` (`load_inputs` of `trace_paths`)."""
+    data, keys, traces = inputs
     gen = torch.Generator().manual_seed(seed)
     hold = split_requests(keys, holdout, gen)
     train, held = data.subset(~hold), data.subset(hold)
     if train.logits.shape[0] == 0 or held.logits.shape[0] == 0:
         raise InputError("too few requests to split into training and held-out parts",
-                         f"record more requests or change {n['holdout']}")
+                         f"record more requests or change {option('holdout')}")
     fit_report: list[dict] = []
     temps = fit_sts(train, bins=bins, report=fit_report)
     warnings = [f"position {r['position']}: T = {float(temps[r['position'] - 1]):.3g} is at the edge of the search "
@@ -185,6 +205,45 @@ def run_calibration(trace_paths: Sequence[str | os.PathLike], holdout: float = 0
                                                  ("target", "draft", "dataset", "temperature", "seed", "policy")
                                                  if k in t.header} for t in traces]),
     }
+
+
+@dataclass(frozen=True)
+class CalibrateSpec:
+    """Everything `calibrate` runs, as the user gave it (`run_calibrate` checks it)."""
+    traces: tuple[Path, ...]  # trace files (JSON lines) and/or SGLang STS shards (.pt)
+    holdout: float = 0.2  # fraction of requests held out for the metrics
+    bins: int = 20  # equal-width ECE bins
+    out: Path = Path("calib.json")  # our calibration JSON
+    sglang_out: Path | None = None  # None: <out stem>.sglang-sts.json
+    plot_dir: Path | None = None  # None: <out stem>_reliability/
+    seed: int = 0
+
+
+def run_calibrate(spec: CalibrateSpec, *, log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+    """`calibrate` as one call: check every output (and the settings, the traces, the PNG names)
+    before the fit, fit and measure (`fit_calibration`), then write our JSON, SGLang's STS file and
+    one reliability PNG per position, all together or none. Returns our document (with the
+    diagrams; `strip_diagrams` for printing); `log` is told what was written."""
+    from dsparkctl.checks import Output, check_outputs
+    from dsparkctl.fsutil import staged, write_json
+    from dsparkctl.plots import reliability_diagrams, reliability_paths
+
+    check_outputs([Output(spec.out, option("out"))])  # first: the other names derive from it
+    sglang_out = spec.sglang_out or spec.out.with_name(spec.out.stem + ".sglang-sts.json")
+    plot_dir = spec.plot_dir or spec.out.with_name(spec.out.stem + "_reliability")
+    check_outputs([Output(spec.out, option("out")), Output(sglang_out, option("sglang_out")),
+                   Output(plot_dir, option("plot_dir"), "folder")], inputs=[Path(p) for p in spec.traces])
+    check_settings(spec.holdout, spec.bins)
+    inputs = load_inputs(spec.traces, spec.bins)
+    reliability_paths(plot_dir, inputs[0].gamma)  # a user's file among the PNG names stops it before the fit
+    result = fit_calibration(spec.traces, inputs, spec.holdout, spec.bins, spec.seed)
+    with staged() as stage:  # all outputs appear together, or none (a full disk leaves nothing)
+        pngs = reliability_diagrams(result, plot_dir, stage)
+        result["outputs"] = {"sglang_sts": str(sglang_out), "reliability_pngs": pngs}
+        write_json(stage(sglang_out), sglang_sts(result))
+        write_json(stage(spec.out), result)
+    log(f"wrote {spec.out}, {sglang_out}, {len(pngs)} reliability PNGs in {plot_dir}")
+    return result
 
 
 def sglang_sts(result: dict[str, Any]) -> dict[str, Any]:

@@ -38,20 +38,27 @@ def reliability_diagram(before: dict[str, Any], after: dict[str, Any], temperatu
         plt.close(fig)
 
 
+def reliability_paths(out_dir: str | os.PathLike, positions: int) -> list[Path]:
+    """The PNG names `reliability_diagrams` writes for `positions` positions; every one checked
+    first: a user's file among them stops the command before any is drawn."""
+    from dsparkctl.errors import InputError, option
+    from dsparkctl.fsutil import replace_refusal
+
+    paths = [Path(out_dir) / f"reliability_pos{k}.png" for k in range(1, positions + 1)]
+    for p in paths:
+        why = replace_refusal(p)
+        if why:
+            raise InputError(f"{p} {why}; refusing to replace it",
+                             f"choose another {option('plot_dir')}, or remove it yourself")
+    return paths
+
+
 def reliability_diagrams(result: dict[str, Any], out_dir: str | os.PathLike,
                          stage: Callable[[Path], Path] | None = None) -> list[str]:
     """One PNG per position in `out_dir`; with `stage` (fsutil.staged) each is written to its
     staging name, so all appear together or none."""
-    from dsparkctl.errors import InputError
-    from dsparkctl.fsutil import replace_refusal
-
-    out_dir = Path(out_dir)
     rows = list(zip(result["metrics_heldout"]["before"], result["metrics_heldout"]["after"], result["temperatures"]))
-    paths = [out_dir / f"reliability_pos{b['position']}.png" for b, _, _ in rows]
-    for p in paths:  # every name first: a user's file among them stops the command before any is drawn
-        why = replace_refusal(p)
-        if why:
-            raise InputError(f"{p} {why}; refusing to replace it", "choose another --plot-dir, or remove it yourself")
+    paths = reliability_paths(out_dir, len(rows))
     for (b, a, t), p in zip(rows, paths):
         reliability_diagram(b, a, t, stage(p) if stage else p, as_path=p)
     return [str(p) for p in paths]

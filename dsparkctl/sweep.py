@@ -37,11 +37,13 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import torch
 
-from dsparkctl.errors import InputError, UsageError
+from dsparkctl.errors import InputError, UsageError, option
 from dsparkctl.math.policies import parse_policy, survival_from_logits
 from dsparkctl.math.sps import SPSTable
 from dsparkctl.provenance import provenance
@@ -82,7 +84,7 @@ def load_replay_rounds(trace_paths: Sequence[str | os.PathLike]) -> dict[str, An
     if not acc:
         raise InputError("the traces contain no full-verification rounds"
                          + (f" ({skipped} budget-capped rounds skipped)" if skipped else ""),
-                         "record some with `dsparkctl generate --trace` (and a larger --max-new-tokens)")
+                         "record some with `dsparkctl generate --trace t.jsonl --max-new-tokens N` (a larger N)")
     return {"logits": torch.tensor(logits, dtype=torch.float64), "accepted": torch.tensor(acc),
             "gamma": gamma, "has_confidence": has_conf, "skipped": skipped}
 
@@ -195,36 +197,41 @@ def _plain_seconds(sps: SPSTable, R: int) -> float:
     return t if t is not None else float(sps.step_seconds(R, torch.tensor(float(R))))
 
 
+def check_max_new_tokens(max_new_tokens: int | None, rounds: int) -> None:
+    """A finite batch's new tokens per request: at least 2 (the first comes from the prefill), and
+    few enough that a batch fits the cell's `rounds` request-rounds."""
+    if max_new_tokens is not None and not 2 <= max_new_tokens <= rounds + 1:
+        raise UsageError(f"{option('max_new_tokens')} must be in [2, {option('rounds')} + 1 = {rounds + 1}] (a "
+                         "request's first token comes from the prefill; a batch replays at least N / (γ + 1) "
+                         f"steps), got {max_new_tokens}", "give the new tokens per request of the batches to "
+                         f"replay; raise {option('rounds')} for longer ones")
+
+
 def run_sweep(trace_paths, sps_path, policy_specs=DEFAULT_POLICIES, concurrency=DEFAULT_CONCURRENCY,
               calibration=None, rounds: int = 20_000, seed: int = 0,
-              names: Mapping[str, str] | None = None, max_new_tokens: int | None = None) -> dict[str, Any]:
+              max_new_tokens: int | None = None) -> dict[str, Any]:
     """Read the traces, the SPS table and the calibration, replay every cell, return the sweep document.
-    `max_new_tokens`: replay finite batches (`replay_batches`) instead of the steady state.
-
-    `names` says how messages call `rounds` and `concurrency` (the CLI passes its flags)."""
+    `max_new_tokens`: replay finite batches (`replay_batches`) instead of the steady state."""
     from dsparkctl.calibrate import load_survival_prior, load_temperatures
 
-    n = {"rounds": "rounds", "concurrency": "concurrency", **(names or {})}
+    check_max_new_tokens(max_new_tokens, rounds)
     if rounds < 1:
-        raise UsageError(f"{n['rounds']} must be ≥ 1, got {rounds}")
-    if max_new_tokens is not None and not 2 <= max_new_tokens <= rounds + 1:
-        raise UsageError(f"max new tokens must be in [2, {n['rounds']} + 1 = {rounds + 1}], got {max_new_tokens}",
-                         f"a batch replays at least max new tokens / (γ + 1) steps; raise {n['rounds']} for longer requests")
+        raise UsageError(f"{option('rounds')} must be ≥ 1, got {rounds}")
     if not policy_specs or not concurrency:
         raise UsageError("nothing to sweep: no policies or no load levels",
                          "give at least one policy and one load level")
     if max(concurrency) > rounds:  # a cell replays ≈ rounds request-rounds, and at least one step of C
-        raise UsageError(f"{n['concurrency']} {max(concurrency)} is more than {n['rounds']} {rounds}: one step of it "
-                         "replays more request-rounds than a whole cell may",
-                         f"raise {n['rounds']} or lower {n['concurrency']}")
+        raise UsageError(f"{option('concurrency')} {max(concurrency)} is more than {option('rounds')} {rounds}: one "
+                         "step of it replays more request-rounds than a whole cell may",
+                         f"raise {option('rounds')} or lower {option('concurrency')}")
     for s in policy_specs:  # unknown names fail before any file is read
         parse_policy(s, sps=SPSTable([1, 2], [1.0, 1.0]))  # a placeholder table: names are checked, not costs
     sps = load_sps_table(sps_path)
     pool = load_replay_rounds(trace_paths)
     if rounds * pool["gamma"] > MAX_CANDIDATES:  # a cell is replayed in one batch of [steps, C, γ]
-        raise UsageError(f"{n['rounds']} {rounds} × block size {pool['gamma']} is more than the {MAX_CANDIDATES:,} "
-                         "candidates one cell may hold in memory",
-                         f"use {n['rounds']} ≤ {MAX_CANDIDATES // pool['gamma']:,}; the default 20000 is plenty")
+        raise UsageError(f"{option('rounds')} {rounds} × block size {pool['gamma']} is more than the "
+                         f"{MAX_CANDIDATES:,} candidates one cell may hold in memory",
+                         f"use {option('rounds')} ≤ {MAX_CANDIDATES // pool['gamma']:,}; the default 20000 is plenty")
     temps = load_temperatures(calibration, pool["gamma"]) if calibration else None
     prior = load_survival_prior(calibration, pool["gamma"]) if calibration else None
     if max_new_tokens is None:
@@ -238,3 +245,42 @@ def run_sweep(trace_paths, sps_path, policy_specs=DEFAULT_POLICIES, concurrency=
             "policies": list(policy_specs), "concurrency": list(concurrency), "rows": rows,
             "provenance": provenance(inputs=[str(p) for p in trace_paths], sps_table=str(sps_path),
                                      calibration=str(calibration) if calibration else None, seed=seed)}
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    """Everything `sweep-scheduler` runs, as the user gave it (`run_sweep_scheduler` checks it)."""
+    traces: tuple[Path, ...]  # full-verification traces
+    sps_table: Path  # ours or SGLang's
+    policies: tuple[str, ...] = DEFAULT_POLICIES
+    concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY
+    calibration: Path | None = None  # our calibration JSON or SGLang's STS file
+    rounds: int = 20_000  # request-rounds replayed per cell
+    max_new_tokens: int | None = None  # None: the steady state; N: finite batches of N new tokens per request
+    plot: Path | None = None  # the frontier figure
+    out: Path | None = None  # the sweep JSON
+    seed: int = 0
+
+
+def run_sweep_scheduler(spec: SweepSpec, *, log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+    """`sweep-scheduler` as one call: check the settings and every output first, replay every cell
+    (`run_sweep`), then write the figure and the JSON (each atomically). Returns the sweep document;
+    `log` is told what was written."""
+    from dsparkctl.checks import Output, check_outputs
+    from dsparkctl.fsutil import write_json
+
+    check_max_new_tokens(spec.max_new_tokens, spec.rounds)
+    inputs = [Path(p) for p in (*spec.traces, spec.sps_table, *([spec.calibration] if spec.calibration else []))]
+    check_outputs([Output(p, option(field), kind) for p, field, kind in
+                   ((spec.plot, "plot", "figure"), (spec.out, "out", "file")) if p is not None], inputs=inputs)
+    result = run_sweep(spec.traces, spec.sps_table, spec.policies, spec.concurrency, spec.calibration, spec.rounds,
+                       spec.seed, max_new_tokens=spec.max_new_tokens)
+    if spec.plot:
+        from dsparkctl.plots import frontier_plot
+
+        frontier_plot(result["rows"], spec.plot)
+        log(f"wrote {spec.plot}")
+    if spec.out:
+        write_json(spec.out, result)
+        log(f"wrote {spec.out}")
+    return result

@@ -243,3 +243,36 @@ def test_extract_output_honours_the_umask(pristine: Path, tmp_path: Path):
     assert (tmp_path / "OUT").stat().st_mode & 0o777 == 0o750
     assert {p.stat().st_mode & 0o777 for p in (tmp_path / "OUT").iterdir()} == {0o640}
     assert sorted(open_local(tmp_path / "OUT").weight_map) == sorted(open_local(pristine).draft_names())
+
+
+def test_library_entries_name_fields_and_return_the_documents(pristine: Path, tmp_path: Path):
+    """run_inspect, run_download, run_extract: a bad spec is refused in its fields' names (the CLI
+    renders them as its flags), and a good one returns the document the command prints."""
+    from dsparkctl.checkpoint.extract import ExtractSpec, run_extract
+    from dsparkctl.checkpoint.hub import DownloadSpec, run_download
+    from dsparkctl.checkpoint.inspect import InspectSpec, run_inspect
+    from dsparkctl.errors import DsparkError
+
+    before = snapshot(pristine)
+    cases = [
+        (lambda: run_extract(ExtractSpec(str(pristine), pristine / "OUT")), "out_dir"),
+        (lambda: run_extract(ExtractSpec(str(pristine), tmp_path / "X", dequantize="fp8")),
+         "dequantize 'fp8' is not supported (fix: use dequantize bf16)"),
+        (lambda: run_extract(ExtractSpec(str(pristine), tmp_path / "X", revision="main")),
+         "revision applies to hub repos only (fix: drop revision for a local folder)"),
+        (lambda: run_inspect(InspectSpec(str(pristine), "main")), "revision applies to hub repos only"),
+        (lambda: run_download(DownloadSpec("org/name", local_dir=pristine)), f"local_dir {pristine} holds files"),
+    ]
+    for call, words in cases:
+        with pytest.raises(DsparkError) as e:
+            call()
+        assert words in e.value.one_line() and "--" not in e.value.one_line(), e.value.one_line()
+    assert snapshot(pristine) == before and not (tmp_path / "X").exists()
+    assert run_inspect(InspectSpec(str(pristine)))["layout"]["key"] == "v4.1-flash"
+    read: list[int] = []
+    doc = run_extract(ExtractSpec(str(pristine), tmp_path / "X"), on_bytes=lambda n, total: read.append(total - n))
+    res = CliRunner().invoke(app, ["extract", str(pristine), str(tmp_path / "Y"), "--json"])
+    assert res.exit_code == 0, res.output
+    cli = json.loads(res.stdout)
+    assert {k: v for k, v in doc.items() if k != "out"} == {k: v for k, v in cli.items() if k != "out"}
+    assert doc["out"] == str(tmp_path / "X") and read and min(read) >= 0

@@ -486,3 +486,67 @@ def test_sweep_replays_finite_batches_on_request(files):
     assert {(r["policy"], r["concurrency"]) for r in doc["rows"]} == {
         (p, c) for p in ("static:0", "static:2", "dspark") for c in (1, 4)}
     assert all(r["max_new_tokens"] == 24 and r["throughput_tok_s"] > 0 for r in doc["rows"])
+
+
+# -------- the library entries (run_calibrate, run_sweep_scheduler, run_audit) and the human views
+def test_human_views_print_a_table(files, tmp_path):
+    """Without --json each command prints its table (built from the entry's document alone)."""
+    cal = runner.invoke(app, ["calibrate", str(files / "full.jsonl"), "--out", str(tmp_path / "c.json"), "--bins", "10"])
+    assert cal.exit_code == 0, cal.output
+    assert "STS held-out survival metrics" in cal.stdout and "10 bins" in cal.stdout
+    assert f"wrote {tmp_path / 'c.json'}" in cal.stderr
+    sw = runner.invoke(app, ["sweep-scheduler", "--trace", str(files / "full.jsonl"), "--sps-table",
+                             str(files / "sps.json"), "--policies", "static:1", "--concurrency", "1,4", "--rounds", "300",
+                             "--out", str(tmp_path / "s.json")])
+    assert sw.exit_code == 0, sw.output
+    assert "300 request-rounds per cell" in sw.stdout and f"wrote {tmp_path / 's.json'}" in sw.stderr
+    au = runner.invoke(app, ["audit", "--policies", "retrospective,static:1", "--rounds", "1000", "--plain-rounds",
+                             "1000", "--random-settings", "0"])
+    assert au.exit_code == 0, au.output  # the biased policy fails as expected: no unexpected failure
+    assert "FAIL (biased" in au.stdout and "pass" in au.stdout
+
+
+def test_entries_check_everything_before_the_work(files, tmp_path):
+    """Each entry refuses a bad spec in its fields' names, before any output is written."""
+    from dsparkctl.calibrate import CalibrateSpec, run_calibrate
+    from dsparkctl.errors import DsparkError
+    from dsparkctl.math.audit import AuditSpec, run_audit
+    from dsparkctl.sweep import SweepSpec, run_sweep_scheduler
+
+    trace, sps = (files / "full.jsonl",), files / "sps.json"
+    (tmp_path / "plots").mkdir()
+    (tmp_path / "plots" / "reliability_pos3.png").write_text("mine")  # a user's file among the PNG names
+    cases = [
+        (lambda: run_calibrate(CalibrateSpec(trace, out=tmp_path)), f"out {tmp_path} is a folder"),
+        (lambda: run_calibrate(CalibrateSpec(trace, out=tmp_path / "c.json", bins=1)), "bins must be ≥ 2"),
+        (lambda: run_calibrate(CalibrateSpec(trace, out=tmp_path / "c.json", plot_dir=tmp_path / "plots")),
+         "refusing to replace it (fix: choose another plot_dir"),
+        (lambda: run_sweep_scheduler(SweepSpec(trace, sps, rounds=100, max_new_tokens=1, out=tmp_path / "s.json")),
+         "max_new_tokens must be in [2, rounds + 1 = 101]"),
+        (lambda: run_sweep_scheduler(SweepSpec(trace, sps, out=tmp_path)), f"out {tmp_path} is a folder"),
+        (lambda: run_sweep_scheduler(SweepSpec(trace, sps, concurrency=(64,), rounds=10)),
+         "concurrency 64 is more than rounds 10"),
+        (lambda: run_audit(AuditSpec(plain_rounds=10)), "plain_rounds 10 is too few"),
+        (lambda: run_audit(AuditSpec(alpha=0.0)), "alpha 0.0 must be in (0, 1)"),
+        (lambda: run_audit(AuditSpec(random_settings=-1)), "random_settings -1 is negative"),
+    ]
+    for call, words in cases:
+        with pytest.raises(DsparkError) as e:
+            call()
+        assert words in e.value.one_line() and "--" not in e.value.one_line(), e.value.one_line()
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["plots", "reliability_pos3.png"]
+
+
+def test_entries_return_what_the_commands_print(files, tmp_path):
+    from dsparkctl.calibrate import CalibrateSpec, run_calibrate
+    from dsparkctl.sweep import SweepSpec, run_sweep_scheduler
+
+    said: list[str] = []
+    doc = run_calibrate(CalibrateSpec((files / "full.jsonl",), bins=10, out=tmp_path / "c.json"), log=said.append)
+    assert json.loads((tmp_path / "c.json").read_text())["temperatures"] == doc["temperatures"]
+    assert doc["outputs"]["sglang_sts"] == str(tmp_path / "c.sglang-sts.json") and len(doc["outputs"]["reliability_pngs"]) == 5
+    sweep = run_sweep_scheduler(SweepSpec((files / "full.jsonl",), files / "sps.json", policies=("static:1",),
+                                          concurrency=(1, 2), rounds=100, out=tmp_path / "s.json"), log=said.append)
+    assert json.loads((tmp_path / "s.json").read_text())["rows"] == sweep["rows"]
+    assert said == [f"wrote {tmp_path / 'c.json'}, {tmp_path / 'c.sglang-sts.json'}, 5 reliability PNGs in "
+                    f"{tmp_path / 'c_reliability'}", f"wrote {tmp_path / 's.json'}"]

@@ -9,29 +9,15 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from dsparkctl.checkpoint import hub
-from dsparkctl.checkpoint.extract import extract
-from dsparkctl.checkpoint.inspect import inspect_report
-from dsparkctl.checkpoint.source import Checkpoint, open_local
-from dsparkctl.cli.common import JsonOpt, RevisionOpt, err, guarded, out, print_json, progress_bar, styled
-from dsparkctl.checks import Output, check_outputs, local_inputs
+from dsparkctl.checkpoint.extract import ExtractSpec, run_extract
+from dsparkctl.checkpoint.hub import DownloadSpec, run_download
+from dsparkctl.checkpoint.inspect import InspectSpec, run_inspect
+from dsparkctl.cli.common import JsonOpt, RevisionOpt, err, guarded, note, out, print_json, progress_bar, styled
+from dsparkctl.checks import Output, check_outputs
 from dsparkctl.errors import UsageError
-from dsparkctl.signals import terminate_as_interrupt
 
 SourceArg = Annotated[str, typer.Argument(help="A local checkpoint folder or a hub repo id (org/name).")]
 WithHeadOpt = Annotated[bool, typer.Option("--with-head", help="Also take the target's embed/head the draft borrows.")]
-
-
-def _open(source: str, revision: str | None) -> Checkpoint:
-    if not source:
-        raise UsageError("the source is empty", hint="pass a checkpoint folder or a hub repo id (org/name)")
-    if Path(source).exists():
-        if revision:
-            raise UsageError("--revision applies to hub repos only", hint="drop --revision for a local folder")
-        return open_local(Path(source))
-    if hub.looks_like_repo(source):
-        return hub.open_remote(source, revision)
-    raise UsageError(f"{source}: no such folder and not a repo id", hint="pass a folder or org/name")
 
 
 def parse_size(text: str, option: str = "--max-shard-size") -> int:
@@ -53,10 +39,7 @@ def _gb(n: int) -> str:
 @guarded
 def inspect_cmd(source: SourceArg, revision: RevisionOpt = None, json_out: JsonOpt = False) -> None:
     """Show a checkpoint's draft: layout, components, shards to download, config and findings."""
-    ckpt = _open(source, revision)
-    report = inspect_report(ckpt)
-    if ckpt.bytes_transferred:
-        report["transferred_bytes"] = ckpt.bytes_transferred
+    report = run_inspect(InspectSpec(source, revision))
     if json_out:
         print_json(report)  # strict JSON: a NaN among the user's config values prints as null
     else:
@@ -112,24 +95,14 @@ def download_cmd(
     def on_file(file: str, size: int) -> None:
         err.print(f"fetching {file}" + (f" ({_gb(size)})" if size else ""), highlight=False)
 
-    hub.check_repo_id(repo)
-    if local_dir is not None:
-        check_outputs([Output(local_dir, "--local-dir", "folder")])
-        if local_dir.is_symlink() or (local_dir.is_dir() and any(local_dir.iterdir())
-                                      and not (local_dir / ".cache" / "huggingface").is_dir()):
-            raise UsageError(f"--local-dir {local_dir} holds files that no download wrote; the download would "
-                             "replace them", hint="download into a new or empty folder (or the one a download used)")
-    res = hub.download(repo, revision, local_dir, with_head, on_file=on_file)
-    doc = {"folder": res.folder, "revision": res.revision,
-           "fetched": [{"file": f, "bytes": b} for f, b in res.fetched],
-           "skipped": [{"file": f, "bytes": b} for f, b in res.skipped]}
+    doc = run_download(DownloadSpec(repo, revision, local_dir, with_head), on_file=on_file)
     if json_out:
         print_json(doc)
         return
-    got, skip = sum(b for _, b in res.fetched), sum(b for _, b in res.skipped)
-    out.print(f"downloaded {len(res.fetched)} files ({_gb(got)}) to {res.folder}")
-    out.print(f"skipped {len(res.skipped)} shards without draft tensors ({_gb(skip)}): "
-              + ", ".join(f for f, _ in res.skipped), highlight=False)
+    got, skip = (sum(f["bytes"] for f in doc[k]) for k in ("fetched", "skipped"))
+    out.print(f"downloaded {len(doc['fetched'])} files ({_gb(got)}) to {doc['folder']}")
+    out.print(f"skipped {len(doc['skipped'])} shards without draft tensors ({_gb(skip)}): "
+              + ", ".join(f["file"] for f in doc["skipped"]), highlight=False)
 
 
 @guarded
@@ -145,39 +118,14 @@ def extract_cmd(
     json_out: JsonOpt = False,
 ) -> None:
     """Stream the draft tensors (and scales) into a standalone checkpoint, atomically."""
-    if dequantize not in (None, "bf16"):
-        raise UsageError(f"--dequantize {dequantize!r} is not supported", hint="use --dequantize bf16")
-    limit = parse_size(max_shard_size)
-    if out_dir.exists():
-        raise UsageError(f"{out_dir} already exists", hint="choose a new output folder or delete the old one")
-    inputs = local_inputs(source)
-    inputs += [p.parent for p in inputs if p.is_file()]  # a checkpoint file: its folder is the model
-    check_outputs([Output(out_dir, "OUT", "folder")], inputs)  # never inside the input model
-    with terminate_as_interrupt():  # TERM/HUP unwind like Ctrl-C: no partial OUT is left behind
-        res, layout = _extract(source, out_dir, revision, bool(dequantize), limit, with_head, verify)
-    doc = {"out": res.out, "layout": layout, "tensors": res.tensors, "bytes": res.bytes_written,
-           "shards": res.shards, "source_shards_sha256": res.source_shards, "verified": res.verified}
+    spec = ExtractSpec(source, out_dir, revision, dequantize, parse_size(max_shard_size), with_head, verify)
+    with progress_bar("extract", None, transfer=True) as update:
+        doc = run_extract(spec, on_bytes=lambda n, total: update(advance=n, total=total), note=note)
     if json_out:
         print_json(doc)
         return
-    out.print(f"wrote {res.tensors} tensors ({_gb(res.bytes_written)}) in {len(res.shards)} shard(s) to {res.out}"
-              + (", verified" if res.verified else ""), highlight=False)
-
-
-def _extract(source: str, out_dir: Path, revision: str | None, dequantize: bool, limit: int, with_head: bool,
-             verify: bool) -> tuple[Any, str]:
-    if hub.looks_like_repo(source):
-        fetched = hub.download(source, revision, None, with_head)
-        ckpt = open_local(fetched.folder)
-    else:
-        ckpt = _open(source, revision)
-    note = lambda m: err.print(styled(("note:", "yellow"), f" {m}"), highlight=False)  # noqa: E731
-    files = {ckpt.weight_map[n] for n in ckpt.draft_names(with_head)}
-    total = sum(ckpt.headers[f].file_size for f in files if f in ckpt.headers)
-    with progress_bar("extract", total, transfer=True) as update:
-        res = extract(ckpt, out_dir, dequantize=dequantize, with_head=with_head, max_shard_size=limit,
-                      verify=verify, on_bytes=lambda n: update(advance=n), log=note)
-    return res, ckpt.layout.key
+    out.print(f"wrote {doc['tensors']} tensors ({_gb(doc['bytes'])}) in {len(doc['shards'])} shard(s) to {doc['out']}"
+              + (", verified" if doc["verified"] else ""), highlight=False)
 
 
 @guarded
