@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import huggingface_hub
-import json
 import os
 import stat
 from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError

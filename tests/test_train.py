@@ -286,7 +286,7 @@ def test_init_from_a_draft_folder_continues_it(tmp_path):
     """A fresh machine without the run folder continues a shipped draft: init_from loads every
     trained tensor (the tap scale folded into fc is unfolded), the optimizer starts fresh."""
     from dsparkctl.models.draft_io import load_draft
-    from dsparkctl.train.run import export_draft, load_init_draft, prepare, tap_scale, trainable
+    from dsparkctl.train.run import export_draft, load_init_draft, tap_scale, trainable
 
     model = tiny_target("llama", vocab=64, layers=4)
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14], [20, 21]]

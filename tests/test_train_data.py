@@ -5,7 +5,6 @@ refused in one line naming it."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest

@@ -25,7 +25,7 @@ def _num(x: float | None, fmt: str = ".3f") -> str:
     return "—" if x is None or x != x else format(x, fmt)
 
 
-@guarded(fields={"out": "out_path"})
+@guarded
 def calibrate(
     traces: Annotated[list[Path], typer.Argument(help="Trace files (JSON lines with confidence logits) and/or SGLang STS shards (.pt under SGLANG_DSPARK_STS_COLLECT_PATH; read with weights_only, never unpickled).")],
     holdout: Annotated[float, typer.Option("--holdout", help="Fraction of requests held out for evaluation.")] = 0.2,
@@ -64,7 +64,7 @@ def calibration_table(result: dict[str, Any]) -> Table:
     return t
 
 
-@guarded(fields={"out": "out_path"})
+@guarded
 def sweep_scheduler(
     trace: Annotated[list[Path], typer.Option("--trace", help="Full-verification trace(s); repeat the option.")],
     sps_table: Annotated[Path, typer.Option("--sps-table", help="SPS table (ours or SGLang's).")],
