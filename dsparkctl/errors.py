@@ -12,9 +12,12 @@ the command does not have.
 from __future__ import annotations
 
 import re
+import secrets
 from typing import Mapping
 
-_MARK = "\ue000"  # a private-use character: not expected in a message, a path or a value
+# A private-use character and a per-process nonce: a value interpolated into a message (a user's
+# path, say) cannot pass for a mark, so only the message's own option names are rendered.
+_MARK = "\ue000" + secrets.token_hex(6)
 _OPTION = re.compile(f"{_MARK}([A-Za-z_][A-Za-z0-9_]*){_MARK}")
 
 

@@ -78,3 +78,42 @@ def test_the_command_names_its_flags(argv, line, tmp_path: Path, monkeypatch):
     res = CliRunner().invoke(app, [a.format(tmp=tmp_path) for a in argv])
     assert res.exit_code == 2 and line.format(tmp=tmp_path) in res.output, res.output
     assert len(res.output.strip().splitlines()) == 1, res.output
+
+
+def test_shared_messages_name_what_each_command_has(tmp_path: Path, monkeypatch):
+    """A message from shared code names the input as the running command takes it: generate's
+    sampling flags; for train, whose prompt field comes from its recipe, the recipe key (which a
+    string can now be set to); a user's path that looks like a mark is printed as given."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from dsparkctl.cli import common
+    from dsparkctl.cli.main import app
+    from tests.helpers import tiny_recipe
+    from tests.tiny_models import save_tiny_target
+
+    monkeypatch.setattr(common.err, "soft_wrap", True)
+    run = lambda *a: CliRunner().invoke(app, [str(x) for x in a])  # noqa: E731
+    for argv, text in ((["--top-p", "0"], "error: --top-p must be in (0, 1], got 0.0"),
+                       (["--top-k", "-1"], "error: --top-k must be an integer >= 0, got -1"),
+                       (["--temperature", "nan"], "error: --temperature must be a finite number >= 0, got nan")):
+        res = run("generate", "--target", NO_MODEL, *argv)
+        assert res.exit_code == 2 and text in res.output, res.output
+    odd = tmp_path / "d\ue000seed\ue000"
+    odd.mkdir()
+    res = run("generate", "--target", NO_MODEL, "--trace", odd)
+    assert res.exit_code == 2 and f"error: --trace {odd} is a folder" in res.output, res.output
+
+    target = save_tiny_target(tmp_path / "t", "llama", vocab=64, layers=4)
+    prompts = tmp_path / "q.jsonl"
+    prompts.write_text("".join(json.dumps({"q": f"w{i} w{i + 1} w{i + 2}"}) + "\n" for i in range(3, 13)))
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(tiny_recipe(target, prompts))
+    res = run("train", recipe, "--cache-dir", tmp_path / "c")
+    assert res.exit_code == 2, res.output
+    assert "(fix: name the prompt field with data.field in the recipe)" in res.output, res.output
+    assert not (tmp_path / "c").exists()  # nothing made: no data folder, no run folder
+    res = run("train", recipe, "--cache-dir", tmp_path / "c", "--set", 'data.field="q"', "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["steps"] == 2

@@ -203,7 +203,8 @@ def option_names(fn: Callable[..., Any], fields: Mapping[str, str] | None = None
     """How this command names each input in messages: parameter `max_new_tokens` → "--max-new-tokens"
     (its first long flag; the flag's own words are a key too, so `out_path` with "--out" is also
     "out"), an argument → its metavar ("PROMPTS"); `fields` maps a library field that the command
-    takes under another name (`drafts` → its parameter "draft")."""
+    takes under another name (`drafts` → its parameter "draft"), or from elsewhere than an option
+    (`field` → "data.field in the recipe")."""
     import inspect
     import typing
 
@@ -221,7 +222,7 @@ def option_names(fn: Callable[..., Any], fields: Mapping[str, str] | None = None
             decls = [d.split("/")[0] for d in given if isinstance(d, str) and d.startswith("--")]
             names[p.name] = decls[0] if decls else "--" + p.name.replace("_", "-")
     by_flag = {f[2:].replace("-", "_"): f for f in names.values() if f.startswith("--")}  # `out_path` is also "out"
-    return by_flag | names | {field: names[param] for field, param in (fields or {}).items()}
+    return by_flag | names | {field: names.get(param, param) for field, param in (fields or {}).items()}
 
 
 def note(message: str) -> None:

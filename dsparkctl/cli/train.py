@@ -57,7 +57,8 @@ class Reporter:
                   highlight=False)
 
 
-@guarded(fields={"overrides": "set_"})
+@guarded(fields={"overrides": "set_", "field": "data.field in the recipe",
+                 "response_field": "data.response_field in the recipe"})
 def train(
     recipe: Annotated[Path, typer.Argument(help="Recipe TOML (see recipes/).")],
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the run's latest checkpoint.")] = False,

@@ -134,7 +134,7 @@ def load_conversations(dataset: str, field: str | None = None,
     path = Path(dataset).expanduser()
     if not path.is_file() or not response_field:
         raise InputError(f"{dataset}: responses need the built-in sharegpt or a local JSON/JSONL file "
-                         "with data.response_field", "set data.response_field, or use data.source = \"regenerate\"")
+                         f"with {option('response_field')}", f"set {option('response_field')}, or use data.source = \"regenerate\"")
     rows = _read_jsonl(path) if path.suffix in (".jsonl", ".gz") else _json(read_text(path), str(path))
     if not isinstance(rows, list):
         raise InputError(f"{path}: expected a list of objects")
@@ -143,7 +143,7 @@ def load_conversations(dataset: str, field: str | None = None,
         where = f"{path} row {i + 1}"
         if not isinstance(row, dict):
             raise InputError(f"{where}: expected an object")
-        p, r = _field_value(row, field, where), _field_value(row, response_field, where)
+        p, r = _field_value(row, field, where), _field_value(row, response_field, where, "response_field")
         if p.strip() and r.strip():
             out.append((p, r))
     if not out:
@@ -151,15 +151,17 @@ def load_conversations(dataset: str, field: str | None = None,
     return out
 
 
-def _field_value(row: dict[str, Any], field: str | None, where: str) -> str:
+def _field_value(row: dict[str, Any], field: str | None, where: str, name: str = "field") -> str:
+    """The text of `row[field]` (None: the first of DEFAULT_FIELDS present); `name` is the input
+    that chose the field, for the messages."""
     if field is None:
         field = next((f for f in DEFAULT_FIELDS if f in row), None)
         if field is None:
             raise InputError(f"{where}: no prompt field among {', '.join(DEFAULT_FIELDS)} "
-                             f"(fields: {', '.join(map(str, row))})", f"pass {option('field')} NAME")
+                             f"(fields: {', '.join(map(str, row))})", f"name the prompt field with {option('field')}")
     if field not in row:
         raise InputError(f"{where}: field {field!r} is missing (fields: {', '.join(map(str, row))})",
-                         f"pass {option('field')} with one of the fields listed")
+                         f"set {option(name)} to one of the fields listed")
     v = row[field]
     if isinstance(v, list):  # MT-Bench style turns: take the first
         v = v[0] if v else ""

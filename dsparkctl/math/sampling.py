@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dsparkctl.errors import UsageError
+from dsparkctl.errors import UsageError, option
 
 __all__ = ["SamplingParams", "warp_probs", "sample", "draw", "exponential_noise", "sample_with_noise"]
 
@@ -42,18 +42,18 @@ class SamplingParams:
         t = self.temperature
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
             raise UsageError(
-                f"temperature must be a finite number >= 0, got {t!r}",
+                f"{option('temperature')} must be a finite number >= 0, got {t!r}",
                 hint="use 0 for greedy decoding or a positive value such as 1.0",
             )
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise UsageError(
-                f"top_k must be an integer >= 0, got {self.top_k!r}",
+                f"{option('top_k')} must be an integer >= 0, got {self.top_k!r}",
                 hint="use 0 to disable top-k",
             )
         p = self.top_p
         if not isinstance(p, (int, float)) or isinstance(p, bool) or not (0.0 < p <= 1.0):
             raise UsageError(
-                f"top_p must be in (0, 1], got {p!r}",
+                f"{option('top_p')} must be in (0, 1], got {p!r}",
                 hint="use 1.0 to disable top-p",
             )
 

@@ -293,7 +293,6 @@ def _build_source(recipe: Recipe, model: Any, tokenizer: Any, stop_ids: list[int
                   log: Callable[[str], None] = print) -> list[Sequence]:
     d = recipe.data
     folder = data_dir(recipe, cache_dir)
-    folder.mkdir(parents=True, exist_ok=True)
     pfile = folder / "prompts.json"
     items, why = read_items(pfile, _vocab(model), d.source == "responses")
     if items is not None and len(items) < d.num_prompts:
@@ -303,7 +302,8 @@ def _build_source(recipe: Recipe, model: Any, tokenizer: Any, stop_ids: list[int
         if why:
             log(f"note: the data cache's {pfile} {why}; rebuilding it (and the parts that depend on it)")
             _discard(pfile, folder)
-        items = candidate_items(recipe, tokenizer)
+        items = candidate_items(recipe, tokenizer)  # a bad dataset fails here, before any folder is made
+        folder.mkdir(parents=True, exist_ok=True)
         write_json(pfile, items, each_rank=True)  # every rank reads its own data cache
     layer_ids = tuple(recipe.draft.layer_ids)
     bs = d.batch_size

@@ -125,6 +125,15 @@ SECTIONS: dict[str, type] = {"target": TargetSection, "draft": DraftSection, "da
                              "optim": OptimSection, "eval": EvalSection}
 
 
+def _type_default(f: dataclasses.Field) -> Any:
+    """A value of the type a recipe key takes: its default, or for an optional key (default None:
+    mask_token_id, data.field, ...) an empty value of the type it is annotated with."""
+    if f.default is not None:
+        return f.default
+    kind = str(f.type).replace(" ", "").split("|")
+    return "" if "str" in kind else 0.0 if "float" in kind else 0
+
+
 def _coerce(value: Any, default: Any, where: str) -> Any:
     """Check/convert a TOML value against the field's default type."""
     if isinstance(default, bool):
@@ -146,14 +155,11 @@ def _coerce(value: Any, default: Any, where: str) -> Any:
                                                   isinstance(v, (int, float)) and math.isfinite(v)) for v in value)
             if ok:  # no silent rounding of 0.9 to 0, no "1" read as 1
                 return tuple(kind(v) for v in value)
-    elif default is None:  # optional fields (mask_token_id, intermediate_size): an integer
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
     if isinstance(default, tuple):
         what = "tuple (a list of integers)" if default and isinstance(default[0], int) else "tuple (a list of finite numbers)"
     else:
         what = {bool: "bool (true or false)", int: "int (an integer)", float: "float (a finite number)",
-                str: "str (a string)"}.get(type(default), "an integer")
+                str: "str (a string)"}.get(type(default), "a value of its type")
     raise InputError(f"{where}: expected {what}, got {value!r}", "fix the value in the recipe")
 
 
@@ -172,7 +178,7 @@ def recipe_from_dict(raw: Mapping[str, Any], source: str = "recipe") -> Recipe:
         if not isinstance(value, Mapping):
             raise InputError(f"{source}: [{key}] must be a table")
         cls = SECTIONS[key]
-        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        defaults = {f.name: _type_default(f) for f in dataclasses.fields(cls)}
         fields = {}
         for k, v in value.items():
             if k not in defaults:

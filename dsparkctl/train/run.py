@@ -42,12 +42,17 @@ def run_lock(run_dir: Path) -> Iterator[None]:
     if not world().main:
         yield
         return
+    made = [p for p in (run_dir, *run_dir.parents) if not p.exists()]  # deepest first
     run_dir.mkdir(parents=True, exist_ok=True)
     refuse_if_held(lock, f"the run folder {run_dir}")
     try:
         yield
     finally:
         release(lock)
+        for folder in made:  # a run that failed before writing anything leaves no folders behind
+            if any(folder.iterdir()):
+                break
+            folder.rmdir()
         with contextlib.suppress(OSError):
             run_dir.rmdir()  # only if the run left nothing in it
 
