@@ -123,9 +123,9 @@ def _bad(tmp_path, models, kind):
         f.write_text('{"question": "w1"}\n')
         return [*base, "--prompts-file", f, "--field", "prompt"], "field 'prompt' is missing"
     if kind == "negative temperature":
-        return [*base, "--temperature", "-1", "w1"], "temperature"
+        return [*base, "--temperature", "-1", "w1"], "--temperature must be"
     if kind == "top-p out of range":
-        return [*base, "--top-p", "1.5", "w1"], "top_p"
+        return [*base, "--top-p", "1.5", "w1"], "--top-p must be"
     if kind == "zero max tokens":
         return [*base[:-1], "0", "w1"], "max-new-tokens"
     if kind == "dspark with a missing table":

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Iterable, Protocol, Sequence
 
 import torch
 
@@ -71,6 +71,17 @@ class PromptsResult:
     def generated(self) -> int:
         return sum(len(o.tokens) for o in self.outputs if o is not None)
 
+    def add(self, outputs: Iterable[tuple[int, RequestOutput]], stats: AcceptanceStats | None, rounds: int,
+            times_ms: dict[str, float]) -> None:
+        """Fold in one batch's or one rank's part: outputs by prompt index, summed statistics and times."""
+        for i, o in outputs:
+            self.outputs[i] = o
+        if self.stats is not None:
+            self.stats = self.stats.merge(stats)
+        self.rounds += rounds
+        for k, v in times_ms.items():
+            self.times_ms[k] = self.times_ms.get(k, 0.0) + v
+
 
 def run_prompts(decode: Decoder, prompts: Sequence[Sequence[int]], batch_size: int, seed: int,
                 device: torch.device | str, *, block_size: int | None = None, batches: Sequence[int] | None = None,
@@ -100,13 +111,7 @@ def run_prompts(decode: Decoder, prompts: Sequence[Sequence[int]], batch_size: i
                          ) if on_round else None
         shifted_tokens = (lambda r, toks, base=base: on_tokens(r + base, toks)) if on_tokens else None
         rep = decode([list(prompts[i]) for i in idx], batch_generator(device, seed, b), shifted_round, shifted_tokens)
-        for i, o in zip(idx, rep.outputs):
-            res.outputs[i] = o
-        if res.stats is not None:
-            res.stats = res.stats.merge(rep.stats)
-        res.rounds += rep.rounds
-        for k, v in rep.times_ms.items():
-            res.times_ms[k] = res.times_ms.get(k, 0.0) + v
+        res.add(zip(idx, rep.outputs), rep.stats, rep.rounds, rep.times_ms)
         if on_batch:
             on_batch(done, len(todo))
     res.wall_s = time.perf_counter() - t0
@@ -122,14 +127,7 @@ def _merge(pieces: list[tuple[PromptsResult, list[TraceRound]]], n: int, block_s
     statistics and times, the slowest rank's wall time, trace rows ordered by request and round)."""
     out = PromptsResult(outputs=[None] * n, stats=AcceptanceStats(block_size=block_size) if block_size else None)
     for part, _ in pieces:
-        for i, o in enumerate(part.outputs):
-            if o is not None:
-                out.outputs[i] = o
-        if out.stats is not None:
-            out.stats = out.stats.merge(part.stats)
-        out.rounds += part.rounds
-        for k, v in part.times_ms.items():
-            out.times_ms[k] = out.times_ms.get(k, 0.0) + v
+        out.add(((i, o) for i, o in enumerate(part.outputs) if o is not None), part.stats, part.rounds, part.times_ms)
         out.wall_s = max(out.wall_s, part.wall_s)
     out.trace_rows = sorted((r for _, rows in pieces for r in rows), key=lambda r: (r.request, r.round))
     return out
