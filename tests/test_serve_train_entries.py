@@ -17,7 +17,7 @@ NO_TARGET = f'target.model="{NO_MODEL}"'
 SERVE_FLAGS = {"draft": "--draft", "out": "--out", "target_id": "--target-id", "export_vllm": "--export-vllm",
                "export_full_vocab": "--export-full-vocab"}
 TRAIN_FLAGS = {"overrides": "--set", "out": "--out", "with_embeddings": "--with-embeddings",
-               "export_step": "--export-step", "max_minutes": "--max-minutes"}
+               "export_step": "--export-step", "max_minutes": "--max-minutes", "max_steps": "--max-steps"}
 
 # (case, entry, spec, names, text of the message with the fields' names, text with the flags)
 CASES = [
@@ -36,6 +36,10 @@ CASES = [
      "--with-embeddings and --export-step need --out FOLDER (fix: e.g. --out my-draft)"),
     ("train: minutes", run_train, TrainSpec(overrides=(NO_TARGET,), max_minutes=float("inf")), TRAIN_FLAGS,
      "max_minutes must be a finite number", "--max-minutes must be a finite number"),
+    ("train: no steps", run_train, TrainSpec(overrides=(NO_TARGET,), max_steps=0), TRAIN_FLAGS,
+     "max_steps must be >= 1, got 0", "--max-steps must be >= 1, got 0"),
+    ("train: no minutes", run_train, TrainSpec(overrides=(NO_TARGET,), max_minutes=0.0), TRAIN_FLAGS,
+     "max_minutes must be a finite number > 0", "--max-minutes must be a finite number > 0"),
     ("train: override", run_train, TrainSpec(overrides=("nonsense",)), TRAIN_FLAGS,
      "overrides 'nonsense': expected key=value", "--set 'nonsense': expected key=value (fix: e.g. --set draft."),
     ("train: embeddings of a reduced vocabulary", run_train,

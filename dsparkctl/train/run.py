@@ -415,7 +415,7 @@ def run_train(spec: TrainSpec, *, log: Callable[[str], None] = print,
     step and the draft folder written (`exported_step`, `draft`).
 
     `on_start(steps)`: the recipe's step count, once the target is loaded and training begins."""
-    from dsparkctl.checks import Output, check_outputs, local_inputs
+    from dsparkctl.checks import Output, check_outputs, check_positive, local_inputs
     from dsparkctl.engine.session import open_target
     from dsparkctl.train.recipe import load_recipe
 
@@ -423,8 +423,11 @@ def run_train(spec: TrainSpec, *, log: Callable[[str], None] = print,
     if (spec.with_embeddings or spec.export_step is not None) and spec.out is None:
         raise UsageError(f"{option('with_embeddings')} and {option('export_step')} need {option('out')} FOLDER",
                          f"e.g. {option('out')} my-draft")
-    if spec.max_minutes is not None and not spec.max_minutes < float("inf"):
-        raise UsageError(f"{option('max_minutes')} must be a finite number, got {spec.max_minutes}",
+    for name in ("max_steps", "export_step"):  # typer bounds them for the command; this for every caller
+        if getattr(spec, name) is not None:
+            check_positive(getattr(spec, name), name)
+    if spec.max_minutes is not None and not 0 < spec.max_minutes < float("inf"):
+        raise UsageError(f"{option('max_minutes')} must be a finite number > 0, got {spec.max_minutes}",
                          f"e.g. {option('max_minutes')} 30")
     if spec.out is not None:
         check_outputs([Output(spec.out, option("out"), "folder")],
