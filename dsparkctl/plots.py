@@ -64,8 +64,10 @@ def reliability_diagrams(result: dict[str, Any], out_dir: str | os.PathLike,
     return [str(p) for p in paths]
 
 
-def frontier_plot(rows: Sequence[dict[str, Any]], path: str | os.PathLike, title: str = "") -> None:
-    """Throughput (all users) vs per-user speed, one line per policy across concurrency levels."""
+def frontier_plot(rows: Sequence[dict[str, Any]], path: str | os.PathLike, title: str = "",
+                  as_path: str | os.PathLike | None = None) -> None:
+    """Throughput (all users) vs per-user speed, one line per policy across concurrency levels
+    (`as_path`: the figure's final name when `path` stages it, `fsutil.staged`)."""
     fig, ax = plt.subplots(figsize=(8, 6))
     policies = list(dict.fromkeys(r["policy"] for r in rows))
     markers = "osD^v<>ph*"
@@ -82,7 +84,7 @@ def frontier_plot(rows: Sequence[dict[str, Any]], path: str | os.PathLike, title
     ax.set_title(title or "Scheduler frontier: throughput vs per-user speed (labels: concurrency C)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(title="policy", fontsize=8)
-    save_figure(fig, path)
+    save_figure(fig, path, as_path=as_path)
     plt.close(fig)
 
 

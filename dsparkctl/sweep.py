@@ -264,10 +264,10 @@ class SweepSpec:
 
 def run_sweep_scheduler(spec: SweepSpec, *, log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
     """`sweep-scheduler` as one call: check the settings and every output first, replay every cell
-    (`run_sweep`), then write the figure and the JSON (each atomically). Returns the sweep document;
-    `log` is told what was written."""
+    (`run_sweep`), then write the figure and the JSON together (both appear, or neither). Returns
+    the sweep document; `log` is told what was written."""
     from dsparkctl.checks import Output, check_outputs
-    from dsparkctl.fsutil import write_json
+    from dsparkctl.fsutil import staged, write_json
 
     check_max_new_tokens(spec.max_new_tokens, spec.rounds)
     inputs = [Path(p) for p in (*spec.traces, spec.sps_table, *([spec.calibration] if spec.calibration else []))]
@@ -275,12 +275,14 @@ def run_sweep_scheduler(spec: SweepSpec, *, log: Callable[[str], None] = lambda 
                    ((spec.plot, "plot", "figure"), (spec.out, "out", "file")) if p is not None], inputs=inputs)
     result = run_sweep(spec.traces, spec.sps_table, spec.policies, spec.concurrency, spec.calibration, spec.rounds,
                        spec.seed, max_new_tokens=spec.max_new_tokens)
-    if spec.plot:
-        from dsparkctl.plots import frontier_plot
+    with staged() as stage:
+        if spec.plot:
+            from dsparkctl.plots import frontier_plot
 
-        frontier_plot(result["rows"], spec.plot)
-        log(f"wrote {spec.plot}")
-    if spec.out:
-        write_json(spec.out, result)
-        log(f"wrote {spec.out}")
+            frontier_plot(result["rows"], stage(spec.plot), as_path=spec.plot)
+        if spec.out:
+            write_json(stage(spec.out), result)
+    for p in (spec.plot, spec.out):
+        if p:
+            log(f"wrote {p}")
     return result

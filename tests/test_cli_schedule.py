@@ -550,3 +550,24 @@ def test_entries_return_what_the_commands_print(files, tmp_path):
     assert json.loads((tmp_path / "s.json").read_text())["rows"] == sweep["rows"]
     assert said == [f"wrote {tmp_path / 'c.json'}, {tmp_path / 'c.sglang-sts.json'}, 5 reliability PNGs in "
                     f"{tmp_path / 'c_reliability'}", f"wrote {tmp_path / 's.json'}"]
+
+
+def test_sweep_writes_its_figure_and_json_together_or_neither(files, tmp_path, monkeypatch):
+    """The figure is staged beside the JSON: when the JSON cannot be written (a full disk, say), no
+    figure is left behind either; when it can, both appear."""
+    import dsparkctl.fsutil as fsutil
+    from dsparkctl.sweep import SweepSpec, run_sweep_scheduler
+
+    spec = SweepSpec((files / "full.jsonl",), files / "sps.json", policies=("static:1",), concurrency=(1, 2),
+                     rounds=100, plot=tmp_path / "f.png", out=tmp_path / "s.json")
+    real = fsutil.write_json
+
+    def full_disk(path, obj, each_rank=False):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(fsutil, "write_json", full_disk)
+    with pytest.raises(OSError):
+        run_sweep_scheduler(spec)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    monkeypatch.setattr(fsutil, "write_json", real)
+    run_sweep_scheduler(spec)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.png", "s.json"]
