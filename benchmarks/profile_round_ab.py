@@ -7,7 +7,7 @@ pair (fp32, stock kernels, context 128), 10 timed repeats after 4 warm-up: media
     OMP_NUM_THREADS=1 taskset -c 0 .venv/bin/python benchmarks/profile_round_ab.py
 """
 
-import statistics as st, time, sys, torch
+import statistics as st, time, torch
 from dsparkctl.engine.session import open_session
 from dsparkctl.engine.speculative import SpeculativeEngine
 from dsparkctl.engine.profile import _Probe
