@@ -36,6 +36,8 @@ CASES = [
     ("profile: repeats", run_profile, ProfileSpec(target=NO_MODEL, out=Path("{tmp}/s.json"), repeats=0),
      {"context_len": "--context-len", "repeats": "--repeats", "warmup": "--warmup"},
      "--context-len and --repeats must be >= 1, --warmup >= 0"),
+    ("profile: one device", run_profile, ProfileSpec(target=NO_MODEL, out=Path("{tmp}/s.json"), target_parallel="tp"),
+     None, "profile-sps times one process on one device; target_parallel 'tp'"),
     ("profile: out is a folder", run_profile, ProfileSpec(target=NO_MODEL, out=Path("{tmp}")), None,
      "out {tmp} is a folder"),
 ]

@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 from dsparkctl.distributed import world
 from dsparkctl.engine.run import OnTokens, plain_decoder, run_prompts, speculative_decoder
-from dsparkctl.engine.session import Session
+from dsparkctl.engine.session import ModelSettings, Session
 from dsparkctl.engine.speculative import SpeculativeEngine, plain_generate
 from dsparkctl.errors import UsageError, option
 from dsparkctl.math.policies import NEEDS_SPS, Policy, check_fits, parse_policy
@@ -175,21 +175,14 @@ def generate_report(sess: Session, prompt_ids: Sequence[Sequence[int]], opts: Ge
 
 
 @dataclass(frozen=True)
-class GenerateSpec:
+class GenerateSpec(ModelSettings):
     """Everything `generate` runs, as the user gave it (`run_generate` checks it)."""
     prompts: tuple[str, ...] = ()  # prompt texts; or prompts_file, or dataset (one source at most)
     prompts_file: Path | None = None  # .txt (one per line), .json, .jsonl, .parquet
     dataset: str | None = None  # built-in set (mt-bench, humaneval, sharegpt) or a hub dataset id
     field: str | None = None  # prompt field of a JSON/JSONL/parquet/hub set
     limit: int | None = None  # only the first N prompts
-    target: str | None = None  # folder or hub id; None: the embedded model
     draft: str | None = None  # folder, hub id or "random"; None: the shipped draft
-    revision: str | None = None
-    trust_remote_code: bool = False
-    target_parallel: str = "none"  # models/loading.py
-    device: str = "auto"
-    dtype: str = "auto"
-    cpu_kernels: str = "auto"  # engine/session.py
     policy: str | None = None  # None: default_policy
     sps_table: Path | None = None  # None: this machine's (engine/sps_cache.py) for a policy that needs one
     calibration: Path | None = None  # None: the draft's own, when it ships one for itself
@@ -199,7 +192,6 @@ class GenerateSpec:
     top_k: int = 0
     max_new_tokens: int | None = None  # None: the preset's, else 128
     batch_size: int = 8
-    seed: int = 0
     stream: bool = False  # one request at a time, its text handed to `on_text` as it arrives
     chat: bool = True  # wrap prompts in the target's chat template
     trace: Path | None = None  # per-round trace (JSON lines)

@@ -36,6 +36,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from dsparkctl.engine.clock import Clock, sync
+from dsparkctl.engine.session import ModelSettings
 from dsparkctl.errors import UsageError, option
 from dsparkctl.math.policies import Policy
 from dsparkctl.models.target import TargetAdapter
@@ -264,7 +265,7 @@ def _contradiction(p: SPSPoint, fitted: float, where: str) -> list[str]:
 
 
 @dataclass(frozen=True)
-class ProfileSpec:
+class ProfileSpec(ModelSettings):
     """Everything `profile-sps` runs, as the user gave it (`run_profile` checks it)."""
     out: Path = Path("sps.json")  # our table; the SGLang table and the PNG default beside it
     sglang_out: Path | None = None  # None: <out stem>.sglang.json
@@ -275,13 +276,7 @@ class ProfileSpec:
     context_len: int = 256  # cached context tokens per request
     repeats: int = 5  # timed repeats per point (median)
     warmup: int = 2  # untimed warm-up steps per point
-    target: str | None = None  # folder or hub id; None: the embedded model
     draft: str | None = None  # whole-step only; None: the shipped draft
-    revision: str | None = None
-    device: str = "auto"
-    dtype: str = "auto"
-    cpu_kernels: str = "auto"
-    seed: int = 0
 
 
 def run_profile(spec: ProfileSpec, *,
@@ -305,6 +300,10 @@ def run_profile(spec: ProfileSpec, *,
     whole = spec.measure == "whole-step"
     if spec.measure not in MEASURES:
         raise UsageError(f"unknown measure {spec.measure!r}", f"use one of {', '.join(MEASURES)}")
+    if spec.target_parallel != "none":
+        raise UsageError(f"profile-sps times one process on one device; {option('target_parallel')} "
+                         f"{spec.target_parallel!r} is for generate and eval-acceptance",
+                         "profile the target on one device (the table's costs are per device)")
     if spec.context_len < 1 or spec.repeats < 1 or spec.warmup < 0:
         raise UsageError(f"{option('context_len')} and {option('repeats')} must be >= 1, {option('warmup')} >= 0",
                          f"e.g. {option('context_len')} 256 {option('repeats')} 5 {option('warmup')} 2")
@@ -319,16 +318,16 @@ def run_profile(spec: ProfileSpec, *,
         check_grid(reqs, toks)  # before any model loads
     check_batch_tokens(reqs, toks or [8], spec.context_len)
     if whole:
-        sess = open_session(spec.target, spec.draft, spec.device, spec.dtype, spec.revision, seed=spec.seed, log=log,
-                            cpu_kernels=spec.cpu_kernels, settle=False)
+        sess = open_session(spec.target, spec.draft, spec.device, spec.dtype, spec.revision, spec.trust_remote_code,
+                            spec.seed, log=log, cpu_kernels=spec.cpu_kernels, settle=False)
         gamma = sess.draft.block_size
         if toks is None:
             toks = list(range(1, gamma + 2))
             check_grid(reqs, toks)
         check_verify_width(gamma, toks)
     else:
-        sess = open_target(spec.target, spec.device, spec.dtype, spec.revision, log=log, cpu_kernels=spec.cpu_kernels,
-                           settle=False)
+        sess = open_target(spec.target, spec.device, spec.dtype, spec.revision, spec.trust_remote_code, log=log,
+                           cpu_kernels=spec.cpu_kernels, settle=False)
     check_context(sess.target.model, spec.context_len, toks)
     sess.settle_kernels(log)  # every input is checked: the timing is not wasted
     if whole:

@@ -30,6 +30,20 @@ def draft_folder_for(spec: str | None, embedded_target: bool) -> Path | None:
     return None
 
 
+@dataclass(frozen=True)
+class ModelSettings:
+    """Which target a command loads and how it runs: the fields every model-running command's
+    spec shares (GenerateSpec, EvalSpec, ProfileSpec inherit them), passed to `open_target`."""
+    target: str | None = None  # folder or hub id; None: the embedded model
+    revision: str | None = None
+    trust_remote_code: bool = False
+    target_parallel: str = "none"  # models/loading.py TARGET_PARALLEL
+    device: str = "auto"
+    dtype: str = "auto"
+    cpu_kernels: str = "auto"  # CPU_KERNELS
+    seed: int = 0
+
+
 @dataclass
 class Session:
     target: LoadedTarget

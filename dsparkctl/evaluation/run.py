@@ -16,6 +16,7 @@ import torch
 
 from dsparkctl.calibrate import confidence_report
 from dsparkctl.distributed import DATA_PARALLEL, Split
+from dsparkctl.engine.session import ModelSettings
 from dsparkctl.errors import UsageError, option
 from dsparkctl.evaluation.continuations import cached_continuations
 from dsparkctl.evaluation.live import LiveResult, live_rollouts
@@ -107,11 +108,10 @@ def trace_paths(trace: Path | None, datasets: Sequence[str], labels: Sequence[st
 
 
 @dataclass(frozen=True)
-class EvalSpec:
+class EvalSpec(ModelSettings):
     """Everything `eval-acceptance` runs, as the user gave it (`run_evaluation` checks it)."""
     drafts: tuple[str | None, ...] = ()  # folders or hub ids; (): the shipped draft
     labels: tuple[str, ...] = ()  # display name per draft (same order); (): folder names or hub ids
-    target: str | None = None  # folder or hub id; None: the embedded model
     datasets: tuple[str, ...] = ("mt-bench",)  # built-in sets, local files or hub ids
     field: str | None = None  # prompt field of local files / hub sets
     limit: int | None = None  # first N prompts of each set
@@ -124,13 +124,6 @@ class EvalSpec:
     plot: Path | None = None  # a Figure-2-style PNG
     trace: Path | None = None  # live round traces (`trace_paths`)
     out: Path | None = None  # the document, also written here
-    revision: str | None = None
-    trust_remote_code: bool = False
-    target_parallel: str = "none"
-    cpu_kernels: str = "auto"
-    device: str = "auto"
-    dtype: str = "auto"
-    seed: int = 0
 
 
 def run_evaluation(spec: EvalSpec, *,
