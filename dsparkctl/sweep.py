@@ -135,25 +135,29 @@ def replay_batches(pool: dict[str, Any], policy_specs: Sequence[str], concurrenc
                    seed: int = 0, prior: Sequence[float] | None = None) -> list[dict[str, Any]]:
     """Like `replay`, but batches of C requests of `max_new_tokens` tokens each run to the end (see
     the module doc); ≈ `rounds` generated tokens per cell, at least one batch. One row per cell."""
-    if not 2 <= max_new_tokens <= rounds + 1:
-        raise UsageError(f"max_new_tokens must be in [2, rounds + 1 = {rounds + 1}] (a batch replays at least "
-                         f"max_new_tokens / (γ + 1) steps), got {max_new_tokens}")
+    check_max_new_tokens(max_new_tokens, rounds)
     policies, surv_all = _policies_and_survivals(pool, policy_specs, sps, temperatures, prior)
     acc_full, N = pool["accepted"], int(max_new_tokens)
     rows = []
     for ci, C in enumerate(concurrency):
         batches = max(1, math.ceil(rounds / (C * (N - 1))))
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + ci)
+        # the same round for (batch, step, request) under every policy: a request emits at least
+        # one token per step, so a batch ends within N - 1 steps
+        draws = torch.randint(0, surv_all.shape[0], (batches, N - 1, C), generator=gen)
         for pol in policies:
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + ci)  # same draws for every policy
             tokens = seconds = 0.0
             steps = drafted_steps = request_rounds = 0
             ell_sum = btok_sum = 0.0
-            for _ in range(batches):
+            for b in range(batches):
                 state = pol.new_state()
                 produced = torch.ones(C, dtype=torch.long)
-                while produced.numel():
+                alive = torch.arange(C)  # the batch rows still decoding
+                for step in range(N - 1):
+                    if not produced.numel():
+                        break
                     R = produced.numel()
-                    idx = torch.randint(0, surv_all.shape[0], (1, R), generator=gen)
+                    idx = draws[b, step, alive][None]  # [1, R]
                     ell, drafted = pol.run_steps(surv_all[idx], state)  # [1, R], [1]
                     ell = torch.minimum(ell, (N - produced - 1).clamp(min=0))
                     acc = torch.minimum(acc_full[idx], ell)[0]
@@ -169,7 +173,7 @@ def replay_batches(pool: dict[str, Any], policy_specs: Sequence[str], concurrenc
                     steps += 1
                     request_rounds += R
                     produced = produced + 1 + acc
-                    produced = produced[produced < N]
+                    alive, produced = alive[produced < N], produced[produced < N]
             thr = tokens / seconds
             rows.append({"policy": pol.spec, "concurrency": C, "steps": steps, "request_rounds": request_rounds,
                          "batches": batches, "max_new_tokens": N,
@@ -263,13 +267,12 @@ class SweepSpec:
 
 
 def run_sweep_scheduler(spec: SweepSpec, *, log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
-    """`sweep-scheduler` as one call: check the settings and every output first, replay every cell
-    (`run_sweep`), then write the figure and the JSON together (both appear, or neither). Returns
+    """`sweep-scheduler` as one call: check every output, then the settings and the inputs and
+    replay every cell (`run_sweep`), then write the figure and the JSON together (both appear, or neither). Returns
     the sweep document; `log` is told what was written."""
     from dsparkctl.checks import Output, check_outputs
     from dsparkctl.fsutil import staged, write_json
 
-    check_max_new_tokens(spec.max_new_tokens, spec.rounds)
     inputs = [Path(p) for p in (*spec.traces, spec.sps_table, *([spec.calibration] if spec.calibration else []))]
     check_outputs([Output(p, option(field), kind) for p, field, kind in
                    ((spec.plot, "plot", "figure"), (spec.out, "out", "file")) if p is not None], inputs=inputs)

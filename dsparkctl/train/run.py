@@ -43,18 +43,16 @@ def run_lock(run_dir: Path) -> Iterator[None]:
         yield
         return
     made = [p for p in (run_dir, *run_dir.parents) if not p.exists()]  # deepest first
+    made = made or [run_dir]  # an existing empty run folder is removed as before
     run_dir.mkdir(parents=True, exist_ok=True)
     refuse_if_held(lock, f"the run folder {run_dir}")
     try:
         yield
     finally:
         release(lock)
-        for folder in made:  # a run that failed before writing anything leaves no folders behind
-            if any(folder.iterdir()):
-                break
-            folder.rmdir()
-        with contextlib.suppress(OSError):
-            run_dir.rmdir()  # only if the run left nothing in it
+        for folder in made:  # a run that left nothing in its folder leaves no folders behind
+            with contextlib.suppress(OSError):  # not empty (or not ours to remove): it stays
+                folder.rmdir()
 
 
 def run_dir_for(recipe: Recipe, cache_dir: Path | None = None, runs_dir: Path | None = None) -> Path:
