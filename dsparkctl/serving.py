@@ -487,33 +487,23 @@ def run_serve_config(spec: ServeSpec, *, log: Callable[[str], None] = lambda s: 
     of a reduced-vocabulary draft are written if asked) and write the script `spec.out`. Returns
     the serve-config document, its notes led by what the calibration's draft check said.
 
-    Without `spec.calibration` the draft's own `calibration.json` (beside it) is used, with a note;
-    one fitted for another draft is left unused, with a note."""
+    Without `spec.calibration` the draft's own `calibration.json` is used, with a note, when it was
+    fitted for this very draft (`calibrate.own_calibration`, the rule generate and eval-acceptance
+    follow)."""
     import dataclasses
 
-    from dsparkctl.calibrate import CALIBRATION_NAME, calibration_draft_notes
-    from dsparkctl.engine.session import draft_folder_for, open_session
-    from dsparkctl.models.loading import is_embedded
+    from dsparkctl.calibrate import calibration_draft_notes
+    from dsparkctl.engine.session import open_session
 
     check_serve_spec(spec)
-    calibration, own = spec.calibration, None
-    if calibration is None:  # the draft's own calibration, shipped beside it (checked against it below)
-        folder = draft_folder_for(spec.draft, is_embedded(spec.target))
-        if folder is not None and (folder / CALIBRATION_NAME).is_file():
-            calibration = own = folder / CALIBRATION_NAME
-    files = read_serve_inputs(spec.sps_table, calibration, spec.sweep)  # before the models load
+    files = read_serve_inputs(spec.sps_table, spec.calibration, spec.sweep)  # before the models load
     sess = open_session(spec.target, spec.draft, "cpu", "fp32", spec.revision, log=log)
     cal_notes: list[str] = []
-    if calibration is not None:
-        try:
-            cal_notes = calibration_draft_notes(calibration, sess.draft.fingerprint())
-        except InputError:
-            if own is None:
-                raise
-            cal_notes = [f"{own} is not this draft's calibration: not used"]
-            files = dataclasses.replace(files, sts_file=None)
-        if own is not None and files.sts_file is not None:
-            cal_notes.append(f"the confidences are calibrated with the draft's own {own} (--calibration to override)")
+    if spec.calibration is not None:
+        cal_notes = calibration_draft_notes(spec.calibration, sess.draft.fingerprint())
+    elif (own := sess.default_calibration()) is not None:
+        files = dataclasses.replace(files, sts_file=sglang_file(own, "sts"))
+        cal_notes = [f"the confidences are calibrated with the draft's own {own} (--calibration to override)"]
     result = plan_serving(sess, spec.draft, spec.target, spec.target_id, files, spec.export_full_vocab,
                           spec.export_vllm)
     result["notes"] = cal_notes + result["notes"]
