@@ -264,6 +264,36 @@ def _contradiction(p: SPSPoint, fitted: float, where: str) -> list[str]:
             f"({max(p.ms) - min(p.ms):.2f} ms); a noisy machine or a kernel switch"]
 
 
+def profile_table(sess: Any, measure: str, requests: Sequence[int], tokens_per_request: Sequence[int],
+                  context_len: int, repeats: int, warmup: int, seed: int = 0,
+                  on_point: Callable[[SPSPoint], None] | None = None, **meta: Any) -> tuple[Any, list[str]]:
+    """Profile the session (whole-step: its engine's round and plain step, `profile_whole_step`;
+    target-forward: the target alone, `profile_sps`) and fit its table (`fit_table`): (SPSTable,
+    warnings). The table records how it was measured, every raw probe, and `meta`."""
+    from dsparkctl.engine.speculative import SpeculativeEngine
+    from dsparkctl.math.policies import parse_policy
+    from dsparkctl.math.sampling import SamplingParams
+    from dsparkctl.provenance import provenance
+
+    whole = measure == "whole-step"
+    if whole:
+        gamma = sess.draft.block_size
+        engine = SpeculativeEngine(sess.adapter, sess.draft, parse_policy(f"static:{gamma}"), SamplingParams(0.0),
+                                   stop_token_ids=sess.stop_ids)
+        points = profile_whole_step(engine, requests, tokens_per_request, context_len, repeats, warmup, seed, on_point)
+    else:
+        points = profile_sps(sess.plain_adapter(), requests, tokens_per_request, context_len, repeats, warmup, seed,
+                             on_point)
+    return fit_table(points, provenance(
+        target=sess.target.name, measures=measure, device=str(sess.device),
+        dtype=str(sess.dtype).replace("torch.", ""), cpu_kernels=sess.cpu_kernels, context_len=context_len,
+        repeats=repeats, warmup=warmup, block_size=sess.draft.block_size if whole else None,
+        conditions=sess.conditions(), **meta,
+        points=[{"requests": p.requests, "tokens_per_request": p.tokens_per_request, "plain": p.plain,
+                 "batch_tokens": p.batch_tokens, "median_ms": round(p.median_ms, 4),
+                 "ms": [round(x, 4) for x in p.ms]} for p in points]))
+
+
 @dataclass(frozen=True)
 class ProfileSpec(ModelSettings):
     """Everything `profile-sps` runs, as the user gave it (`run_profile` checks it)."""
@@ -285,16 +315,11 @@ def run_profile(spec: ProfileSpec, *,
     """Check the spec (numbers, grid, every output path before any model loads; the grid against
     the model before kernel timing), profile, fit, write our table, SGLang's and the PNG: (the
     result document, the SPSTable). `on_progress(done, total)` counts grid points."""
-    import functools
     import itertools
 
     from dsparkctl.checks import Output, check_outputs, local_inputs
     from dsparkctl.engine.session import open_session, open_target
-    from dsparkctl.engine.speculative import SpeculativeEngine
-    from dsparkctl.math.policies import parse_policy
-    from dsparkctl.math.sampling import SamplingParams
     from dsparkctl.plots import plot_sps
-    from dsparkctl.provenance import provenance
     from dsparkctl.sps_io import save_sps_table
 
     whole = spec.measure == "whole-step"
@@ -330,28 +355,16 @@ def run_profile(spec: ProfileSpec, *,
                            cpu_kernels=spec.cpu_kernels, settle=False)
     check_context(sess.target.model, spec.context_len, toks)
     sess.settle_kernels(log)  # every input is checked: the timing is not wasted
-    if whole:
-        engine = SpeculativeEngine(sess.adapter, sess.draft, parse_policy(f"static:{gamma}"), SamplingParams(0.0),
-                                   stop_token_ids=sess.stop_ids)
-        run = functools.partial(profile_whole_step, engine)
-    else:
-        run = functools.partial(profile_sps, sess.plain_adapter())
     done = itertools.count(1)
     n_points = len(set(reqs)) * (len(set(toks)) + whole)
-    points = run(reqs, toks, spec.context_len, spec.repeats, spec.warmup, spec.seed,
-                 on_point=(lambda p: on_progress(next(done), n_points)) if on_progress else None)
-    tgt, dev, dt = sess.target, sess.device, str(sess.dtype).replace("torch.", "")
     drafted = ((str(Path(spec.draft).resolve()) if spec.draft and Path(spec.draft).exists() else sess.draft_name)
                if whole else None)
-    meta = provenance(target=tgt.name, measures=spec.measure, draft=drafted, device=str(dev), dtype=dt,
-                      cpu_kernels=sess.cpu_kernels, context_len=spec.context_len, repeats=spec.repeats,
-                      warmup=spec.warmup, block_size=gamma if whole else None, conditions=sess.conditions(),
-                      points=[{"requests": p.requests, "tokens_per_request": p.tokens_per_request, "plain": p.plain,
-                               "batch_tokens": p.batch_tokens, "median_ms": round(p.median_ms, 4),
-                               "ms": [round(x, 4) for x in p.ms]} for p in points])
-    table, warnings = fit_table(points, meta)
+    table, warnings = profile_table(sess, spec.measure, reqs, toks, spec.context_len, spec.repeats, spec.warmup,
+                                    spec.seed, on_point=(lambda p: on_progress(next(done), n_points))
+                                    if on_progress else None, draft=drafted)
     bt, sps = table.batch_tokens, table.steps_per_sec
-    plot_sps(bt, sps, png, f"{tgt.name} on {dev} ({dt}), context {spec.context_len}, {spec.measure}")
+    dev, dt = sess.device, str(sess.dtype).replace("torch.", "")
+    plot_sps(bt, sps, png, f"{sess.target.name} on {dev} ({dt}), context {spec.context_len}, {spec.measure}")
     save_sps_table(table, sg, fmt="sglang")
     save_sps_table(table, spec.out, fmt="dsparkctl")  # ours last: its presence means all three were written
     doc = {"table": str(spec.out), "sglang_table": str(sg), "plot": str(png), "measures": spec.measure,

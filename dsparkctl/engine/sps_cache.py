@@ -47,12 +47,8 @@ def cache_path(sess) -> Path:
 
 def machine_sps_table(sess, log: Callable[[str], None] = print) -> SPSTable:
     """The session's whole-step SPS table for this machine: cached, else profiled now and cached."""
-    from dsparkctl.engine.profile import fit_table, profile_whole_step
-    from dsparkctl.engine.speculative import SpeculativeEngine
+    from dsparkctl.engine.profile import profile_table
     from dsparkctl.fsutil import cannot_create
-    from dsparkctl.math.policies import parse_policy
-    from dsparkctl.math.sampling import SamplingParams
-    from dsparkctl.provenance import provenance
     from dsparkctl.sps_io import load_sps_table, save_sps_table
 
     path = cache_path(sess)
@@ -70,17 +66,8 @@ def machine_sps_table(sess, log: Callable[[str], None] = print) -> SPSTable:
     context = CONTEXT if limit is None else max(1, min(CONTEXT, limit - gamma - 2))
     log(f"profiling this machine's step costs once (requests {','.join(map(str, REQUESTS))} × 1..{gamma + 1} "
         f"tokens, cached in {path})")
-    engine = SpeculativeEngine(sess.adapter, sess.draft, parse_policy(f"static:{gamma}"), SamplingParams(0.0),
-                               stop_token_ids=sess.stop_ids)
-    points = profile_whole_step(engine, REQUESTS, list(range(1, gamma + 2)), context, repeats=3, warmup=1)
-    meta = provenance(target=sess.target.name, measures="whole-step", draft=sess.draft_name,
-                      device=str(sess.device), dtype=str(sess.dtype).replace("torch.", ""),
-                      cpu_kernels=sess.cpu_kernels, context_len=context, repeats=3, warmup=1, block_size=gamma,
-                      conditions=sess.conditions(), cached_by="generate",
-                      points=[{"requests": p.requests, "tokens_per_request": p.tokens_per_request, "plain": p.plain,
-                               "median_ms": round(p.median_ms, 4), "ms": [round(x, 4) for x in p.ms]}
-                              for p in points])
-    table, _ = fit_table(points, meta)
+    table, _ = profile_table(sess, "whole-step", REQUESTS, list(range(1, gamma + 2)), context, repeats=3, warmup=1,
+                             draft=sess.draft_name, cached_by="generate")
     table.source = str(path)
     from dsparkctl.fsutil import replace_refusal
 
