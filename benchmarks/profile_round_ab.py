@@ -19,7 +19,6 @@ sess = open_session(None, None, "cpu", "fp32", None, log=lambda m: None)
 gamma = sess.draft.block_size
 eng = SpeculativeEngine(sess.adapter, sess.draft, parse_policy(f"static:{gamma}"), SamplingParams(0.0), stop_token_ids=sess.stop_ids)
 tgt, drf = eng.target, eng.draft
-res = {}
 for R in (1, 4):
     prompts = torch.randint(0, tgt.vocab_size, (R, 128), generator=torch.Generator().manual_seed(0)).tolist()
     live = eng.prefill(prompts, gamma + 2, None)
@@ -46,5 +45,4 @@ for R in (1, 4):
             rewind(); eng.policy = pol
             if i >= 4:
                 old.append(dt_old); new.append(dt_new)
-        res[(R, t)] = (st.median(old), st.median(new))
         print(R, t, f"old {st.median(old):.2f} ms  new {st.median(new):.2f} ms  new/old {st.median(new)/st.median(old):.3f}", flush=True)

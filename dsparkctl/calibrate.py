@@ -23,7 +23,7 @@ import torch
 from dsparkctl.errors import InputError, UsageError, option
 from dsparkctl.math.calibration import CalibrationData, fit_sts, position_metrics, split_requests
 from dsparkctl.provenance import provenance
-from dsparkctl.strict_json import read
+from dsparkctl.strict_json import finite, read
 from dsparkctl.trace import Trace, read_traces
 
 CALIBRATION_FORMAT = "dsparkctl-calibration/1"
@@ -346,8 +346,7 @@ def confidence_report(rounds: Sequence[Any], calibration: str | os.PathLike | No
     keep = ("n", "ece", "auroc", "brier", "mean_pred", "survival_rate")
 
     def metrics(t: torch.Tensor) -> list[dict[str, Any]]:
-        return [{k: (None if isinstance(m[k], float) and not math.isfinite(m[k]) else m[k]) for k in keep}
-                for m in position_metrics(data, t)]
+        return [finite({k: m[k] for k in keep}) for m in position_metrics(data, t)]
 
     raw = metrics(ones)
     cal = metrics(temps) if temps is not None else None

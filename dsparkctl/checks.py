@@ -114,6 +114,6 @@ def check_positive(value: int, field: str) -> None:
 SEED_LIMIT = 2 ** 32  # derived seeds (seed · 1_000_003 + cell) stay inside torch's 64-bit range
 
 
-def check_seed(seed: int, name: str = "seed") -> None:
+def check_seed(seed: int) -> None:
     if not 0 <= seed < SEED_LIMIT:
-        raise UsageError(f"{name} {seed} is out of range", hint=f"use an integer in [0, {SEED_LIMIT})")
+        raise UsageError(f"{option('seed')} {seed} is out of range", hint=f"use an integer in [0, {SEED_LIMIT})")

@@ -29,6 +29,7 @@ CASES = [
      "labels must be given once per drafts"),
     ("eval: no tokens", run_evaluation, EvalSpec(target=NO_MODEL, max_new_tokens=0),
      {"max_new_tokens": "--max-new-tokens"}, "--max-new-tokens must be >= 1"),
+    ("eval: batch 0", run_evaluation, EvalSpec(target=NO_MODEL, batch_size=0), None, "batch_size must be >= 1, got 0"),
     ("eval: mode", run_evaluation, EvalSpec(target=NO_MODEL, mode="fast"), None, "unknown mode 'fast'"),
     ("profile: one probe", run_profile, ProfileSpec(target=NO_MODEL, out=Path("{tmp}/s.json"), requests=(1,),
                                                     tokens_per_request=(2,)), None,

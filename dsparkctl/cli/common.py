@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.text import Text
 
 from dsparkctl.engine.session import CPU_KERNELS
-from dsparkctl.errors import DsparkError, UsageError, option
+from dsparkctl.errors import DsparkError, UsageError
 from dsparkctl.models.loading import DTYPES
 
 # Markup is off on both consoles: user text (paths, prompts, config values) is never parsed as
@@ -259,7 +259,7 @@ def guarded(fn: F | None = None, *, fields: Mapping[str, str] | None = None) -> 
         try:
             if isinstance(kwargs.get("seed"), int):
                 from dsparkctl.checks import check_seed
-                check_seed(kwargs["seed"], option("seed"))
+                check_seed(kwargs["seed"])
             with terminate_as_interrupt():  # SIGTERM/SIGHUP unwind like Ctrl-C: temp files are cleaned up
                 return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort, SystemExit):

@@ -50,8 +50,7 @@ class EvalOptions:
 
 
 def drafts_under_test(sess: Any, sources: Sequence[str | None], labels: Sequence[str] | None = None,
-                      revision: str | None = None, seed: int = 0,
-                      label_name: str = "a label") -> tuple[list[DraftUnderTest], list[str]]:
+                      revision: str | None = None, seed: int = 0) -> tuple[list[DraftUnderTest], list[str]]:
     """Load each draft (a folder, a hub id, or None for the session's default) against the session's target:
     (drafts, notes to tell the user). A draft's label is given, else its folder name or hub id."""
     from dsparkctl.calibrate import load_temperatures, own_calibration
@@ -70,7 +69,7 @@ def drafts_under_test(sess: Any, sources: Sequence[str | None], labels: Sequence
     seen = [d.label for d in drafts]
     twice = sorted({x for x in seen if seen.count(x) > 1})
     if twice:
-        raise UsageError(f"two drafts would both be reported as {twice[0]!r}", f"name each with {label_name}")
+        raise UsageError(f"two drafts would both be reported as {twice[0]!r}", f"name each with {option('labels')}")
     return drafts, notes
 
 
@@ -132,13 +131,14 @@ def run_evaluation(spec: EvalSpec, *,
     """Check the spec (numbers, labels, every output path, prompt files) before any model loads,
     the drafts' sizes before kernel timing, then evaluate: the eval-acceptance document (also
     written to `spec.out`; the plot to `spec.plot`)."""
-    from dsparkctl.checks import Output, check_outputs, local_inputs
+    from dsparkctl.checks import Output, check_outputs, check_positive, local_inputs
     from dsparkctl.data.prompts import apply_preset_wrap, encode_prompts, load_prompts, with_preset
     from dsparkctl.engine.generate import check_positions
     from dsparkctl.engine.session import open_target
     from dsparkctl.fsutil import write_json
 
     preset, temperature, max_new_tokens = with_preset(spec.preset, spec.temperature, spec.max_new_tokens)
+    check_positive(spec.batch_size, "batch_size")
     if spec.mode not in MODES:
         raise UsageError(f"unknown mode {spec.mode!r}", f"use one of {', '.join(MODES)}")
     if spec.labels and len(spec.labels) != len(spec.drafts):
@@ -153,8 +153,7 @@ def run_evaluation(spec: EvalSpec, *,
     texts = {ds: apply_preset_wrap(preset, ds, load_prompts(ds, spec.field, spec.limit)) for ds in spec.datasets}
     sess = open_target(spec.target, spec.device, spec.dtype, spec.revision, spec.trust_remote_code, log=log,
                        parallel=spec.target_parallel, cpu_kernels=spec.cpu_kernels, settle=False)
-    drafts, notes = drafts_under_test(sess, sources, spec.labels, spec.revision, spec.seed,
-                                      label_name=option("labels"))
+    drafts, notes = drafts_under_test(sess, sources, spec.labels, spec.revision, spec.seed)
     if spec.trace is not None and live:  # the per-pair files, checked like the trace itself
         check_outputs([Output(p, option("trace")) for p in
                        trace_paths(spec.trace, spec.datasets, [d.label for d in drafts]).values()], inputs)
@@ -229,16 +228,18 @@ def evaluate_dataset(model: Any, drafts: Sequence[DraftUnderTest], prompts: Sequ
             writer = TraceWriter(tp, {**(trace_header or {}), "draft": d.source, "draft_fingerprint": d.draft.fingerprint(),
                                       "block_size": d.draft.block_size,
                                       "policy": f"static:{d.draft.block_size}"}) if tp else None
-            rounds: list = []
+            rounds: list = []  # kept for the confidence report: only a draft with a head has one
+            keep = d.draft.confidence_head is not None
 
-            def on_round(rows, writer=writer, rounds=rounds):
-                rounds.extend(rows)
+            def on_round(rows, writer=writer, rounds=rounds, keep=keep):
+                if keep:
+                    rounds.extend(rows)
                 if writer:
                     writer.write(rows)
 
-            with writer if writer else contextlib.nullcontext():
+            with writer if writer else contextlib.nullcontext():  # rows are built only when someone listens
                 live = live_rollouts(model, d.draft, prompts, params, max_new_tokens, stop_ids, seed, batch_size,
-                                     on_round=on_round, split=split)
+                                     on_round=on_round if keep or writer else None, split=split)
             if writer:
                 r["trace"] = str(tp)
             r["live"] = live_json(live)

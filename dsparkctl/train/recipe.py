@@ -18,6 +18,7 @@ import hashlib
 import json
 import math
 import re
+import typing
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,13 +126,13 @@ SECTIONS: dict[str, type] = {"target": TargetSection, "draft": DraftSection, "da
                              "optim": OptimSection, "eval": EvalSection}
 
 
-def _type_default(f: dataclasses.Field) -> Any:
+def _type_default(cls: type, f: dataclasses.Field) -> Any:
     """A value of the type a recipe key takes: its default, or for an optional key (default None:
-    mask_token_id, data.field, ...) an empty value of the type it is annotated with."""
+    mask_token_id, data.field, ...) an empty value of the type it is annotated with (`int | None`: 0)."""
     if f.default is not None:
         return f.default
-    kind = str(f.type).replace(" ", "").split("|")
-    return "" if "str" in kind else 0.0 if "float" in kind else 0
+    kinds = typing.get_args(typing.get_type_hints(cls)[f.name])
+    return next(k() for k in (str, float, int) if k in kinds)
 
 
 def _coerce(value: Any, default: Any, where: str) -> Any:
@@ -159,7 +160,7 @@ def _coerce(value: Any, default: Any, where: str) -> Any:
         what = "tuple (a list of integers)" if default and isinstance(default[0], int) else "tuple (a list of finite numbers)"
     else:
         what = {bool: "bool (true or false)", int: "int (an integer)", float: "float (a finite number)",
-                str: "str (a string)"}.get(type(default), "a value of its type")
+                str: "str (a string)"}[type(default)]
     raise InputError(f"{where}: expected {what}, got {value!r}", "fix the value in the recipe")
 
 
@@ -178,7 +179,7 @@ def recipe_from_dict(raw: Mapping[str, Any], source: str = "recipe") -> Recipe:
         if not isinstance(value, Mapping):
             raise InputError(f"{source}: [{key}] must be a table")
         cls = SECTIONS[key]
-        defaults = {f.name: _type_default(f) for f in dataclasses.fields(cls)}
+        defaults = {f.name: _type_default(cls, f) for f in dataclasses.fields(cls)}
         fields = {}
         for k, v in value.items():
             if k not in defaults:

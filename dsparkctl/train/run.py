@@ -434,7 +434,7 @@ def run_train(spec: TrainSpec, *, log: Callable[[str], None] = print,
         check_embeddings_export(rec.draft.vocab_size, spec.with_embeddings)
     if rec.optim.threads:
         torch.set_num_threads(rec.optim.threads)
-    sess = open_target(None if rec.target.model == "embedded" else rec.target.model, spec.device, rec.target.dtype,
+    sess = open_target(rec.target.model, spec.device, rec.target.dtype,
                        log=log)
     lt = sess.target
     if spec.export_step is not None:
