@@ -103,7 +103,6 @@ class Session:
         """(draft, display name, notes) for a draft spec, checked against this session's target:
         the shipped default (embedded target), 'random', a folder or a hub id."""
         draft, name, notes = self._load_draft(spec, revision, seed, random_draft_kw)
-        self.draft_dir = self.draft_folder(spec) or self.draft_dir
         if self.route is not None:  # else settle_kernels packs it once the choice is made
             pack_like(draft, self.route)
         return draft, name, notes
@@ -133,7 +132,7 @@ class Session:
     def _load_draft(self, spec, revision, seed, random_draft_kw):
         probe = TargetAdapter(self.target.model, ())
         if is_default_draft(spec):
-            shipped = default_draft_dir() if self.embedded_target else None
+            shipped = self.draft_folder(spec)
             if shipped is not None:
                 return load_draft(shipped, probe), f"shipped:{shipped.name}", []
             return (random_draft(probe, seed=seed, **(random_draft_kw or {})), "random-init",
@@ -182,6 +181,7 @@ def open_session(target: str | None, draft: str | None, device: str = "auto", dt
     when the caller calls `Session.settle_kernels` after its own."""
     sess = open_target(target, device, dtype, revision, trust_remote_code, log, parallel, cpu_kernels, settle=False)
     sess.draft, sess.draft_name, notes = sess.load_draft(draft, revision, seed, random_draft_kw)
+    sess.draft_dir = sess.draft_folder(draft)
     sess.notes.extend(notes)
     if settle:
         sess.settle_kernels(log)

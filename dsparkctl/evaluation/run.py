@@ -56,7 +56,6 @@ def drafts_under_test(sess: Any, sources: Sequence[str | None], labels: Sequence
     from dsparkctl.calibrate import load_temperatures, own_calibration
 
     drafts, notes = [], []
-    own_dir = sess.draft_dir  # load_draft points the session at the folder it read; eval keeps the session's own
     for i, src in enumerate(sources):
         d, name, n = sess.load_draft(src, revision, seed)
         notes += n
@@ -65,7 +64,6 @@ def drafts_under_test(sess: Any, sources: Sequence[str | None], labels: Sequence
         if cal is not None:  # a damaged file fails here, in one line, not after the rollouts
             load_temperatures(cal, d.block_size)
         drafts.append(DraftUnderTest(label=label, draft=d, source=name, calibration=cal))
-    sess.draft_dir = own_dir
     seen = [d.label for d in drafts]
     twice = sorted({x for x in seen if seen.count(x) > 1})
     if twice:
