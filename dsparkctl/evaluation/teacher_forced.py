@@ -28,6 +28,7 @@ import torch
 from dsparkctl.distributed import DATA_PARALLEL, Split
 from dsparkctl.math.sampling import SamplingParams, warp_probs
 from dsparkctl.models.draft import DSparkDraft
+from dsparkctl.models.target import tapped
 
 FORMAT = "dsparkctl-teacher-forced/1"
 
@@ -173,7 +174,7 @@ def target_forward(model: Any, seqs: Sequence[Sequence[int]], layer_ids: Sequenc
             ids[r, : len(s)] = torch.tensor(s, device=dev)
             att[r, : len(s)] = 1
         res = model(input_ids=ids, attention_mask=att, output_hidden_states=True)
-        feats = torch.cat([res.hidden_states[j + 1] for j in layer_ids], dim=-1)
+        feats = tapped(res.hidden_states, layer_ids, dev)
         for r, s in enumerate(chunk):
             out.append((feats[r, : len(s)], res.logits[r, : len(s)].float()))
     return out
