@@ -27,7 +27,7 @@ import hashlib
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 
@@ -175,6 +175,17 @@ def check_same_everywhere(argv: Sequence[str] | None = None) -> None:
         differ = [a for a, h in everyone[0][2] if theirs.get(a) != h] or [a for a in theirs if a not in dict(everyone[0][2])]
         raise UsageError(f"ranks {bad} read other contents than rank 0 from {', '.join(differ) or 'the files named'}",
                          "give every rank the same files (one shared path, or identical copies)")
+
+
+def from_main(fn: Callable[[], T]) -> T:
+    """`fn()` computed on rank 0 alone (outside torchrun: here), its result handed to every rank."""
+    w = world()
+    box = [fn() if w.main else None]
+    if w.distributed:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def all_gather(obj: T) -> list[T]:

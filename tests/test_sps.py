@@ -81,3 +81,21 @@ def test_bad_files(tmp_path, content, msg):
     p.write_text(content)
     with pytest.raises(InputError, match=msg):
         load_sps_table(p)
+
+
+def test_a_saved_table_prices_steps_exactly_as_the_one_written(tmp_path):
+    """A cached machine table is read back by later runs (and by the other torchrun ranks' run):
+    costs must survive the file unrounded, or a near tie decides differently (skip or draft)."""
+    import torch
+
+    from dsparkctl.math.sps import SPSTable, StepGrid
+    from dsparkctl.sps_io import load_sps_table, save_sps_table
+
+    grid = StepGrid([1, 2, 4], [1, 2, 3], [[10.123456789, 11.98765, 13.5], [12.3333333, 14.1, 15.77777],
+                                           [20.1, 23.3, 27.123456]], [9.87654321, 11.1111111, 18.2222222])
+    table = SPSTable([1, 2, 3, 4], [98.7654321, 90.1, 80.33, 70.77], meta={"measures": "whole-step"}, grid=grid)
+    save_sps_table(table, tmp_path / "s.json")
+    back = load_sps_table(tmp_path / "s.json")
+    ell = torch.tensor([[0, 1, 2], [2, 2, 0]])
+    assert torch.equal(table.lengths_seconds(ell), back.lengths_seconds(ell))
+    assert [table.plain_seconds(r) for r in (1, 3, 4)] == [back.plain_seconds(r) for r in (1, 3, 4)]

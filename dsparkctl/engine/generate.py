@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from dsparkctl.distributed import world
 from dsparkctl.engine.run import OnTokens, plain_decoder, run_prompts, speculative_decoder
 from dsparkctl.engine.session import ModelSettings, Session
 from dsparkctl.engine.speculative import SpeculativeEngine, plain_generate
@@ -247,11 +246,10 @@ def run_generate(spec: GenerateSpec, *,
     cal_notes = calibration_notes(calibration, sess)
     sess.settle_kernels(say)  # every input is checked: the timing (seconds) is not wasted
     if machine_table:  # this machine's table, profiled once per machine and pair (engine/sps_cache.py)
-        from dsparkctl.distributed import all_gather
+        from dsparkctl.distributed import from_main
         from dsparkctl.engine.sps_cache import machine_sps_table
 
-        table = machine_sps_table(sess, say) if world().main else None
-        table = all_gather(table)[0]  # under torchrun every rank plans with rank 0's table
+        table = from_main(lambda: machine_sps_table(sess, say))  # under torchrun every rank plans with rank 0's
         pol = load_policy(policy, gamma, None, calibration, sps=table)
     for m in cal_notes + policy_notes(pol, sess):
         sess.notes.append(m)

@@ -40,21 +40,22 @@ def resolve(model: nn.Module, keep: tuple[nn.Module, ...], log: Callable[[str], 
     timed now on the model packed with both copies kept (left so for `apply_route`). A model
     whose forward needs more than input_ids stays on stock kernels (remembered). Under torchrun
     rank 0 alone reads the cache or times, and every rank returns its route."""
-    from dsparkctl.distributed import all_gather, world
+    from dsparkctl.distributed import from_main
 
-    route = STOCK
-    if world().main:
+    def choose() -> Route:
         cached = cached_choice(model)
         if cached is not None:
-            route = cached
-        elif pack_linears(model, keep=keep, routing=True):
-            try:
-                route, _ = choose_kernels(model, row_forward(model), log=log)
-            except Exception as e:  # a model whose forward needs more than input_ids: stay on stock kernels
-                log(f"note: could not time the CPU kernels on this target ({type(e).__name__}); using stock "
-                    "kernels (pass --cpu-kernels packed to pack anyway)")
-                remember_choice(model, STOCK, {"reason": f"forward failed: {type(e).__name__}"}, log)
-    return all_gather(route)[0]
+            return cached
+        if not pack_linears(model, keep=keep, routing=True):
+            return STOCK
+        try:
+            return choose_kernels(model, row_forward(model), log=log)[0]
+        except Exception as e:  # a model whose forward needs more than input_ids: stay on stock kernels
+            log(f"note: could not time the CPU kernels on this target ({type(e).__name__}); using stock "
+                "kernels (pass --cpu-kernels packed to pack anyway)")
+            remember_choice(model, STOCK, {"reason": f"forward failed: {type(e).__name__}"}, log)
+            return STOCK
+    return from_main(choose)
 
 
 def row_forward(model: nn.Module) -> Callable[[int], object]:

@@ -190,10 +190,12 @@ class StepGrid:
         return float(self._along_r(torch.tensor(self.plain_ms, dtype=torch.float64), float(R))) / 1000.0
 
     def to_json(self) -> dict[str, Any]:
+        """Every cost unrounded: a table read back prices steps exactly as the one that was written
+        (a cached machine table and the run that profiled it plan alike, near ties included)."""
         d: dict[str, Any] = {"requests": self.requests, "tokens_per_request": self.tokens,
-                             "step_ms": [[round(v, 4) for v in row] for row in self.step_ms], "verify": self.verify}
+                             "step_ms": [[float(v) for v in row] for row in self.step_ms], "verify": self.verify}
         if self.plain_ms is not None:
-            d["plain_ms"] = [round(v, 4) for v in self.plain_ms]
+            d["plain_ms"] = [float(v) for v in self.plain_ms]
         return d
 
 
