@@ -10,7 +10,7 @@ pair (fp32, stock kernels, context 128), 10 timed repeats after 4 warm-up: media
 import statistics as st, time, torch
 from dsparkctl.engine.session import open_session
 from dsparkctl.engine.speculative import SpeculativeEngine
-from dsparkctl.engine.profile import _Probe
+from dsparkctl.engine.profile import DraftEvery
 from dsparkctl.engine.clock import Clock
 from dsparkctl.math.policies import parse_policy
 from dsparkctl.math.sampling import SamplingParams
@@ -38,7 +38,7 @@ for R in (1, 4):
             dt_old = (time.perf_counter() - t0) * 1000
             tgt.commit(zero); live.context.ctx_len = ctx_len.clone()
             # new
-            pol = eng.policy; eng.policy = _Probe(t - 1)
+            pol = eng.policy; eng.policy = DraftEvery(t - 1)
             c = Clock(None); c.start()
             eng.round(live, gamma + 2, None, c); c.lap("commit")
             dt_new = sum(c.totals.values())

@@ -38,7 +38,7 @@ import torch
 from dsparkctl.engine.clock import Clock, sync
 from dsparkctl.engine.session import ModelSettings
 from dsparkctl.errors import UsageError, option
-from dsparkctl.math.policies import Policy
+from dsparkctl.math.policies import Static, parse_policy
 from dsparkctl.models.target import TargetAdapter
 
 
@@ -141,25 +141,19 @@ def profile_sps(adapter: TargetAdapter, requests: Sequence[int], tokens_per_requ
 MEASURES = ("whole-step", "target-forward")
 
 
-class _Probe(Policy):
-    """Profiling only: every step drafts and verifies exactly `ell` drafts per request (0 too: a
-    drafted step that verifies nothing); `ell=None` plans plain steps (no draft)."""
+class DraftEvery(Static):
+    """static:K that drafts every step, K = 0 too (a drafted step verifying nothing): what the
+    whole-step profile times at t = K + 1 tokens per request. Profiling only."""
 
-    name, requires_confidence = "probe", False
-
-    def __init__(self, ell: int | None):
-        super().__init__(f"probe:{ell}")
-        self.ell = ell
+    def __init__(self, k: int):
+        super().__init__(f"static:{k} (drafted)", k)
 
     @property
     def can_skip(self) -> bool:
-        return self.ell is None
+        return False
 
     def plan(self, num_requests: int, state: Any = None) -> bool:
-        return self.ell is not None
-
-    def choose_batched(self, survival: torch.Tensor, state: Any = None) -> torch.Tensor:
-        return torch.full(survival.shape[:2], self.ell, dtype=torch.long)
+        return True
 
 
 @torch.no_grad()
@@ -176,7 +170,8 @@ def profile_whole_step(engine: Any, requests: Sequence[int], tokens_per_request:
     gen = torch.Generator().manual_seed(seed)
     dev = engine.target.device
     budget = gamma + 2  # ℓ ≤ γ is never capped by the token budget
-    probes = {t: _Probe(t - 1) for t in set(tokens_per_request)}
+    probes = {t: DraftEvery(t - 1) for t in set(tokens_per_request)}
+    plain = parse_policy("static:0")  # no draft: the plain step
     points: list[SPSPoint] = []
     policy = engine.policy
     try:
@@ -187,7 +182,7 @@ def profile_whole_step(engine: Any, requests: Sequence[int], tokens_per_request:
             here = [SPSPoint(R, t, []) for t in sorted(set(tokens_per_request))] + [SPSPoint(R, 1, [], plain=True)]
             for i in range(warmup + repeats):
                 for p in here:
-                    engine.policy = _Probe(None) if p.plain else probes[p.tokens_per_request]
+                    engine.policy = plain if p.plain else probes[p.tokens_per_request]
                     clock = Clock(dev)
                     clock.start()
                     engine.round(live, budget, None, clock)
@@ -271,7 +266,6 @@ def profile_table(sess: Any, measure: str, requests: Sequence[int], tokens_per_r
     target-forward: the target alone, `profile_sps`) and fit its table (`fit_table`): (SPSTable,
     warnings). The table records how it was measured, every raw probe, and `meta`."""
     from dsparkctl.engine.speculative import SpeculativeEngine
-    from dsparkctl.math.policies import parse_policy
     from dsparkctl.math.sampling import SamplingParams
     from dsparkctl.provenance import provenance
 
