@@ -17,6 +17,8 @@ import tempfile
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator
 
+from dsparkctl.signals import deferred
+
 
 def current_umask() -> int:
     mask = os.umask(0)
@@ -223,8 +225,9 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", each_rank: bool = Fals
             yield fh
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        WRITTEN.append(path)
+        with deferred():  # in place and counted as written, or neither
+            os.replace(tmp, path)
+            WRITTEN.append(path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
@@ -340,9 +343,10 @@ def staged(folder_hint: str | os.PathLike | None = None) -> Iterator[Callable[[s
 
     try:
         yield stage
-        for tmp, final in pairs:
-            os.replace(tmp, final)
-            WRITTEN.append(final)
+        with deferred():  # every output appears, or (a signal before this) none
+            for tmp, final in pairs:
+                os.replace(tmp, final)
+                WRITTEN.append(final)
     except BaseException:
         for tmp, _ in pairs:
             with contextlib.suppress(OSError):
@@ -390,8 +394,9 @@ def atomic_dir(path: str | os.PathLike, each_rank: bool = False) -> Iterator[Pat
             shutil.rmtree(tmp, ignore_errors=True)
             return
         seal_dir(tmp)
-        os.replace(tmp, path)
-        WRITTEN.append(path)
+        with deferred():  # in place and counted as written, or neither
+            os.replace(tmp, path)
+            WRITTEN.append(path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

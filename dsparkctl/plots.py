@@ -89,9 +89,11 @@ def frontier_plot(rows: Sequence[dict[str, Any]], path: str | os.PathLike, title
 
 
 def plot_sps(bt: Sequence[int], sps: Sequence[float], path: str | os.PathLike, title: str,
-             other: tuple[Sequence[int], Sequence[float], str] | None = None, label: str = "steps/s") -> None:
+             other: tuple[Sequence[int], Sequence[float], str] | None = None, label: str = "steps/s",
+             as_path: str | os.PathLike | None = None) -> None:
     """An SPS table: steps/s (and ms/step) against batch tokens; `other` adds a second curve
-    (batch tokens, steps/s, label), e.g. whole step against target forward."""
+    (batch tokens, steps/s, label), e.g. whole step against target forward (`as_path`: the
+    figure's final name when `path` stages it)."""
     fig, ax1 = plt.subplots(figsize=(7, 4))
     ax1.plot(bt, sps, "o-", color="tab:blue", label=label)
     if other is not None:
@@ -105,5 +107,5 @@ def plot_sps(bt: Sequence[int], sps: Sequence[float], path: str | os.PathLike, t
     ax2.set_ylabel("ms per step", color="tab:red")
     ax1.set_title(title)
     ax1.grid(True, alpha=0.3)
-    save_figure(fig, path)
+    save_figure(fig, path, as_path=as_path)
     plt.close(fig)

@@ -6,8 +6,9 @@ by default and leave temporary files behind. Inside `terminate_as_interrupt()` (
 command in it) all three raise KeyboardInterrupt in the main thread, once: a repeat while the
 cleanup runs is ignored, so a second Ctrl-C or a supervisor's repeated TERM cannot cut it short.
 
-Library code calls `point_of_no_return()` when its result is complete and only the rename into
-place is left: from then on signals are ignored until the block ends, because unwinding could no
+Library code wraps a step that must not be cut in two in `deferred()` (a signal inside it is
+taken when it ends), and calls `point_of_no_return()` when its result is complete and only the
+rename into place is left: from then on signals are ignored until the block ends, because unwinding could no
 longer undo the result, only report "nothing was written" beside a finished output.
 
 SIGKILL cannot be handled; see `checkpoint.partials` for what the next run does about it.
@@ -22,7 +23,7 @@ from typing import Any, Iterator
 
 SIGNALS = tuple(s for s in (getattr(signal, "SIGINT", None), getattr(signal, "SIGTERM", None),
                             getattr(signal, "SIGHUP", None)) if s is not None)
-_state: dict[str, bool] = {"active": False, "ignore": False}
+_state: dict[str, bool] = {"active": False, "ignore": False, "defer": False, "pending": False}
 
 
 @contextlib.contextmanager
@@ -35,6 +36,9 @@ def terminate_as_interrupt() -> Iterator[None]:
     def handler(signum: int, _frame: Any) -> None:
         if _state["ignore"]:
             return
+        if _state["defer"]:  # inside `deferred()`: taken when it ends
+            _state["pending"] = True
+            return
         _state["ignore"] = True
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
@@ -45,7 +49,25 @@ def terminate_as_interrupt() -> Iterator[None]:
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
-        _state.update(active=False, ignore=False)
+        _state.update(active=False, ignore=False, defer=False, pending=False)
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """A step that must not be cut in two (renames that put several outputs in place, a folder
+    swapped for its new version): a signal inside it takes effect, as KeyboardInterrupt, when the
+    block ends normally, so the outputs are all old or all new and the message counts them right."""
+    if not _state["active"] or _state["defer"]:
+        yield
+        return
+    _state["defer"] = True
+    try:
+        yield
+    finally:
+        _state["defer"] = False
+    if _state["pending"] and not _state["ignore"]:
+        _state.update(pending=False, ignore=True)
+        raise KeyboardInterrupt("a signal during a step that completes")
 
 
 def point_of_no_return() -> None:

@@ -418,3 +418,38 @@ def test_a_live_writers_temp_and_foreign_files_are_left_alone(tmp_path):
         p.wait()
     time.sleep(0.1)
     assert ".other.abcd1234.tmp" in temps(tmp_path)
+
+
+def test_a_signal_while_outputs_go_in_place_lands_after_all_of_them(tmp_path, monkeypatch):
+    """SIGTERM between two renames of `staged` (or of a draft folder's swap) would leave old and
+    new outputs mixed: it is deferred to the end of the step, and every new output is in place
+    and counted as written when the interrupt comes."""
+    import os
+    import signal
+
+    import pytest
+
+    from dsparkctl import fsutil
+    from dsparkctl.signals import terminate_as_interrupt
+
+    outs = [tmp_path / f"o{i}.json" for i in range(3)]
+    for o in outs:
+        fsutil.write_json(o, {"old": True})
+    real = os.replace
+    calls = []
+
+    def replace_then_signal(src, dst):
+        real(src, dst)
+        calls.append(dst)
+        if len(calls) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+    before = len(fsutil.WRITTEN)
+    with terminate_as_interrupt(), pytest.raises(KeyboardInterrupt):
+        with fsutil.staged() as stage:
+            for o in outs:
+                fsutil.write_json(stage(o), {"old": False})
+            calls.clear()
+            monkeypatch.setattr(fsutil.os, "replace", replace_then_signal)
+    monkeypatch.setattr(fsutil.os, "replace", real)
+    assert [json.loads(o.read_text()) for o in outs] == [{"old": False}] * 3
+    assert fsutil.WRITTEN[before:][-3:] == outs and not list(tmp_path.glob(".*staged*"))

@@ -313,6 +313,7 @@ def run_profile(spec: ProfileSpec, *,
 
     from dsparkctl.checks import Output, check_outputs, local_inputs
     from dsparkctl.engine.session import open_session, open_target
+    from dsparkctl.fsutil import staged
     from dsparkctl.plots import plot_sps
     from dsparkctl.sps_io import save_sps_table
 
@@ -358,9 +359,11 @@ def run_profile(spec: ProfileSpec, *,
                                     if on_progress else None, draft=drafted)
     bt, sps = table.batch_tokens, table.steps_per_sec
     dev, dt = sess.device, str(sess.dtype).replace("torch.", "")
-    plot_sps(bt, sps, png, f"{sess.target.name} on {dev} ({dt}), context {spec.context_len}, {spec.measure}")
-    save_sps_table(table, sg, fmt="sglang")
-    save_sps_table(table, spec.out, fmt="dsparkctl")  # ours last: its presence means all three were written
+    with staged() as stage:  # the three appear together, or none (serve-config reads the SGLang twin beside ours)
+        plot_sps(bt, sps, stage(png), f"{sess.target.name} on {dev} ({dt}), context {spec.context_len}, "
+                 f"{spec.measure}", as_path=png)
+        save_sps_table(table, stage(sg), fmt="sglang")
+        save_sps_table(table, stage(spec.out), fmt="dsparkctl")
     doc = {"table": str(spec.out), "sglang_table": str(sg), "plot": str(png), "measures": spec.measure,
            "batch_tokens": bt, "steps_per_sec": [round(s, 3) for s in sps],
            "ms_per_step": [round(1000 / s, 3) for s in sps], "grid": table.grid.to_json(), "warnings": warnings}

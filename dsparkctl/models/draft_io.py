@@ -308,8 +308,11 @@ def _write_draft_folder(out: Path, sd: dict[str, torch.Tensor], cfg: dict[str, A
         save_file(sd, str(new / SINGLE), metadata={"format": "pt"})
         (new / "config.json").write_text(json.dumps(finite(cfg), indent=2, allow_nan=False) + "\n")
         seal_dir(new)
-        os.replace(out, old / "draft")  # the previous draft steps aside, the new one takes its name
-        os.replace(new, out)
+        from dsparkctl.signals import deferred
+
+        with deferred():  # a signal between the two renames would leave no draft at all
+            os.replace(out, old / "draft")  # the previous draft steps aside, the new one takes its name
+            os.replace(new, out)
     finally:
         shutil.rmtree(new, ignore_errors=True)
         shutil.rmtree(old, ignore_errors=True)
