@@ -42,8 +42,12 @@ def _float(text: str) -> float:
 def loads(raw: str | bytes) -> Any:
     """`json.loads` refusing duplicate keys, NaN/Infinity and overflowing numbers.
 
-    Raises StrictJSONError, or json.JSONDecodeError / UnicodeDecodeError for what is not JSON at all."""
-    return json.loads(raw, object_pairs_hook=_no_duplicates, parse_constant=_no_constant, parse_float=_float)
+    Raises StrictJSONError (also for nesting deeper than Python's parser recurses), or
+    json.JSONDecodeError / UnicodeDecodeError for what is not JSON at all."""
+    try:
+        return json.loads(raw, object_pairs_hook=_no_duplicates, parse_constant=_no_constant, parse_float=_float)
+    except RecursionError:
+        raise StrictJSONError("nested too deeply to read (thousands of levels)") from None
 
 
 def finite(obj: Any) -> Any:

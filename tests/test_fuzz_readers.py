@@ -225,3 +225,12 @@ def test_recipe_reader(seed: int, tmp_path: Path, monkeypatch):
     valid = (root / "recipes" / "smollm2-135m-dspark.toml").read_bytes()
     n = _fuzz(seed, valid, tmp_path / "r.toml", _mutate_recipe, _check_recipe)
     assert n >= 50, f"only {n} cases in {BUDGET_S} s"
+
+
+def test_json_nested_past_the_parser_is_a_strict_json_error():
+    """Python's parser recurses: 100,000 brackets would be a RecursionError (an internal error at
+    every reader); loads says it is too deeply nested, which every reader turns into one line."""
+    from dsparkctl.strict_json import StrictJSONError, loads
+
+    with pytest.raises(StrictJSONError, match="nested too deeply"):
+        loads("[" * 100_000 + "]" * 100_000)
