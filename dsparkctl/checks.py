@@ -63,8 +63,10 @@ def check_outputs(outputs: Sequence[Output], inputs: Sequence[Path] = ()) -> Non
 
 def _check_one(o: Output) -> None:
     p = o.path
-    if str(p) in ("", "."):
-        raise UsageError(f"{o.option} is empty", hint=f"give {o.option} a path")
+    if str(p) in ("", "."):  # typer reads an empty value as Path("."): the two cannot be told apart
+        example = "./out" if o.kind == "folder" else "./out.json" if o.kind == "file" else "./figure.png"
+        raise UsageError(f"{o.option} is empty or the current folder itself",
+                         hint=f"give {o.option} a path of its own, e.g. {example}")
     if p.exists():
         if o.kind == "folder" and not p.is_dir():
             raise UsageError(f"{o.option} {p} exists and is not a folder", hint="give a folder path")

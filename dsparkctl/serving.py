@@ -39,9 +39,10 @@ from dsparkctl.errors import InputError, UsageError, option
 RAGGED_ENV = "SGLANG_RAGGED_VERIFY_MODE"
 
 
-def k_table_from_sweep(sweep: Any, block_size: int, max_batch_size: int | None = None) -> list[list[int]]:
+def k_table_from_sweep(sweep: Any, block_size: int | None, max_batch_size: int | None = None) -> list[list[int]]:
     """vLLM's num_speculative_tokens_per_batch_size from a sweep: the best static:K per
-    concurrency (by total throughput), as inclusive [start, end, K] batch-size ranges."""
+    concurrency (by total throughput), as inclusive [start, end, K] batch-size ranges.
+    `block_size` None: the rows are checked before the draft is known (K against γ later)."""
     rows = sweep.get("rows") if isinstance(sweep, dict) else None
     if not isinstance(rows, list) or not rows:
         raise InputError("the sweep result has no rows", "write one with `dsparkctl sweep-scheduler --out`")
@@ -61,7 +62,7 @@ def k_table_from_sweep(sweep: Any, block_size: int, max_batch_size: int | None =
                 or not isinstance(thr, (int, float))):
             raise InputError(f"sweep row {json.dumps(r)[:80]} is malformed (policy static:K, integer concurrency, "
                              "numeric throughput_tok_s)", "use a file written by sweep-scheduler")
-        if not 0 <= k <= block_size:
+        if not 0 <= k <= (block_size if block_size is not None else k):
             raise InputError(f"the sweep's static:{k} exceeds the draft's block size {block_size}",
                              "sweep with the same draft")
         if c < 1 or not thr >= 0:
@@ -71,7 +72,7 @@ def k_table_from_sweep(sweep: Any, block_size: int, max_batch_size: int | None =
             best[c] = (thr, k)
     if not best:
         raise InputError("the sweep has no static:K policies to pick a length per batch size from",
-                         f"run `dsparkctl sweep-scheduler --policies static:1,...,static:{block_size}` (and others)")
+                         f"run `dsparkctl sweep-scheduler --policies static:1,...,static:{block_size or 'γ'}` (and others)")
     cs = sorted(best)
     ranges: list[list[int]] = []
     for i, c in enumerate(cs):
@@ -257,8 +258,9 @@ def sglang_file(path: Path, kind: str) -> Path:
     if kind == "sts" and ("temperatures" not in d or d.get("format") == CALIBRATION_FORMAT):
         named = (d.get("outputs") or {}).get("sglang_sts") if isinstance(d.get("outputs"), dict) else None
         twin = None
-        if isinstance(named, str) and named:  # as written (relative to where calibrate ran), or beside the file
-            twin = next((p for p in (Path(named), path.parent / Path(named).name) if p.is_file()), None)
+        if isinstance(named, str) and named:  # beside the file first (a relative name is relative to where
+            # calibrate ran, which may hold another calibration's twin), else as written
+            twin = next((p for p in (path.parent / Path(named).name, Path(named)) if p.is_file()), None)
         if twin is None:
             raise InputError(f"{path}: not an SGLang STS file and names none that exists",
                              "pass the .sglang-sts.json that calibrate writes")
@@ -307,10 +309,11 @@ def read_serve_inputs(sps_table: Path | None, calibration: Path | None, sweep: P
     if sps_file:
         check_sglang_sps(sps_file)
     sps_draft = check_our_sps(sps_table) if sps_table and sps_file != sps_table else None
+    swept = read(sweep, "sweep result", "write one with `dsparkctl sweep-scheduler --out`") if sweep else None
+    if swept is not None:  # its rows, before anything is exported (the block size is checked with the draft)
+        k_table_from_sweep(swept, block_size=None)
     return ServeInputs(sps_file=sps_file, sps_draft=sps_draft,
-                       sts_file=sglang_file(calibration, "sts") if calibration else None,
-                       sweep=read(sweep, "sweep result", "write one with `dsparkctl sweep-scheduler --out`")
-                       if sweep else None)
+                       sts_file=sglang_file(calibration, "sts") if calibration else None, sweep=swept)
 
 
 def _local(path: str) -> str:

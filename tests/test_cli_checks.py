@@ -102,6 +102,9 @@ CASES = [
     ("train loss weights denormal", [*TRAIN, "--set", "optim.loss_weights=[1e-320, 0, 0]"], "nearly) zero"),
     ("train seed huge", [*TRAIN, "--set", "optim.seed=99999999999999999999"], "seed"),
     ("train mask token a string", [*TRAIN, "--set", 'draft.mask_token_id="abc"'], "expected"),
+    ("train threads huge", [*TRAIN, "--set", "optim.threads=99999999999"], "optim.threads 99,999,999,999 is more than"),
+    ("train lr 1e308", [*TRAIN, "--set", "optim.lr=1e308"], "optim.lr 1e+308 is more than 10.0"),
+    ("train layers huge", [*TRAIN, "--set", "draft.num_layers=99999999999"], "draft.num_layers 99,999,999,999 is more"),
 ]
 
 

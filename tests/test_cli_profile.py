@@ -50,6 +50,7 @@ CASES = [
     ("--out empty", [*NO_MODEL, "--out", ""], "--out is empty"),
     ("--context-len 0", [*NO_MODEL, "--context-len", "0"], "--context-len"),
     ("--repeats 0", [*NO_MODEL, "--repeats", "0"], "--repeats"),
+    ("--repeats huge", [*NO_MODEL, "--repeats", "99999999999"], "--repeats and --warmup must be at most 1000"),
     ("--warmup -1", [*NO_MODEL, "--warmup", "-1"], "--warmup"),
     ("--requests ''", [*NO_MODEL, "--requests", ""], "--requests must be positive integers"),
     ("--requests 0", [*NO_MODEL, "--requests", "0,1"], "--requests must be positive integers"),

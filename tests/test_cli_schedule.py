@@ -187,6 +187,8 @@ CASES = [
     ("audit --alpha nan", [*AUDIT, "--alpha", "nan"], "--alpha nan must be in (0, 1)"),
     ("audit --alpha 1", [*AUDIT, "--alpha", "1"], "--alpha 1.0 must be in (0, 1)"),
     ("audit --random-settings -3", [*AUDIT, "--random-settings", "-3"], "--random-settings -3 is negative"),
+    ("audit --rounds huge", [*AUDIT, "--rounds", "99999999999"], "--rounds 99,999,999,999 is more than 100,000,000"),
+    ("audit --random-settings huge", [*AUDIT, "--random-settings", "99999999999"], "is more than 10,000"),
     ("audit --policies ''", ["audit", "--policies", "", "--rounds", "1000"], "--policies '' names no policy"),
     ("audit threshold:nan", ["audit", "--policies", "threshold:nan", "--rounds", "1000"], "policy 'threshold:nan'"),
     ("audit --rounds 10", ["audit", "--rounds", "10"], "--rounds 10 is too few"),

@@ -290,3 +290,26 @@ def test_sweep_notes_name_the_right_range_and_another_block_size(rows, swept, no
              "rows": [{"policy": f"static:{k}", "concurrency": c, "throughput_tok_s": 1.0} for c, k in rows]}
     got = sweep_notes(sweep, 4, k_table_from_sweep(sweep, 4))
     assert len(got) == len(notes) and all(n in g for n, g in zip(notes, got)), got
+
+
+def test_the_sts_twin_beside_the_calibration_wins_and_a_bad_sweep_fails_first(tmp_path, monkeypatch):
+    """A calibration names its SGLang twin as calibrate was given it (relative to where it ran):
+    the twin beside the file is the one that belongs to it, even when the current folder holds
+    another calibration's twin of that name. A sweep without rows is refused while the inputs are
+    read, before serve-config loads the models or exports a draft."""
+    import json
+
+    from dsparkctl.errors import InputError
+    from dsparkctl.serving import read_serve_inputs, sglang_file
+
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    for d in (mine, other):
+        d.mkdir()
+        (d / "calib.sglang-sts.json").write_text(json.dumps({"temperatures": [1.0], "which": d.name}))
+    (mine / "calib.json").write_text(json.dumps({"format": "dsparkctl-calibration/1",
+                                                 "outputs": {"sglang_sts": "calib.sglang-sts.json"}}))
+    monkeypatch.chdir(other)
+    assert sglang_file(mine / "calib.json", "sts") == mine / "calib.sglang-sts.json"
+    (tmp_path / "sweep.json").write_text(json.dumps({"rows": []}))
+    with pytest.raises(InputError, match="the sweep result has no rows"):
+        read_serve_inputs(None, None, tmp_path / "sweep.json")

@@ -99,13 +99,14 @@ def sweep_table(result: dict[str, Any]) -> Table:
     """The human view of a sweep: one row per (policy, concurrency) cell."""
     t = Table(title=f"Scheduler sweep: {result['pooled_rounds']} recorded rounds, γ={result['block_size']}, "
                     f"{result['rounds_per_cell']} request-rounds per cell (τ includes the bonus token)")
-    t.add_column("policy", no_wrap=True)
-    for col in ("C", "τ tok/step", "mean ℓ", "mean B", "drafted", "Θ tok/s", "user tok/s"):
-        t.add_column(col, justify="right", no_wrap=True)
-    for r in result["rows"]:
-        t.add_row(r["policy"], str(r["concurrency"]), f"{r['tokens_per_step']:.3f}", f"{r['mean_verify']:.2f}",
-                  f"{r['mean_batch_tokens']:.1f}", f"{100 * r['drafted_share']:.0f}%", f"{r['throughput_tok_s']:.1f}",
-                  f"{r['per_user_tok_s']:.2f}")
+    rows = [(r["policy"], str(r["concurrency"]), f"{r['tokens_per_step']:.3f}", f"{r['mean_verify']:.2f}",
+             f"{r['mean_batch_tokens']:.1f}", f"{100 * r['drafted_share']:.0f}%", f"{r['throughput_tok_s']:.1f}",
+             f"{r['per_user_tok_s']:.2f}") for r in result["rows"]]
+    for i, col in enumerate(("policy", "C", "τ tok/step", "mean ℓ", "mean B", "drafted", "Θ tok/s", "user tok/s")):
+        width = max([len(row[i]) for row in rows], default=0)  # a narrow console wraps headers, never a value
+        t.add_column(col, justify="left" if i == 0 else "right", no_wrap=True, min_width=width)
+    for row in rows:
+        t.add_row(*row)
     return t
 
 

@@ -288,6 +288,9 @@ def profile_table(sess: Any, measure: str, requests: Sequence[int], tokens_per_r
                  "ms": [round(x, 4) for x in p.ms]} for p in points]))
 
 
+MAX_REPEATS = 1000  # per grid point; a typo such as 99999999999 would profile for years
+
+
 @dataclass(frozen=True)
 class ProfileSpec(ModelSettings):
     """Everything `profile-sps` runs, as the user gave it (`run_profile` checks it)."""
@@ -327,6 +330,10 @@ def run_profile(spec: ProfileSpec, *,
     if spec.context_len < 1 or spec.repeats < 1 or spec.warmup < 0:
         raise UsageError(f"{option('context_len')} and {option('repeats')} must be >= 1, {option('warmup')} >= 0",
                          f"e.g. {option('context_len')} 256 {option('repeats')} 5 {option('warmup')} 2")
+    if spec.repeats > MAX_REPEATS or spec.warmup > MAX_REPEATS:
+        raise UsageError(f"{option('repeats')} and {option('warmup')} must be at most {MAX_REPEATS}, got "
+                         f"{spec.repeats} and {spec.warmup}",
+                         f"e.g. {option('repeats')} 5 {option('warmup')} 2 (medians settle within a few)")
     inputs = local_inputs(target=spec.target, drafts=[spec.draft])
     check_outputs([Output(spec.out, option("out"))], inputs)  # first: the other names derive from it
     sg = spec.sglang_out or spec.out.with_name(spec.out.stem + ".sglang.json")

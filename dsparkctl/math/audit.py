@@ -269,6 +269,8 @@ def audit_policies(specs: Sequence[str], rounds: int, random_settings: int = 3, 
 
 
 MIN_AUDIT_ROUNDS = 1000  # fewer request-rounds per run leave a chi-square test nothing to find
+MAX_AUDIT_ROUNDS = 100_000_000  # 500× the default: a typo such as 99999999999 would run for days
+MAX_RANDOM_SETTINGS = 10_000
 
 
 @dataclass(frozen=True)
@@ -292,9 +294,16 @@ def run_audit(spec: AuditSpec) -> dict[str, Any]:
         if n < MIN_AUDIT_ROUNDS:
             raise UsageError(f"{option(field)} {n} is too few for a chi-square test",
                              f"use at least {MIN_AUDIT_ROUNDS}")
+        if n > MAX_AUDIT_ROUNDS:
+            raise UsageError(f"{option(field)} {n:,} is more than {MAX_AUDIT_ROUNDS:,} (days of sampling)",
+                             f"use at most {MAX_AUDIT_ROUNDS:,}; the default {AuditSpec.rounds:,} finds a "
+                             "biased rule")
     if spec.random_settings < 0:
         raise UsageError(f"{option('random_settings')} {spec.random_settings} is negative",
                          "use 0 for Appendix A only, e.g. 3")
+    if spec.random_settings > MAX_RANDOM_SETTINGS:
+        raise UsageError(f"{option('random_settings')} {spec.random_settings:,} is more than {MAX_RANDOM_SETTINGS:,}",
+                         "e.g. 3 (each setting audits every policy again)")
     results = audit_policies(spec.policies, spec.rounds, spec.random_settings, spec.alpha, spec.seed,
                              plain_rounds=spec.plain_rounds)
     return {"alpha": spec.alpha, "results": [r.to_json() for r in results],

@@ -195,6 +195,16 @@ def recipe_from_dict(raw: Mapping[str, Any], source: str = "recipe") -> Recipe:
 NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")
 
 
+UPPER_LIMITS = {  # far above any real recipe, far below what would exhaust memory or time
+    "draft.num_layers": 256, "draft.block_size": 64, "draft.markov_rank": 1 << 16,
+    "draft.intermediate_size": 1 << 20, "draft.vocab_size": 1 << 22,
+    "optim.steps": 10 ** 9, "optim.batch_sequences": 1 << 16, "optim.anchors_per_sequence": 1 << 16,
+    "optim.threads": 4096, "optim.warmup_steps": 10 ** 9, "optim.checkpoint_every": 10 ** 9, "optim.lr": 10.0,
+    "data.num_prompts": 10 ** 8, "data.max_new_tokens": 1 << 20, "data.batch_size": 1 << 16,
+    "data.extra_responses": 10 ** 8, "eval.every": 10 ** 9,
+}
+
+
 def validate(r: Recipe, source: str) -> None:
     def bad(msg: str, hint: str | None = None) -> None:
         raise InputError(f"{source}: {msg}", hint)
@@ -256,6 +266,11 @@ def validate(r: Recipe, source: str) -> None:
         bad(f"draft.mask_token_id must be >= 0, got {d.mask_token_id}")
     if r.eval.every < 0:
         bad(f"eval.every must be >= 0 (0 = only at the end), got {r.eval.every}")
+    for key, limit in UPPER_LIMITS.items():  # a typo such as 99999999999 is refused here, not by an allocation
+        sec, name = key.split(".")
+        value = getattr(getattr(r, sec), name)
+        if value is not None and value > limit:
+            bad(f"{key} {value:,} is more than {limit:,}", "check the value: no draft or run needs more")
     if o.init_from:
         p = Path(o.init_from).expanduser()
         if not p.is_dir() or not (p / "config.json").is_file():
