@@ -427,6 +427,8 @@ def run_train(spec: TrainSpec, *, log: Callable[[str], None] = print,
     if spec.max_minutes is not None and not 0 < spec.max_minutes < float("inf"):
         raise UsageError(f"{option('max_minutes')} must be a finite number > 0, got {spec.max_minutes}",
                          f"e.g. {option('max_minutes')} 30")
+    if spec.cache_dir is not None:  # the data cache and the run folders go here
+        check_outputs([Output(spec.cache_dir, option("cache_dir"), "folder")])
     if spec.out is not None:
         check_outputs([Output(spec.out, option("out"), "folder")],
                       local_inputs(rec.optim.init_from or None, target=rec.target.model))
