@@ -42,6 +42,8 @@ def test_shipped_recipe_loads_and_rank0_override():
     ("[draft]\nlayer_ids = [3, 1]\n", "strictly increasing"),
     ("[eval]\nholdout = 0\n", "eval.holdout"),
     ("[draft\n", "not valid TOML"),
+    ("[data]\nprecision = 'fp16'\n", "data.precision"),
+    ("[optim]\nprecision = 'half'\n", "optim.precision"),
 ])
 def test_bad_recipes(tmp_path, toml, message):
     p = tmp_path / "r.toml"
@@ -149,6 +151,28 @@ def test_regenerated_features_match_a_full_forward(tiny):
         v, i = logp.topk(8, -1)
         assert (s.topk_ids[:, 0].long() == i[:, 0]).all()
         torch.testing.assert_close(s.topk_logp.float(), v, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_teacher_forced_parts_keep_their_order_and_match_one_forward_each(precision):
+    """Sequences are batched by length (little padding) yet come back in their own order; in bf16
+    autocast the features and top-1 stay close to the fp32 pass."""
+    from dsparkctl.train.data import teacher_forced_part
+
+    model = tiny_target("qwen3", vocab=64, layers=3)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (9, 30, 5, 17, 12, 28, 6)]
+    plens = [3, 10, 2, 4, 5, 20, 3]
+    part = teacher_forced_part(model, seqs, plens, (0, 2), pad_id=2, topk=4, chunk=3, precision=precision)
+    got = unpack(part, part)
+    tol = 2e-2 if precision == "fp32" else 1e-1
+    for s, want, p in zip(got, seqs, plens):
+        assert s.tokens.tolist() == want and s.prompt_len == p
+        out = model(torch.tensor([want]), output_hidden_states=True)
+        taps = torch.cat([out.hidden_states[1], out.hidden_states[3]], dim=-1)[0, :-1]
+        torch.testing.assert_close(s.features.float(), taps, atol=tol, rtol=tol)
+        top1 = out.logits[0, p - 1: -1].argmax(-1)
+        assert (s.topk_ids[:, 0].long() == top1).float().mean() >= (1.0 if precision == "fp32" else 0.8)
 
 
 def test_greedy_regeneration_is_the_top1_and_matches_plain_greedy():

@@ -182,24 +182,29 @@ def regenerate_part(model: Any, prompts: list[list[int]], layer_ids: tuple[int, 
 
 @torch.no_grad()
 def teacher_forced_part(model: Any, seqs: list[list[int]], prompt_lens: list[int], layer_ids: tuple[int, ...],
-                        pad_id: int, topk: int, chunk: int = 8) -> dict[str, torch.Tensor]:
-    """One forward per sequence (batched): tapped features and the target's top-k at response positions."""
+                        pad_id: int, topk: int, chunk: int = 8, precision: str = "fp32") -> dict[str, torch.Tensor]:
+    """One forward per sequence (batched by length): tapped features and the target's top-k at
+    response positions; `precision` bf16 runs the forwards under autocast (`data_precision`)."""
     from dsparkctl.models.target import tapped
 
     base, head = model.model, model.get_output_embeddings()
     dev = next(model.parameters()).device
-    feats, tki, tkl = [], [], []
-    for c in range(0, len(seqs), chunk):
-        part = seqs[c: c + chunk]
-        ids, mask = _right_pad(part, pad_id)
-        out = base(input_ids=ids.to(dev), attention_mask=mask.long().to(dev), output_hidden_states=True)
+    n = len(seqs)
+    feats: list = [None] * n
+    tki: list = [None] * n
+    tkl: list = [None] * n
+    by_length = sorted(range(n), key=lambda j: len(seqs[j]))  # chunks of similar lengths: little padding
+    for c in range(0, n, chunk):
+        rows = by_length[c: c + chunk]
+        ids, mask = _right_pad([seqs[j] for j in rows], pad_id)
+        with data_precision(precision, model):
+            out = base(input_ids=ids.to(dev), attention_mask=mask.long().to(dev), output_hidden_states=True)
+            logits = [head(out.last_hidden_state[r, prompt_lens[j] - 1: len(seqs[j]) - 1]) for r, j in enumerate(rows)]
         taps = tapped(out.hidden_states, layer_ids, dev).to(torch.float16).cpu()
-        for r, s in enumerate(part):
-            S, P = len(s), prompt_lens[c + r]
-            feats.append(taps[r, : S - 1])
-            i, v = _topk(head(out.last_hidden_state[r, P - 1: S - 1]).float(), topk)
-            tki.append(i.cpu())
-            tkl.append(v.cpu())
+        for r, j in enumerate(rows):
+            feats[j] = taps[r, : len(seqs[j]) - 1]
+            i, v = _topk(logits[r].float(), topk)
+            tki[j], tkl[j] = i.cpu(), v.cpu()
     return _pack(seqs, prompt_lens, feats, tki, tkl)
 
 
@@ -416,18 +421,13 @@ def _build_part(recipe: Recipe, model: Any, tokenizer: Any, stop_ids: list[int],
     if toks is not None:
         offs = toks["offsets"].tolist()
         s = [toks["tokens"][offs[i]: offs[i + 1]].tolist() for i in range(len(offs) - 1)]
-        packed = teacher_forced_part(model, s, toks["prompt_len"].tolist(), layer_ids, pad, d.topk)
+        packed = teacher_forced_part(model, s, toks["prompt_len"].tolist(), layer_ids, pad, d.topk,
+                                     precision=d.precision)
         feats = {k: packed[k] for k in ("features", "topk_ids", "topk_logp")}
         _save(ffile, feats)
         return toks, feats
     lock = _claim(folder / f"part_{b:05d}.lock")
-    if d.source == "responses":
-        packed = teacher_forced_part(model, [it["prompt"] + it["response"] for it in part],
-                                     [len(it["prompt"]) for it in part], layer_ids, pad, d.topk)
-    else:
-        gen = torch.Generator().manual_seed(d.seed * 100_003 + b)
-        packed = regenerate_part(model, [it["prompt"] for it in part], layer_ids, d.max_new_tokens,
-                                 d.temperature, stop_ids, pad, d.topk, gen)
+    packed = _compute_part(d, model, part, b, layer_ids, stop_ids, pad)
     toks = {k: packed[k] for k in ("tokens", "prompt_len", "offsets")}
     feats = {k: packed[k] for k in ("features", "topk_ids", "topk_logp")}
     _save(ffile, feats)
@@ -436,6 +436,27 @@ def _build_part(recipe: Recipe, model: Any, tokenizer: Any, stop_ids: list[int],
 
     release(lock)
     return toks, feats
+
+
+def data_precision(precision: str, model: Any):
+    """The target's teacher-forced forwards (recipe `data.precision`): as loaded, or under bf16
+    autocast. Regeneration always runs as loaded: its answers are the target's own, exactly."""
+    import contextlib
+
+    dev = next(model.parameters()).device
+    return torch.autocast(dev.type, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+
+
+def _compute_part(d: Any, model: Any, part: list[dict], b: int, layer_ids: tuple[int, ...], stop_ids: list[int],
+                  pad: int) -> dict[str, torch.Tensor]:
+    if d.source == "responses":
+        packed = teacher_forced_part(model, [it["prompt"] + it["response"] for it in part],
+                                     [len(it["prompt"]) for it in part], layer_ids, pad, d.topk, precision=d.precision)
+    else:
+        gen = torch.Generator().manual_seed(d.seed * 100_003 + b)
+        packed = regenerate_part(model, [it["prompt"] for it in part], layer_ids, d.max_new_tokens,
+                                 d.temperature, stop_ids, pad, d.topk, gen)
+    return packed
 
 
 def _wait_for_other_builder(lock: Path, done: Callable[[], bool], log: Callable[[str], None] = print) -> None:

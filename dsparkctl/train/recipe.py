@@ -67,6 +67,7 @@ class DataSection:
     topk: int = 32  # target distribution cached as its top-k per position
     extra_responses: int = 0  # also train on this many of the dataset's own answers, teacher-forced (cheap data)
     seed: int = 0
+    precision: str = "fp32"  # teacher-forced passes: fp32 (the target as loaded) or bf16 autocast (~2x faster with AMX); regeneration is always as loaded
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,7 @@ class OptimSection:
     seed: int = 0
     loss_weights: tuple[float, ...] = (0.1, 0.9, 1.0)  # CE, L1, BCE (the paper's)
     init_from: str = ""  # a draft folder to start from (same shape); the optimizer starts fresh
+    precision: str = "auto"  # the draft's forward: bf16 autocast or fp32; auto = bf16 on a GPU, fp32 on a CPU
 
 
 @dataclass(frozen=True)
@@ -283,6 +285,10 @@ def validate(r: Recipe, source: str) -> None:
             read_draft_config(p, f"optim.init_from {o.init_from}")
         except CheckpointError as exc:
             raise InputError(exc.message, "give optim.init_from a draft folder `dsparkctl train --out` wrote") from None
+    if da.precision not in ("fp32", "bf16"):
+        bad(f"data.precision {da.precision!r}", "use fp32 or bf16")
+    if o.precision not in ("auto", "fp32", "bf16"):
+        bad(f"optim.precision {o.precision!r}", "use auto, fp32 or bf16")
     if r.target.dtype not in ("fp32", "bf16", "fp16"):
         bad(f"target.dtype {r.target.dtype!r}", "use fp32, bf16 or fp16")
 
