@@ -282,3 +282,39 @@ def test_on_a_padded_table_the_theta_search_admits_whole_levels():
         assert float(expected_throughput(a, best, table)) == pytest.approx(_uniform_best(a, table), rel=1e-12)
         ragged_choice = torch.randint(0, 4, (4,), generator=gen)
         assert float(expected_throughput(a, ragged_choice, table)) <= _uniform_best(a, table) * (1 + 1e-12)
+
+
+def test_the_machine_table_profiles_only_the_request_counts_a_run_reaches(pair, tmp_path, monkeypatch):
+    """A batch-1 run profiles one request count (with a time estimate), a wider run the counts up to
+    its batch; a cached wider table then serves the narrower need without profiling again."""
+    from dsparkctl.engine.sps_cache import requests_for
+
+    assert [requests_for(b) for b in (1, 2, 3, 8, 64, None)] == \
+        [(1,), (1, 2), (1, 2, 4), (1, 2, 4, 8), (1, 2, 4, 8), (1, 2, 4, 8)]
+    target, draft, _ = pair
+    monkeypatch.setenv("DSPARKCTL_SPS_CACHE", str(tmp_path / "sps"))
+    one = _gen(target, draft, "--policy", "dspark", "--batch-size", "1")
+    assert one.exit_code == 0, one.output
+    assert "requests 1 × 1..5 tokens" in one.stderr and "s left" in one.stderr
+    (path,) = (tmp_path / "sps").glob("*.json")
+    assert load_sps_table(path).grid.requests == [1]
+    two = _gen(target, draft, "--policy", "dspark", "--batch-size", "2")
+    assert two.exit_code == 0 and "requests 1,2 × 1..5 tokens" in two.stderr, two.output
+    assert sorted(load_sps_table(p).grid.requests for p in (tmp_path / "sps").glob("*.json")) == [[1], [1, 2]]
+    again = _gen(target, draft, "--policy", "dspark", "--batch-size", "1")
+    assert again.exit_code == 0 and "profiling" not in again.stderr, again.output
+
+
+@pytest.mark.parametrize("drafted, steps, said", [(0, 40, "never drafted"), (3, 40, "drafted in 3 of 40 steps"),
+                                                  (20, 40, None), (0, 0, None)])
+def test_a_scheduler_that_drafts_rarely_says_so_and_why(drafted, steps, said):
+    from dsparkctl.engine.generate import scheduler_note
+
+    grid = StepGrid([1, 2], [1, 2, 3], [[12.0, 15.0, 18.0], [14.0, 18.0, 22.0]], [10.0, 12.0])
+    pol = parse_policy("dspark", sps=SPSTable([1, 2], [1.0, 1.0], grid=grid))
+    note = scheduler_note(pol, drafted, steps, requests=1, gamma=2)
+    if said is None:
+        assert note is None
+    else:
+        assert said in note and "10.0 ms" in note and "15.0 ms (1.50x)" in note and "18.0 ms (1.80x)" in note
+    assert scheduler_note(parse_policy("static:2"), 0, 40, requests=1, gamma=2) is None  # no table: it cannot skip

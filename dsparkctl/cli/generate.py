@@ -108,6 +108,8 @@ def print_report(report: dict[str, Any], texts: bool) -> None:
                              (f"({r['generated_tokens']} tokens, {r['finish_reason']})", "dim")))
             out.print(r["text"], highlight=False)
     out.print(summary_table(report))
+    if "scheduler_note" in report:
+        out.print(styled(("note: ", "yellow"), (report["scheduler_note"], "")))
     out.print(acceptance_table(report, "per-position acceptance (conditional = accepted/reached; "
                                        "survival = P(first j accepted))"))
 
@@ -138,6 +140,8 @@ def summary_table(report: dict[str, Any]) -> Table:
         if acc.get(key) is not None:
             t.add_row(label, f"{100 * acc[key]:.1f}%")
     t.add_row("rounds / engine steps", f"{acc['rounds']} / {report['engine_steps']}")
+    if "drafted_steps" in report:
+        t.add_row("engine steps that ran the draft", f"{report['drafted_steps']} / {report['engine_steps']}")
     t.add_row("generated tokens", str(report["generated_tokens"]))
     runs = f" (median of {report['repeats']})" if report.get("repeats", 1) > 1 else ""
     t.add_row(f"speculative tokens/s{runs}", f"{report['tokens_per_s']:.1f}")
@@ -148,8 +152,9 @@ def summary_table(report: dict[str, Any]) -> Table:
     if "baseline" in report:
         b = report["baseline"]
         t.add_row(f"plain target tokens/s{runs}", f"{b['tokens_per_s']:.1f}")
-        t.add_row(f"speedup (speculative / plain){' (median of paired runs)' if runs else ''}",
-                  f"{report['speedup']:.2f}×")
+        label = "speedup (speculative / plain)" if "scheduler_note" not in report else \
+            "speedup (scheduler's choice / plain; it drafted rarely, see below)"
+        t.add_row(f"{label}{' (median of paired runs)' if runs else ''}", f"{report['speedup']:.2f}×")
         if "identical_outputs" in b:
             t.add_row("greedy outputs identical to plain", f"{b['identical_outputs']}/{report['prompts']}")
     return t

@@ -159,11 +159,13 @@ class DraftEvery(Static):
 @torch.no_grad()
 def profile_whole_step(engine: Any, requests: Sequence[int], tokens_per_request: Sequence[int], context_len: int,
                        repeats: int = 5, warmup: int = 2, seed: int = 0,
-                       on_point: Callable[[SPSPoint], None] | None = None) -> list[SPSPoint]:
+                       on_point: Callable[[SPSPoint], None] | None = None,
+                       on_sweep: Callable[[int, int], None] | None = None) -> list[SPSPoint]:
     """Time the engine's own round (plan → draft → schedule → verify → commit, `SpeculativeEngine.round`)
     per grid point, verifying tokens_per_request - 1 drafts per request, and its plain step (no
     draft) per request count; each timed round is rewound (`SpeculativeEngine.mark`) so every
-    repeat starts from the same context."""
+    repeat starts from the same context. `on_sweep(done, total)` after each pass over one request
+    count's probes (warm-up passes included)."""
     gamma = engine.draft.block_size
     check_verify_width(gamma, tokens_per_request)
     check_context(engine.target.model, context_len, tokens_per_request)
@@ -191,6 +193,9 @@ def profile_whole_step(engine: Any, requests: Sequence[int], tokens_per_request:
                     rewind()
                     if i >= warmup:
                         p.ms.append(dt)
+                if on_sweep:
+                    on_sweep(len(points) // len(here) * (warmup + repeats) + i + 1,
+                             len(set(requests)) * (warmup + repeats))
             for p in here:
                 points.append(p)
                 if on_point:
@@ -261,7 +266,8 @@ def _contradiction(p: SPSPoint, fitted: float, where: str) -> list[str]:
 
 def profile_table(sess: Any, measure: str, requests: Sequence[int], tokens_per_request: Sequence[int],
                   context_len: int, repeats: int, warmup: int, seed: int = 0,
-                  on_point: Callable[[SPSPoint], None] | None = None, **meta: Any) -> tuple[Any, list[str]]:
+                  on_point: Callable[[SPSPoint], None] | None = None,
+                  on_sweep: Callable[[int, int], None] | None = None, **meta: Any) -> tuple[Any, list[str]]:
     """Profile the session (whole-step: its engine's round and plain step, `profile_whole_step`;
     target-forward: the target alone, `profile_sps`) and fit its table (`fit_table`): (SPSTable,
     warnings). The table records how it was measured, every raw probe, and `meta`."""
@@ -274,7 +280,8 @@ def profile_table(sess: Any, measure: str, requests: Sequence[int], tokens_per_r
         gamma = sess.draft.block_size
         engine = SpeculativeEngine(sess.adapter, sess.draft, parse_policy(f"static:{gamma}"), SamplingParams(0.0),
                                    stop_token_ids=sess.stop_ids)
-        points = profile_whole_step(engine, requests, tokens_per_request, context_len, repeats, warmup, seed, on_point)
+        points = profile_whole_step(engine, requests, tokens_per_request, context_len, repeats, warmup, seed, on_point,
+                                    on_sweep)
     else:
         points = profile_sps(sess.plain_adapter(), requests, tokens_per_request, context_len, repeats, warmup, seed,
                              on_point)

@@ -64,6 +64,7 @@ class PromptsResult:
     stats: AcceptanceStats | None  # merged over batches (None for plain decoding)
     times_ms: dict[str, float] = field(default_factory=dict)  # summed engine phase times
     rounds: int = 0  # engine steps
+    drafted_steps: int = 0  # engine steps that ran the draft (the policy planned the rest as plain steps)
     wall_s: float = 0.0
     trace_rows: list[TraceRound] = field(default_factory=list)  # merged runs only (distributed)
 
@@ -72,13 +73,14 @@ class PromptsResult:
         return sum(len(o.tokens) for o in self.outputs if o is not None)
 
     def add(self, outputs: Iterable[tuple[int, RequestOutput]], stats: AcceptanceStats | None, rounds: int,
-            times_ms: dict[str, float]) -> None:
+            times_ms: dict[str, float], drafted_steps: int = 0) -> None:
         """Fold in one batch's or one rank's part: outputs by prompt index, summed statistics and times."""
         for i, o in outputs:
             self.outputs[i] = o
         if self.stats is not None:
             self.stats = self.stats.merge(stats)
         self.rounds += rounds
+        self.drafted_steps += drafted_steps
         for k, v in times_ms.items():
             self.times_ms[k] = self.times_ms.get(k, 0.0) + v
 
@@ -111,7 +113,7 @@ def run_prompts(decode: Decoder, prompts: Sequence[Sequence[int]], batch_size: i
                          ) if on_round else None
         shifted_tokens = (lambda r, toks, base=base: on_tokens(r + base, toks)) if on_tokens else None
         rep = decode([list(prompts[i]) for i in idx], batch_generator(device, seed, b), shifted_round, shifted_tokens)
-        res.add(zip(idx, rep.outputs), rep.stats, rep.rounds, rep.times_ms)
+        res.add(zip(idx, rep.outputs), rep.stats, rep.rounds, rep.times_ms, rep.drafted_steps)
         if on_batch:
             on_batch(done, len(todo))
     res.wall_s = time.perf_counter() - t0
@@ -127,7 +129,8 @@ def _merge(pieces: list[tuple[PromptsResult, list[TraceRound]]], n: int, block_s
     statistics and times, the slowest rank's wall time, trace rows ordered by request and round)."""
     out = PromptsResult(outputs=[None] * n, stats=AcceptanceStats(block_size=block_size) if block_size else None)
     for part, _ in pieces:
-        out.add(((i, o) for i, o in enumerate(part.outputs) if o is not None), part.stats, part.rounds, part.times_ms)
+        out.add(((i, o) for i, o in enumerate(part.outputs) if o is not None), part.stats, part.rounds, part.times_ms,
+                part.drafted_steps)
         out.wall_s = max(out.wall_s, part.wall_s)
     out.trace_rows = sorted((r for _, rows in pieces for r in rows), key=lambda r: (r.request, r.round))
     return out

@@ -2,9 +2,10 @@
 
 A confidence-scheduled policy needs the engine's step costs (drafted steps on a grid of
 requests × tokens, and the plain step). When `generate` runs such a policy without
-`--sps-table`, the table is profiled here with a small grid (1, 2, 4 and 8 requests, 1..γ+1
-tokens each, 3 repeats after a warm-up) and
-kept under `$DSPARKCTL_CACHE/sps/<key>.json` (`$DSPARKCTL_SPS_CACHE` names the folder itself). The key covers what step times depend on: the
+`--sps-table`, the table is profiled here with a small grid (1..γ+1 tokens each, 3 repeats after
+a warm-up) over the request counts the run can reach: 1, 2, 4, 8 up to the first one at or above
+its batch size (a batch-1 run profiles 6 probes, not 24; a cached table of a wider grid serves
+any narrower need), and kept under `$DSPARKCTL_CACHE/sps/<key>.json` (`$DSPARKCTL_SPS_CACHE` names the folder itself). The key covers what step times depend on: the
 machine and torch's threads, the kernels, device and dtype, the target's and the draft's weights,
 the grid and the context length, and a rule version. A damaged or unreadable cache file is
 profiled again; an unwritable cache is said and the table used for this run only. Delete the
@@ -18,6 +19,8 @@ import json
 from pathlib import Path
 from typing import Callable
 
+import time
+
 from dsparkctl.errors import DsparkError
 from dsparkctl.math.sps import SPSTable
 
@@ -26,12 +29,21 @@ REQUESTS = (1, 2, 4, 8)
 CONTEXT = 256
 
 
-def _key(sess, gamma: int) -> str:
+def _key(sess, gamma: int, requests: tuple[int, ...] = REQUESTS) -> str:
     from dsparkctl.evaluation.continuations import model_fingerprint
 
     doc = {"rule": RULE, "conditions": sess.conditions(), "target": model_fingerprint(sess.target.model),
-           "draft": sess.draft.fingerprint(), "block_size": gamma, "requests": REQUESTS, "context": CONTEXT}
+           "draft": sess.draft.fingerprint(), "block_size": gamma, "requests": list(requests), "context": CONTEXT}
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def requests_for(batch_size: int | None) -> tuple[int, ...]:
+    """The request counts a run of `batch_size` needs priced: REQUESTS up to the first one at or
+    above it (all of them when unknown or larger; the table extrapolates past its last row)."""
+    if batch_size is None:
+        return REQUESTS
+    upto = next((i for i, r in enumerate(REQUESTS) if r >= batch_size), len(REQUESTS) - 1)
+    return REQUESTS[: upto + 1]
 
 
 def cache_dir() -> Path:
@@ -41,33 +53,44 @@ def cache_dir() -> Path:
     return cache_path("sps", "DSPARKCTL_SPS_CACHE")
 
 
-def cache_path(sess) -> Path:
-    return cache_dir() / f"{_key(sess, sess.draft.block_size)}.json"
+def cache_path(sess, requests: tuple[int, ...] = REQUESTS) -> Path:
+    return cache_dir() / f"{_key(sess, sess.draft.block_size, requests)}.json"
 
 
-def machine_sps_table(sess, log: Callable[[str], None] = print) -> SPSTable:
-    """The session's whole-step SPS table for this machine: cached, else profiled now and cached."""
+def _cached(sess, path: Path) -> SPSTable | None:
+    from dsparkctl.sps_io import load_sps_table
+
+    if not path.is_file():
+        return None
+    try:
+        table = load_sps_table(path)
+    except (DsparkError, OSError, ValueError):
+        return None  # damaged: profiled again
+    return table if table.has_plain and table.meta.get("block_size") == sess.draft.block_size else None
+
+
+def machine_sps_table(sess, log: Callable[[str], None] = print, batch_size: int | None = None) -> SPSTable:
+    """The session's whole-step SPS table for this machine, for runs of up to `batch_size` requests
+    (None: every grid row): cached (a wider grid serves too), else profiled now and cached."""
     from dsparkctl.engine.profile import profile_table
     from dsparkctl.fsutil import cannot_create
-    from dsparkctl.sps_io import load_sps_table, save_sps_table
+    from dsparkctl.sps_io import save_sps_table
 
-    path = cache_path(sess)
-    if path.is_file():
-        try:
-            table = load_sps_table(path)
-            if table.has_plain and table.meta.get("block_size") == sess.draft.block_size:
-                return table
-        except (DsparkError, OSError, ValueError):
-            pass  # damaged: profiled again below
+    need = requests_for(batch_size)
+    for wider in range(len(REQUESTS), len(need) - 1, -1):
+        if (table := _cached(sess, cache_path(sess, REQUESTS[:wider]))) is not None:
+            return table
+    path = cache_path(sess, need)
     gamma = sess.draft.block_size
     from dsparkctl.engine.profile import position_limit
 
     limit = position_limit(sess.target.model)
     context = CONTEXT if limit is None else max(1, min(CONTEXT, limit - gamma - 2))
-    log(f"profiling this machine's step costs once (requests {','.join(map(str, REQUESTS))} × 1..{gamma + 1} "
-        f"tokens, cached in {path})")
-    table, _ = profile_table(sess, "whole-step", REQUESTS, list(range(1, gamma + 2)), context, repeats=3, warmup=1,
-                             draft=sess.draft_name, cached_by="generate")
+    probes = len(need) * (gamma + 2)  # every drafted width and the plain step, per request count
+    log(f"profiling this machine's step costs once ({probes} probes: requests {','.join(map(str, need))} × "
+        f"1..{gamma + 1} tokens and the plain step; cached in {path})")
+    table, _ = profile_table(sess, "whole-step", need, list(range(1, gamma + 2)), context, repeats=3, warmup=1,
+                             draft=sess.draft_name, cached_by="generate", on_sweep=_eta(log))
     table.source = str(path)
     from dsparkctl.fsutil import replace_refusal
 
@@ -79,3 +102,13 @@ def machine_sps_table(sess, log: Callable[[str], None] = print) -> SPSTable:
     except OSError as e:
         log(f"note: the SPS cache {path} cannot be written ({e.strerror or e}); the table is used for this run only")
     return table
+
+
+def _eta(log: Callable[[str], None]) -> Callable[[int, int], None]:
+    """A progress line per pass over the probes, with the time left estimated from the passes so far."""
+    start = time.perf_counter()
+
+    def on_sweep(done: int, total: int) -> None:
+        left = (time.perf_counter() - start) / done * (total - done)
+        log(f"  step costs: pass {done}/{total}, about {left:.0f} s left")
+    return on_sweep
