@@ -81,3 +81,21 @@ def test_bias_makes_position_k_depend_on_previous_token():
     blk = sample_block(base, anchors, head, None, SamplingParams(1.0), torch.Generator().manual_seed(0))
     prev = torch.cat([anchors[:, None], blk.tokens[:, :-1]], 1)
     assert torch.equal(blk.probs.argmax(-1), (prev + 1) % V)
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=["greedy", "T1", "warped"])
+@pytest.mark.parametrize("kind", KINDS + [None])
+def test_without_probs_the_same_tokens_and_embeds_are_drawn(kind, params):
+    """need_probs=False (greedy verification) stores no q and draws exactly the tokens it would
+    have drawn with them, from the same random stream."""
+    torch.manual_seed(0)
+    head = None if kind is None else MarkovHead(V, RANK, H, kind)
+    base, anchors, hidden = _inputs()
+    full = sample_block(base, anchors, head, hidden, params, torch.Generator().manual_seed(4))
+    lean = sample_block(base, anchors, head, hidden, params, torch.Generator().manual_seed(4), need_probs=False)
+    assert lean.probs is None and torch.equal(lean.tokens, full.tokens)
+    assert (lean.markov_embeds is None) == (full.markov_embeds is None)
+    if full.markov_embeds is not None:
+        assert torch.equal(lean.markov_embeds, full.markov_embeds)
+    with pytest.raises(ValueError, match="without its probabilities"):
+        lean.full_probs(V)

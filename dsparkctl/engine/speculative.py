@@ -177,7 +177,8 @@ class SpeculativeEngine:
             return Round(verify_lengths=zero, budget_capped=torch.zeros_like(zero, dtype=torch.bool),
                          accepted=res.accepted, emitted=res.emitted, kept=kept, stopped=stopped,
                          confidence_logits=None, draft_ms=0.0, verify_ms=verify_ms, drafted=False)
-        prop = self.draft.propose(live.context, live.anchors, self.draft_sampling, generator)
+        prop = self.draft.propose(live.context, live.anchors, self.draft_sampling, generator,
+                                  need_probs=not self.sampling.greedy)  # greedy verification never reads q
         draft_ms = clock.lap("draft")
         ell, capped = self.schedule(prop.confidence_logits, live, max_new_tokens)
         clock.lap("schedule")

@@ -14,6 +14,10 @@ Reduced draft vocabulary (FR-Spec / EAGLE-3 style): the logits cover K target id
 target ids before they become x_k (the Markov head's W1 is indexed by target ids). `probs`
 stays [R, γ, K]; `DraftBlock.full_probs` spreads it over the target vocabulary with zeros
 elsewhere, which is the q verification needs: a token outside the subset has q = 0.
+
+Greedy verification never reads q (it compares with the target's argmax), so a caller that
+verifies greedily passes `need_probs=False`: nothing is stored, and a greedy draft then takes
+the argmax of the logits directly, the very index `draw` finds in the one-hot q.
 """
 
 from __future__ import annotations
@@ -31,12 +35,15 @@ __all__ = ["DraftBlock", "sample_block"]
 @dataclass
 class DraftBlock:
     tokens: Tensor               # [R, γ] long, x_1..x_γ (target ids)
-    probs: Tensor                # [R, γ, K] float32 warped draft distribution of each x_k (K = V if full)
+    probs: Tensor | None         # [R, γ, K] float32 warped draft distribution of each x_k (K = V if full);
+                                 # None when not asked for (need_probs=False)
     markov_embeds: Tensor | None # [R, γ, r] W1[x_{k-1}] per slot (confidence-head input); None for DFlash
     vocab_ids: Tensor | None = None  # [K] target id of each draft index; None = the full vocabulary
 
     def full_probs(self, vocab_size: int) -> Tensor:
         """q over the target vocabulary [R, γ, V]: zero outside the draft's subset."""
+        if self.probs is None:
+            raise ValueError("this block was drafted without its probabilities (need_probs=False)")
         if self.vocab_ids is None:
             return self.probs
         R, g, _ = self.probs.shape
@@ -52,21 +59,26 @@ def sample_block(
     params: SamplingParams,
     generator: torch.Generator | None,
     vocab_ids: Tensor | None = None,  # [K] target ids of the logits' columns; None = full vocabulary
+    need_probs: bool = True,      # False: the block's q is never read (greedy verification); not stored
 ) -> DraftBlock:
     """Run the serial Markov loop (or the parallel DFlash draw) and return the draft block."""
     R, g, V = base_logits.shape
+    argmax_only = params.greedy and not need_probs  # the argmax of the logits is the one-hot q's index
 
     def to_target(idx: Tensor) -> Tensor:
         return idx if vocab_ids is None else vocab_ids[idx]
 
     if head is None:
+        if argmax_only:
+            return DraftBlock(tokens=to_target(base_logits.argmax(dim=-1)), probs=None, markov_embeds=None,
+                              vocab_ids=vocab_ids)
         probs = warp_probs(base_logits, params)                              # [R, γ, K]
-        return DraftBlock(tokens=to_target(draw(probs, params, generator, warped=True)), probs=probs, markov_embeds=None,
-                          vocab_ids=vocab_ids)
+        return DraftBlock(tokens=to_target(draw(probs, params, generator, warped=True)),
+                          probs=probs if need_probs else None, markov_embeds=None, vocab_ids=vocab_ids)
 
     device = base_logits.device
     tokens = torch.empty((R, g), dtype=torch.long, device=device)
-    probs = torch.empty((R, g, V), dtype=torch.float32, device=device)
+    probs = torch.empty((R, g, V), dtype=torch.float32, device=device) if need_probs else None
     embeds = torch.empty((R, g, head.rank), dtype=head.markov_w1.weight.dtype, device=device)
     state_dtype = hidden.dtype if hidden is not None else head.markov_w1.weight.dtype
     state = head.init_state(R, device, state_dtype)
@@ -75,9 +87,14 @@ def sample_block(
         for k in range(g):
             bias, embed, state = head.step(prev, None if hidden is None else hidden[:, k], state)
             logits = base_logits[:, k] + bias                                # new tensor [R, V]
-            p = warp_probs(logits, params)                                   # [R, K] float32
-            prev = to_target(draw(p, params, generator, warped=True))                    # [R] target ids
-            probs[:, k] = p
+            if argmax_only:
+                idx = logits.argmax(dim=-1)                                  # [R]
+            else:
+                p = warp_probs(logits, params)                               # [R, K] float32
+                idx = draw(p, params, generator, warped=True)                # [R]
+                if probs is not None:
+                    probs[:, k] = p
+            prev = to_target(idx)                                            # [R] target ids
             tokens[:, k] = prev
             embeds[:, k] = embed
     return DraftBlock(tokens=tokens, probs=probs, markov_embeds=embeds, vocab_ids=vocab_ids)

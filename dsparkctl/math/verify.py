@@ -85,7 +85,8 @@ def _verify_with_noise(
 
     p_draft_slots = target_probs[:, :g, :]                                  # [R, γ, V]
     if greedy:
-        ok = safe_tokens == p_draft_slots.argmax(dim=-1)                    # [R, γ]
+        best = target_probs.argmax(dim=-1)                                  # [R, γ+1] one pass for every slot
+        ok = safe_tokens == best[:, :g]                                     # [R, γ]
     else:
         p_x = p_draft_slots.gather(-1, safe_tokens.unsqueeze(-1)).squeeze(-1).float()  # [R, γ]
         q_x = draft_probs.gather(-1, safe_tokens.unsqueeze(-1)).squeeze(-1).float()    # [R, γ]
@@ -94,10 +95,10 @@ def _verify_with_noise(
     accepted = ok.to(torch.long).cumprod(dim=1).sum(dim=1)                  # [R] first-reject count
 
     rows = torch.arange(R, device=device)
-    p_a = target_probs[rows, accepted].float()                              # [R, V] slot a = accepted
     if greedy:
-        final = p_a.argmax(dim=-1)                                          # [R]
+        final = best[rows, accepted]                                        # [R] argmax at slot a = accepted
     else:
+        p_a = target_probs[rows, accepted].float()                          # [R, V] slot a = accepted
         rejected = accepted < lengths                                       # [R] recovered vs bonus
         q_a = draft_probs[rows, accepted.clamp(max=max(g - 1, 0))].float() if g > 0 else p_a
         residual = (p_a - q_a).clamp_min_(0.0)                              # [R, V]

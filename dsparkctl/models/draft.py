@@ -165,7 +165,7 @@ class DraftState:
 
 @dataclass
 class DraftProposal:
-    block: DraftBlock  # tokens [R, γ], probs [R, γ, V], markov_embeds
+    block: DraftBlock  # tokens [R, γ], probs [R, γ, V] (or None), markov_embeds
     confidence_logits: Tensor | None  # [R, γ] float32 raw logits (pre-sigmoid)
 
 
@@ -317,14 +317,15 @@ class DSparkDraft(nn.Module):
 
     @torch.no_grad()
     def propose(self, state: DraftState, anchors: Tensor, params: SamplingParams,
-                generator: torch.Generator | None) -> DraftProposal:
-        """Draft one block for every row: parallel backbone, serial Markov loop, confidences."""
+                generator: torch.Generator | None, need_probs: bool = True) -> DraftProposal:
+        """Draft one block for every row: parallel backbone, serial Markov loop, confidences.
+        `need_probs=False` (greedy verification, which never reads q): the block holds no probs."""
         self.flush_context(state)
         h = self.backbone(state, anchors)  # [R, γ, H]
         base = self.lm_head(h.to(self.lm_head.weight.dtype)).float()  # [R, γ, V]
         need_h = self.markov_head is not None and self.markov_head.needs_hidden
         block = sample_block(base, anchors, self.markov_head, h if need_h else None, params, generator,
-                             vocab_ids=self.draft_vocab_ids)
+                             vocab_ids=self.draft_vocab_ids, need_probs=need_probs)
         conf = None
         if self.confidence_head is not None:
             feats = h
