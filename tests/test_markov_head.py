@@ -92,3 +92,20 @@ def test_teacher_forced_matches_steps(kind):
         b, e, state = head.step(prev[:, k], hidden[:, k], state)
         torch.testing.assert_close(bias[:, k], b)
         torch.testing.assert_close(embeds[:, k], e)
+
+
+@pytest.mark.parametrize("kind", list(EXPECTED_KEYS))
+def test_step_logits_is_base_plus_the_step_bias(kind):
+    torch.manual_seed(0)
+    head = MarkovHead(V, RANK, H, kind)
+    base, prev, hidden = torch.randn(R, V), torch.randint(0, V, (R,)), torch.randn(R, H)
+    state = head.init_state(R, "cpu", torch.float32)
+    with torch.no_grad():
+        bias, embed, new = head.step(prev, hidden, state)
+        logits, embed2, new2 = head.step_logits(base, prev, hidden, state)
+        torch.testing.assert_close(logits, base + bias)
+        assert torch.equal(embed2, embed) and (new is None) == (new2 is None)
+        # the vanilla head's cached W2ᵀ follows an in-place change of W2
+        head.markov_w2.weight.mul_(2.0)
+        bias, _, _ = head.step(prev, hidden, state)
+        torch.testing.assert_close(head.step_logits(base, prev, hidden, state)[0], base + bias)

@@ -4,6 +4,7 @@ Block slot i (0-based) predicts draft token x_{i+1}; x_0 is the anchor (the targ
 token). With a Markov head the loop is
 
     for k = 1..γ:  logits_k = U_k + bias(x_{k-1}[, h_k, s_{k-1}]);  q_k = warp(logits_k);  x_k ~ q_k
+                   (`MarkovHead.step_logits`)
 
 where U_k = base_logits[:, k-1]. Without a head (DFlash) the slots are independent and all γ
 tokens are drawn in one vectorised call. `probs` is the warped distribution each x_k was drawn
@@ -85,8 +86,8 @@ def sample_block(
     prev = anchors.to(device=device, dtype=torch.long)
     with torch.no_grad():
         for k in range(g):
-            bias, embed, state = head.step(prev, None if hidden is None else hidden[:, k], state)
-            logits = base_logits[:, k] + bias                                # new tensor [R, V]
+            logits, embed, state = head.step_logits(base_logits[:, k], prev, None if hidden is None else hidden[:, k],
+                                                    state)                   # new tensor [R, V]
             if argmax_only:
                 idx = logits.argmax(dim=-1)                                  # [R]
             else:
