@@ -95,6 +95,7 @@ def instrument(eng: SpeculativeEngine, timer: StageTimer) -> None:
     timer.wrap(drf, "backbone", "backbone_glue")
     for layer in drf.layers:
         timer.wrap(layer, "forward", "layers")
+        timer.wrap(layer, "forward_cached", "layers")
     timer.wrap(drf.lm_head, "forward", "lm_head")
     timer.wrap(draft_mod, "sample_block", "markov")
     if drf.confidence_head is not None:

@@ -59,11 +59,23 @@ class Rotary(nn.Module):
         inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         self.register_buffer("inv_freq", inv, persistent=False)
 
+        self._table: tuple[Tensor, Tensor] | None = None  # inference: cos, sin [P, d] of positions 0..P-1
+
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         # positions: [R, T] -> cos, sin [R, 1, T, d]
         f = positions.float()[..., None] * self.inv_freq  # [R, T, d/2]
         emb = torch.cat([f, f], dim=-1)[:, None]
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def at(self, positions: Tensor, need: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """`forward` by lookup in a table of positions 0..need-1 (at least), built once and grown by
+        doubling (inference: no cos/sin per round). positions: [R, T] (< need) -> cos, sin [R, 1, T, d]."""
+        tab = self._table
+        if tab is None or tab[0].shape[0] < need or tab[0].device != self.inv_freq.device or tab[0].dtype != dtype:
+            P = max(need, 2 * tab[0].shape[0] if tab is not None else 256)
+            cos, sin = self.forward(torch.arange(P, device=self.inv_freq.device)[None], dtype)
+            self._table = tab = (cos[0, 0], sin[0, 0])
+        return tab[0][positions][:, None], tab[1][positions][:, None]
 
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -94,20 +106,42 @@ class DraftAttention(nn.Module):
         v = self.v_proj(x).view(R, T, self.n_kv, self.head_dim)
         return rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
 
+    def q(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """x: [R, T, H] -> q: [R, heads, T, d] (normed and rotated)."""
+        R, T, _ = x.shape
+        q = self.q_proj(x).view(R, T, self.n_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        return rope(q.transpose(1, 2), cos, sin)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        """q: [R, heads, γ, d]; k/v: [R, kvh, S, d]; mask: [R, 1, γ|1, S] bool or None -> [R, γ, H].
+
+        When the mask is the same for every query (None or [R, 1, 1, S]), the query heads that
+        share a K/V head are folded into the query axis ([R, kvh, heads/kvh·γ, d]): the same
+        products as grouped-query attention without repeating K/V (faster on CPU, same values)."""
+        R, h, g, d = q.shape
+        if self.n_heads != self.n_kv and (mask is None or mask.shape[2] == 1):
+            out = F.scaled_dot_product_attention(q.reshape(R, self.n_kv, -1, d), k, v, attn_mask=mask).view(R, h, g, d)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
+        return self.o_proj(out.transpose(1, 2).reshape(R, g, -1))
+
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx_k: Tensor, ctx_v: Tensor,
                 mask: Tensor) -> Tensor:
         """x: [R, γ, H] block; ctx_k/v: [R, kvh, n, d]; mask: [R, 1, γ|1, n+γ] bool (True = attend)."""
-        R, g, _ = x.shape
-        q = self.q_proj(x).view(R, g, self.n_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-        q = rope(q.transpose(1, 2), cos, sin)
         bk, bv = self.kv(x, cos, sin)
-        k = torch.cat([ctx_k, bk], dim=2)
-        v = torch.cat([ctx_v, bv], dim=2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                             enable_gqa=self.n_heads != self.n_kv)
-        return self.o_proj(out.transpose(1, 2).reshape(R, g, -1))
+        return self.attend(self.q(x, cos, sin), torch.cat([ctx_k, bk], dim=2), torch.cat([ctx_v, bv], dim=2), mask)
+
+    def forward_cached(self, x: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor,
+                       write: "BlockSlots") -> Tensor:
+        """Inference: `forward` with the context in the state's buffers keys/values [R, kvh, C, d]:
+        the block's K/V go into the slots after each row's context (never read once the round
+        is over: they lie past ctx_len) and attention reads the buffer in place, no concatenation."""
+        bk, bv = self.kv(x, cos, sin)
+        write.put(keys, bk)
+        write.put(values, bv)
+        return self.attend(self.q(x, cos, sin), keys[:, :, : write.span], values[:, :, : write.span], write.mask)
 
 
 class DraftMLP(nn.Module):
@@ -131,6 +165,11 @@ class DraftLayer(nn.Module):
 
     def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_cached(self, x, cos, sin, keys, values, write: "BlockSlots"):
+        """`forward` over the state's buffers (`DraftAttention.forward_cached`)."""
+        x = x + self.self_attn.forward_cached(self.input_layernorm(x), cos, sin, keys, values, write)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -161,6 +200,27 @@ class DraftState:
         self.values = [v[rows] for v in self.values]
         self.ctx_len = self.ctx_len[rows]
         self.pending = [(f[rows], n[rows]) for f, n in self.pending]
+
+
+@dataclass
+class BlockSlots:
+    """Where a block's γ K/V go in the state's buffers and what its queries may read.
+
+    Row r's block takes slots ctx_len[r] .. ctx_len[r]+γ-1, right after its context, so row r
+    reads slots < ctx_len[r]+γ. When every row's context has the same length n (always at batch
+    1) the block is one slice [n, n+γ) and nothing needs a mask."""
+
+    start: int | None  # n when every row's block starts there, else None (per-row `index`)
+    index: Tensor | None  # [R, 1, γ, 1] long slot of each block token (ragged rows only)
+    span: int  # slots attention reads: max ctx_len + γ
+    mask: Tensor | None  # [R, 1, 1, span] bool (True = attend); None when uniform
+
+    def put(self, buf: Tensor, x: Tensor) -> None:
+        """Write the block's x [R, kvh, γ, d] into buf [R, kvh, C, d] at its slots."""
+        if self.start is not None:
+            buf[:, :, self.start: self.start + x.shape[2]] = x
+        else:
+            buf.scatter_(2, self.index.expand_as(x), x)
 
 
 @dataclass
@@ -270,7 +330,7 @@ class DSparkDraft(nn.Module):
         pos = state.ctx_len[:, None] + t[None, :]  # [R, T]
         slot = torch.where(ok, pos, torch.full_like(pos, cap))  # invalid writes go to the trash slot
         ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))  # [R, T, H]
-        cos, sin = self.rotary(pos, ctx.dtype)
+        cos, sin = self.rotary.at(pos, cap + 1, ctx.dtype)
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.kv(ctx, cos, sin)  # [R, kvh, T, d]
             idx = slot[:, None, :, None].expand_as(k)
@@ -303,16 +363,21 @@ class DSparkDraft(nn.Module):
     def backbone(self, state: DraftState, anchors: Tensor) -> Tensor:
         """One parallel forward over [anchor, mask × (γ-1)] -> final-normed hidden [R, γ, H]."""
         R, g = anchors.shape[0], self.cfg.block_size
-        ids = torch.full((R, g), self.cfg.mask_token_id, dtype=torch.long, device=anchors.device)
+        dev = anchors.device
+        ids = torch.full((R, g), self.cfg.mask_token_id, dtype=torch.long, device=dev)
         ids[:, 0] = anchors
         x = self.embed_tokens(ids).to(self.fc.weight.dtype)
         n = int(state.ctx_len.max())
-        pos = state.ctx_len[:, None] + torch.arange(g, device=anchors.device)[None, :]
-        cos, sin = self.rotary(pos, x.dtype)
-        ctx_ok = torch.arange(n, device=anchors.device)[None, :] < state.ctx_len[:, None]
-        mask = torch.cat([ctx_ok, ctx_ok.new_ones(R, g)], dim=1)[:, None, None, :]  # [R,1,1,n+γ]
+        self._ensure_capacity(state, n + g)
+        pos = state.ctx_len[:, None] + torch.arange(g, device=dev)[None, :]  # [R, γ]
+        cos, sin = self.rotary.at(pos, state.keys[0].shape[2], x.dtype)
+        if R == 1 or bool((state.ctx_len == n).all()):
+            write = BlockSlots(start=n, index=None, span=n + g, mask=None)
+        else:
+            mask = (torch.arange(n + g, device=dev)[None, :] < (state.ctx_len + g)[:, None])[:, None, None, :]
+            write = BlockSlots(start=None, index=pos[:, None, :, None], span=n + g, mask=mask)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, state.keys[i][:, :, :n], state.values[i][:, :, :n], mask)
+            x = layer.forward_cached(x, cos, sin, state.keys[i], state.values[i], write)
         return self.norm(x)
 
     @torch.no_grad()
