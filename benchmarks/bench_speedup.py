@@ -41,6 +41,20 @@ from dsparkctl.models.loading import load_target
 from dsparkctl.models.target import TargetAdapter
 from dsparkctl.sps_io import load_sps_table
 
+from provenance import provenance_of  # benchmarks/provenance.py
+
+
+def median_interval(xs: list[float], level: float = 0.95) -> list[float]:
+    """A distribution-free interval for the median: the order statistics whose ranks bound it with
+    probability ≥ level (binomial(n, 1/2)); the whole range when n is too small for that level."""
+    from math import comb
+
+    v, n = sorted(xs), len(xs)
+    k = 0  # largest k with P(Binom(n, 1/2) < k+1) ≤ (1 - level)/2: [v[k], v[n-1-k]] covers the median
+    while k + 1 < n - 1 - k and sum(comb(n, i) for i in range(k + 2)) / 2 ** n <= (1 - level) / 2:
+        k += 1
+    return [v[k], v[n - 1 - k]]
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -147,13 +161,19 @@ def main() -> None:
         "spec_over_plain": statistics.median(r["spec_tok_s"] / r["plain_tok_s"] for r in runs),
         "plain_over_hf": statistics.median(r["plain_tok_s"] / r["hf_tok_s"] for r in runs),
     }
+    interval = {
+        **{f"{k}_over_plain": median_interval([r[f"{k}_tok_s"] / r["plain_tok_s"] for r in runs])
+           for k in names if k.startswith("spec:")},
+        "spec_over_plain": median_interval([r["spec_tok_s"] / r["plain_tok_s"] for r in runs]),
+        "spec_over_hf": median_interval([r["spec_tok_s"] / r["hf_tok_s"] for r in runs]),
+    }
     primary = rounds[spec_policy]
     draft_share = statistics.median(d / (d + v) for d, v in primary) if primary else None
     result = {
         "draft": sess.draft_name, "policy": spec_policy, "dataset": args.dataset, "prompts": len(prompts),
         "repeats": args.repeats, "max_new_tokens": N, "threads": torch.get_num_threads(),
         "cpu_kernels": sess.cpu_kernels,
-        "median_tok_s": med, "median_ratio": ratio,
+        "median_tok_s": med, "median_ratio": ratio, "median_ratio_interval95": interval,
         "tau_median": statistics.median(r["tau"] for r in runs),
         "draft_share_of_round_median": draft_share,
         "round_ms_median": statistics.median(d + v for d, v in primary) if primary else None,
@@ -166,18 +186,21 @@ def main() -> None:
         "greedy_identical_plain_stock_plain": (f"{stock_identical}/{len(runs)}" if "plain-stock" in names else None),
         "greedy_identical_spec_plain": f"{identical}/{len(runs)}",
         "greedy_identical_hf_plain": f"{hf_identical}/{len(runs)}",
-        "runs": runs,
+        "runs": runs, **provenance_of(__file__),
     }
     print(f"median tokens/s: hf {med['hf']:.1f}  plain {med['plain']:.1f}  spec {med['spec']:.1f}  "
           f"(τ median {result['tau_median']:.2f})")
-    print(f"median ratios: spec/hf {ratio['spec_over_hf']:.2f}×  spec/plain {ratio['spec_over_plain']:.2f}×  "
-          f"plain/hf {ratio['plain_over_hf']:.2f}×  (spec = {spec_policy})")
+    lo, hi = interval["spec_over_plain"]
+    print(f"median ratios: spec/hf {ratio['spec_over_hf']:.2f}×  spec/plain {ratio['spec_over_plain']:.2f}× "
+          f"[{lo:.2f}, {hi:.2f}]  plain/hf {ratio['plain_over_hf']:.2f}×  (spec = {spec_policy}; [95% interval of "
+          f"the median])")
     if "plain_over_plain_stock" in ratio:
         print(f"kernels alone: plain ({sess.cpu_kernels}) / plain (stock) {ratio['plain_over_plain_stock']:.2f}×; "
               f"plain-stock {med['plain-stock']:.1f} tok/s")
     for pol, o in result["other_policies"].items():
+        lo, hi = interval[f"spec:{pol}_over_plain"]
         print(f"  {pol}: {o['median_tok_s']:.1f} tok/s, /hf {o['over_hf']:.2f}×, "
-              f"/plain {ratio[f'spec:{pol}_over_plain']:.2f}×, τ median {o['tau_median']:.2f}")
+              f"/plain {ratio[f'spec:{pol}_over_plain']:.2f}× [{lo:.2f}, {hi:.2f}], τ median {o['tau_median']:.2f}")
     if draft_share is not None:
         print(f"draft share of a round: {100 * draft_share:.1f}% (draft {result['draft_ms_median']:.1f} ms, "
               f"verify {result['verify_ms_median']:.1f} ms, medians)")
