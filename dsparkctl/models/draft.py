@@ -58,7 +58,6 @@ class Rotary(nn.Module):
         super().__init__()
         inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         self.register_buffer("inv_freq", inv, persistent=False)
-
         self._table: tuple[Tensor, Tensor] | None = None  # inference: cos, sin [P, d] of positions 0..P-1
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -184,7 +183,9 @@ class ConfidenceHead(nn.Module):
 
 @dataclass
 class DraftState:
-    """Per-row context K/V for every draft layer. Row r's valid context is [:ctx_len[r]].
+    """Per-row context K/V for every draft layer. Row r's valid context is [:ctx_len[r]]; the
+    slots after it are scratch, where each round's block K/V go (`BlockSlots`) until the
+    committed tokens' context overwrites them.
 
     `pending` holds target features of tokens committed by steps that ran no draft (deferred
     `append_context` calls, oldest first): they enter the K/V cache, in order, before the next
