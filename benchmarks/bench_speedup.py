@@ -35,7 +35,7 @@ from dsparkctl.data.prompts import encode_prompts, load_prompts
 from dsparkctl.engine.session import open_session
 from dsparkctl.fsutil import cannot_create, write_json
 from dsparkctl.engine.speculative import SpeculativeEngine, plain_generate
-from dsparkctl.math.policies import parse_policy
+from dsparkctl.engine.generate import load_policy
 from dsparkctl.math.sampling import SamplingParams
 from dsparkctl.models.loading import load_target
 from dsparkctl.models.target import TargetAdapter
@@ -83,7 +83,9 @@ def main() -> None:
     spec_policy = policies[0]
     greedy = SamplingParams(0.0)
     sps = load_sps_table(args.sps_table) if args.sps_table else None
-    engines = {pol: SpeculativeEngine(sess.adapter, sess.draft, parse_policy(pol, sps=sps), greedy,
+    calibration = sess.default_calibration()  # as generate: the draft's own calibration when it ships one
+    engines = {pol: SpeculativeEngine(sess.adapter, sess.draft,
+                                      load_policy(pol, sess.draft.block_size, None, calibration, sps=sps), greedy,
                                       stop_token_ids=sess.stop_ids)
                for pol in policies}
     plain_adapter = sess.plain_adapter()
@@ -170,7 +172,7 @@ def main() -> None:
     primary = rounds[spec_policy]
     draft_share = statistics.median(d / (d + v) for d, v in primary) if primary else None
     result = {
-        "draft": sess.draft_name, "policy": spec_policy, "dataset": args.dataset, "prompts": len(prompts),
+        "draft": sess.draft_name, "policy": spec_policy, "calibration": str(calibration) if calibration else None, "dataset": args.dataset, "prompts": len(prompts),
         "repeats": args.repeats, "max_new_tokens": N, "threads": torch.get_num_threads(),
         "cpu_kernels": sess.cpu_kernels,
         "median_tok_s": med, "median_ratio": ratio, "median_ratio_interval95": interval,
