@@ -68,6 +68,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--cpu-kernels", choices=("auto", "packed", "stock"), default="auto",
                     help="kernels of our decoders (HF generate always runs the stock model)")
+    ap.add_argument("--skip-stock", action="store_true",
+                    help="do not run plain decoding on the stock kernels (the kernel choice's own gain)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "speedup.json")
     args = ap.parse_args()
     if why := cannot_create(args.out):
@@ -118,7 +120,7 @@ def main() -> None:
 
     decoders = {"hf": hf, "plain": plain, "spec": spec_with(spec_policy)}
     decoders.update({f"spec:{pol}": spec_with(pol) for pol in policies[1:]})
-    if model is not sess.target.model:
+    if model is not sess.target.model and not args.skip_stock:
         stock_adapter = TargetAdapter(model, ())
 
         def plain_stock(p):
