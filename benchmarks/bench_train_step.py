@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
-import platform
 import statistics
 import time
 from collections import Counter
@@ -49,8 +47,6 @@ def random_batch(draft, B: int, N: int, S: int, k: int, gen: torch.Generator) ->
 def mm_shapes(fn) -> tuple[int, Counter]:
     """FLOPs of fn() and the (M, K, N) shapes of its matrix products (forward and backward)."""
     shapes: Counter = Counter()
-    orig = torch.ops.aten.mm.default
-
     class Spy(torch.utils._python_dispatch.TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
@@ -62,7 +58,6 @@ def mm_shapes(fn) -> tuple[int, Counter]:
             return func(*args, **(kwargs or {}))
     with FlopCounterMode(display=False) as fc, Spy():
         fn()
-    del orig
     return fc.get_total_flops(), shapes
 
 
