@@ -8,6 +8,11 @@
   kernel modules     modules that name the CPU kernel choice (packed linears, routes, settle_kernels,
                      cpu_kernels), and of those the ones that decide or implement it
   rank checks        lines outside distributed.py that ask which torchrun rank this is
+  import cycles      circles in the graph of dsparkctl's imports of its own modules, imports deferred into
+                     functions included (issue 26: 0)
+  deferred imports   internal imports inside a function body, outside dsparkctl/cli (issue 26: <= 10)
+  largest modules    the longest modules in lines (issue 26: <= 400)
+  long functions     functions and methods over 60 lines, decorators and docstrings included (issue 26: <= 3)
 
 Reads source text only (ast and regular expressions); imports nothing from the checkout.
 """
@@ -76,6 +81,101 @@ def rank_checks(root: Path) -> int:
                for line in f.read_text().splitlines())
 
 
+def _module_name(root: Path, f: Path) -> str:
+    parts = list(f.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _targets(node: ast.AST, here: str, modules: set[str]) -> list[str]:
+    """The dsparkctl modules an import statement loads (a name imported from a package counts as its module)."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        base = node.module or ""
+        if node.level:
+            pkg = here.split(".")[:-node.level] if not here.endswith("__init__") else here.split(".")
+            base = ".".join(pkg + ([base] if base else []))
+        names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+    out = []
+    for n in names:
+        while n and n not in modules:
+            n = n.rpartition(".")[0]
+        if n.startswith("dsparkctl"):
+            out.append(n)
+    return out
+
+
+def import_graph(root: Path) -> tuple[dict[str, set[str]], list[str]]:
+    """Edges module -> modules it imports (deferred included), and the deferred internal imports outside cli/."""
+    files = {_module_name(root, f): f for f in sorted((root / "dsparkctl").rglob("*.py"))}
+    modules = set(files)
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    deferred = []
+    for mod, f in files.items():
+        tree = ast.parse(f.read_text())
+        top = {id(n) for n in tree.body} | {id(c) for n in tree.body if isinstance(n, (ast.If, ast.Try))
+                                            for c in ast.walk(n)}
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            targets = [t for t in _targets(node, mod, modules) if t != mod]
+            graph[mod].update(targets)
+            if targets and id(node) not in top and not mod.startswith("dsparkctl.cli"):
+                deferred.append(f"{f.relative_to(root)}:{node.lineno}")
+    return graph, deferred
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def module_lengths(root: Path) -> list[tuple[str, int]]:
+    sizes = [(str(f.relative_to(root)), len(f.read_text().splitlines())) for f in (root / "dsparkctl").rglob("*.py")]
+    return sorted(sizes, key=lambda x: -x[1])
+
+
+def long_functions(root: Path, limit: int = 60) -> list[str]:
+    found = []
+    for f in sorted((root / "dsparkctl").rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                if node.end_lineno - start + 1 > limit:
+                    found.append(f"{f.relative_to(root)}:{node.lineno} {node.name} ({node.end_lineno - start + 1})")
+    return found
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("root", nargs="?", type=Path, default=Path(__file__).resolve().parent.parent)
@@ -87,6 +187,14 @@ def main() -> None:
     doc = {"command_bodies": bodies, "command_body_total": sum(bodies.values()), "flag_messages": len(flags),
            "flag_message_sites": flags, "kernel_modules": len(named), "kernel_modules_deciding": decides,
            "rank_checks_outside_distributed": rank_checks(a.root)}
+    graph, deferred = import_graph(a.root)
+    circles = cycles(graph)
+    sizes = module_lengths(a.root)
+    longs = long_functions(a.root)
+    doc.update({"import_cycles": len(circles), "import_cycle_members": circles,
+                "deferred_internal_imports_outside_cli": len(deferred), "deferred_import_sites": deferred,
+                "largest_modules": [{"module": m, "lines": n} for m, n in sizes[:5]],
+                "functions_over_60_lines": len(longs), "long_functions": longs})
     if a.json:
         print(json.dumps(doc, indent=2))
         return
@@ -95,6 +203,11 @@ def main() -> None:
     print(f"error messages naming a flag outside the CLI: {len(flags)}" + "".join(f"\n  {s}" for s in flags))
     print(f"modules naming the CPU kernel choice: {len(named)}; deciding or implementing it: {', '.join(decides)}")
     print(f"rank checks outside distributed.py: {doc['rank_checks_outside_distributed']} lines")
+    print(f"import cycles (deferred imports included): {len(circles)}"
+          + "".join(f"\n  {' -> '.join(c)}" for c in circles))
+    print(f"deferred internal imports outside dsparkctl/cli: {len(deferred)}")
+    print("largest modules: " + ", ".join(f"{m} {n}" for m, n in sizes[:5]))
+    print(f"functions over 60 lines: {len(longs)}" + "".join(f"\n  {s}" for s in longs))
 
 
 if __name__ == "__main__":

@@ -7,10 +7,10 @@ LOCAL_RANK); without them (a plain process) everything here is a no-op and world
 uses its own GPU (cuda:LOCAL_RANK) or the CPU.
 
 Work is split by units that do not depend on who runs them: prompt batches (each seeded from
-(seed, batch index), engine/run.py), teacher-forced sequences, data parts; `Split` is the one
+(seed, batch index), engine/decode.py), teacher-forced sequences, data parts; `Split` is the one
 wrapper that shares them out and merges the parts in their global order (the session's `split`
 shares nothing when the ranks hold shards of one target). Every rank then holds the merged
-result, and the writers are rank-aware (fsutil's atomic writers, the trace writer, print_json:
+result, and the writers are rank-aware (the atomic writers of files/atomic.py, the trace writer, print_json:
 rank 0 alone writes and prints), so a merged run equals a one-process run and library code does
 not ask which rank it is. Every rank parses the same command line; `check_same_everywhere` proves it by
 comparing a digest of the arguments, so ranks can never run with different options.

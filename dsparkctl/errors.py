@@ -5,7 +5,7 @@ Every error carries a `hint`: one sentence telling the user how to fix the probl
 A message that names one of the caller's inputs names it with `option("max_new_tokens")`: a Python
 caller reads the field's own name (`max_new_tokens must be >= 1`), a command-line user the flag of
 the command that ran (`--max-new-tokens must be >= 1`). The CLI renders the names in one place
-(`cli.common.guarded`), so no library function takes a table of flags and no message names a flag
+(`cli.guard.guarded`), so no library function takes a table of flags and no message names a flag
 the command does not have.
 """
 

@@ -20,6 +20,9 @@ from pathlib import Path
 from typing import Callable
 
 from dsparkctl.errors import InputError
+from dsparkctl.files.ownership import regular_file
+from dsparkctl.strict_json import loads
+
 
 def _wait_limit() -> float:
     """`$DSPARKCTL_LOCK_WAIT_S` (seconds, >= 0), else 30 min: at most this long behind one lock."""
@@ -85,8 +88,6 @@ class Holder:
 
 def holder(lock: Path) -> Holder:
     """Who holds `lock`, and whether that process still runs (the same pid, start time and boot)."""
-    from dsparkctl.fsutil import regular_file
-    from dsparkctl.strict_json import loads
 
     if not regular_file(lock):  # a FIFO would block the read: not a lock of ours, stale
         return Holder(None, False)

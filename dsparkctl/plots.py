@@ -6,17 +6,26 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import matplotlib
+from dsparkctl.errors import InputError, option
+from dsparkctl.files.atomic import _writes, atomic_open
+from dsparkctl.files.ownership import MARK, replace_refusal
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 
-from dsparkctl.fsutil import save_figure  # noqa: E402
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend, imported on first use (a second of start-up that
+    commands which draw nothing, and `--help`, do not pay)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def reliability_diagram(before: dict[str, Any], after: dict[str, Any], temperature: float,
                         path: str | os.PathLike, as_path: str | os.PathLike | None = None) -> None:
     """One position: predicted survival vs observed survival rate per bin, before and after STS."""
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5.2, 5.0))
     ax.plot([0, 1], [0, 1], color="0.6", ls="--", lw=1, label="perfect calibration")
     for m, style, name in ((before, "o-", "raw"), (after, "s-", f"STS (T={temperature:.3g})")):
@@ -41,8 +50,6 @@ def reliability_diagram(before: dict[str, Any], after: dict[str, Any], temperatu
 def reliability_paths(out_dir: str | os.PathLike, positions: int) -> list[Path]:
     """The PNG names `reliability_diagrams` writes for `positions` positions; every one checked
     first: a user's file among them stops the command before any is drawn."""
-    from dsparkctl.errors import InputError, option
-    from dsparkctl.fsutil import replace_refusal
 
     paths = [Path(out_dir) / f"reliability_pos{k}.png" for k in range(1, positions + 1)]
     for p in paths:
@@ -55,7 +62,7 @@ def reliability_paths(out_dir: str | os.PathLike, positions: int) -> list[Path]:
 
 def reliability_diagrams(result: dict[str, Any], out_dir: str | os.PathLike,
                          stage: Callable[[Path], Path] | None = None) -> list[str]:
-    """One PNG per position in `out_dir`; with `stage` (fsutil.staged) each is written to its
+    """One PNG per position in `out_dir`; with `stage` (files.atomic.staged) each is written to its
     staging name, so all appear together or none."""
     rows = list(zip(result["metrics_heldout"]["before"], result["metrics_heldout"]["after"], result["temperatures"]))
     paths = reliability_paths(out_dir, len(rows))
@@ -67,7 +74,8 @@ def reliability_diagrams(result: dict[str, Any], out_dir: str | os.PathLike,
 def frontier_plot(rows: Sequence[dict[str, Any]], path: str | os.PathLike, title: str = "",
                   as_path: str | os.PathLike | None = None) -> None:
     """Throughput (all users) vs per-user speed, one line per policy across concurrency levels
-    (`as_path`: the figure's final name when `path` stages it, `fsutil.staged`)."""
+    (`as_path`: the figure's final name when `path` stages it, `files.atomic.staged`)."""
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 6))
     policies = list(dict.fromkeys(r["policy"] for r in rows))
     markers = "osD^v<>ph*"
@@ -94,6 +102,7 @@ def plot_sps(bt: Sequence[int], sps: Sequence[float], path: str | os.PathLike, t
     """An SPS table: steps/s (and ms/step) against batch tokens; `other` adds a second curve
     (batch tokens, steps/s, label), e.g. whole step against target forward (`as_path`: the
     figure's final name when `path` stages it)."""
+    plt = pyplot()
     fig, ax1 = plt.subplots(figsize=(7, 4))
     ax1.plot(bt, sps, "o-", color="tab:blue", label=label)
     if other is not None:
@@ -109,3 +118,25 @@ def plot_sps(bt: Sequence[int], sps: Sequence[float], path: str | os.PathLike, t
     ax1.grid(True, alpha=0.3)
     save_figure(fig, path, as_path=as_path)
     plt.close(fig)
+
+
+FIGURE_MARK = {"png": {"Software": MARK}, "pdf": {"Creator": MARK}, "svg": {"Creator": MARK},
+               "ps": {"Creator": MARK}, "eps": {"Creator": MARK}}
+
+
+def save_figure(fig: Any, path: str | os.PathLike, dpi: int = 120, as_path: str | os.PathLike | None = None) -> None:
+    """Atomically save a matplotlib figure (format from the suffix), marked as ours where the
+    format has a place for it. An existing file at `path` is replaced only if we wrote it
+    (`replace_refusal`); `as_path` is the name the figure will finally have (when `path` is a
+    staging name, see `staged`). Under torchrun on rank 0 alone."""
+
+    if not _writes():
+        return
+    path = Path(path)
+    final = Path(as_path) if as_path is not None else path
+    why = replace_refusal(final)
+    if why:
+        raise InputError(f"{final} {why}; refusing to replace it", "choose a new path, or remove it yourself")
+    fmt = final.suffix.lower().lstrip(".") or "png"
+    with atomic_open(path, "wb") as fh:
+        fig.savefig(fh, format=fmt, dpi=dpi, bbox_inches="tight", metadata=FIGURE_MARK.get(fmt))

@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from dsparkctl.errors import InputError
+
 
 class StrictJSONError(ValueError):
     """Valid for Python's json, not for JSON: a duplicate key or a NaN/Infinity constant."""
@@ -63,7 +65,6 @@ def finite(obj: Any) -> Any:
 
 def read(path: str | os.PathLike, what: str, hint: str) -> Any:
     """Parse a user's JSON file strictly; missing, not a file, not UTF-8, not JSON: one-line InputError."""
-    from dsparkctl.errors import InputError
 
     path = Path(path)
     if not path.exists():

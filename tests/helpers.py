@@ -51,7 +51,8 @@ def regenerated_tiny(seed: int = 0):
     sampled, up to 16 tokens each, with features and top-8 captured (train/data.regenerate_part)."""
     import torch
 
-    from dsparkctl.train.data import regenerate_part, unpack
+    from dsparkctl.train.parts import unpack
+    from dsparkctl.train.target_passes import regenerate_part
     from tests.tiny_models import tiny_target
 
     model = tiny_target("llama", vocab=64, layers=4)

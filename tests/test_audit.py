@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dsparkctl.math.audit import appendix_a, audit_policy, chi_square, random_setting
-from dsparkctl.math.policies import parse_policy
+from dsparkctl.math.policy_spec import parse_policy
 
 LOSSLESS = ["dspark", "dspark-async", "static:1", "static:2", "threshold:0.6", "survival:0.3", "budget:2"]
 

@@ -9,9 +9,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from dsparkctl.calibrate import read_sglang_shard, run_calibration
 from dsparkctl.cli.main import app
 from dsparkctl.errors import InputError
+from dsparkctl.formats.calibration import read_sglang_shard
+from dsparkctl.tuning.calibration import calibrate_traces
 
 
 def shard(path, n=400, gamma=4, seed=0, temperature=2.0, observed=False):
@@ -37,7 +38,7 @@ def test_shards_calibrate_like_traces(tmp_path):
     lg, acc = read_sglang_shard(a)
     assert lg.shape == (400, 4) and torch.equal(acc, acc_a)
     assert read_sglang_shard(b)[0].shape[0] == 300  # partly observed rows are left out
-    res = run_calibration([a, b], holdout=0.25, bins=10)
+    res = calibrate_traces([a, b], holdout=0.25, bins=10)
     assert res["block_size"] == 4 and res["rounds"]["train"] + res["rounds"]["heldout"] == 700
     assert all(t > 1.2 for t in res["temperatures"])  # it finds the head over-confident
 
@@ -106,12 +107,12 @@ def test_shard_given_twice_is_refused(tmp_path):
     link.hardlink_to(a)
     for paths in ([a, a], [a, link]):
         with pytest.raises(InputError, match="given twice"):
-            run_calibration(paths, holdout=0.25, bins=10)
+            calibrate_traces(paths, holdout=0.25, bins=10)
 
 
 def test_upper_case_suffix_is_a_shard(tmp_path):
     a, _ = shard(tmp_path / "RAW.0.PT")
-    res = run_calibration([a], holdout=0.25, bins=10)
+    res = calibrate_traces([a], holdout=0.25, bins=10)
     assert len(res["temperatures"]) == 4
 
 

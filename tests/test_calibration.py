@@ -5,8 +5,7 @@ import math
 import pytest
 import torch
 
-from dsparkctl.math.calibration import (CalibrationData, auroc, brier, ece, fit_sts, labels_from_rounds,
-                                        position_metrics)
+from dsparkctl.math.calibration import CalibrationData, auroc, brier, ece, fit_sts, labels_from_rounds, position_metrics
 from dsparkctl.math.synthetic import SyntheticModel, sample_rounds
 
 

@@ -13,17 +13,18 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 from dsparkctl.checkpoint import extract as extract_mod
+from dsparkctl.checkpoint import shard_stream as stream_mod
 from dsparkctl.checkpoint.fixtures import FIXTURE_LAYOUTS, write_fixture
 from dsparkctl.checkpoint.layouts import LAYOUTS, detect
 from dsparkctl.checkpoint.quant import dequant_fp4, dequant_fp8
 from dsparkctl.checkpoint.source import open_local
-from dsparkctl.cli import common
+from dsparkctl.cli import console
 from dsparkctl.cli.main import app
 
 
 @pytest.fixture(autouse=True)
 def _one_line_errors(monkeypatch):
-    monkeypatch.setattr(common.err, "soft_wrap", True)
+    monkeypatch.setattr(console.err, "soft_wrap", True)
 
 
 def run(*args: str):
@@ -178,10 +179,10 @@ def _assert_same_draft(src: Path, out: Path) -> None:
 ])
 def test_parallel_stream_writes_every_byte_at_its_offset(chunk, max_shard, fadvise, tmp_path: Path, monkeypatch):
     src = write_fixture(tmp_path / "s", "v4.1-flash")
-    monkeypatch.setattr(extract_mod, "STREAM_CHUNK", chunk)
-    monkeypatch.setattr(extract_mod, "WRITEBACK_STEP", 3 * 4096)
+    monkeypatch.setattr(stream_mod, "STREAM_CHUNK", chunk)
+    monkeypatch.setattr(stream_mod, "WRITEBACK_STEP", 3 * 4096)
     if not fadvise:
-        monkeypatch.delattr(extract_mod.os, "posix_fadvise")
+        monkeypatch.delattr(stream_mod.os, "posix_fadvise")
     seen = []
     res = extract_mod.extract(open_local(src), tmp_path / "out", max_shard_size=max_shard, verify=True,
                               on_bytes=seen.append)
@@ -203,7 +204,7 @@ def test_mixed_copy_and_dequantize_in_one_run(tmp_path: Path):
 
 def test_shard_truncated_while_streaming_fails_and_leaves_nothing(tmp_path: Path, monkeypatch):
     src = write_fixture(tmp_path / "s", "v4.1-flash")
-    real = extract_mod._open_source
+    real = extract_mod.open_source
 
     def open_then_truncate(ckpt, file):
         fd = real(ckpt, file)  # passes the size check, then the file shrinks under the worker
@@ -211,7 +212,7 @@ def test_shard_truncated_while_streaming_fails_and_leaves_nothing(tmp_path: Path
             os.truncate(src / file, (src / file).stat().st_size - 100)
         return fd
 
-    monkeypatch.setattr(extract_mod, "_open_source", open_then_truncate)
+    monkeypatch.setattr(extract_mod, "open_source", open_then_truncate)
     r = run("extract", str(src), str(tmp_path / "out"))
     assert r.exit_code != 0 and "model-00006-of-00008.safetensors: truncated at byte" in r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
@@ -219,7 +220,7 @@ def test_shard_truncated_while_streaming_fails_and_leaves_nothing(tmp_path: Path
 
 def test_verify_catches_a_byte_written_wrong(tmp_path: Path, monkeypatch):
     src = write_fixture(tmp_path / "s", "v4.1-flash")
-    real = extract_mod._Output.pwrite
+    real = stream_mod.ShardOutput.pwrite
     hit = []
 
     def flip_once(fd, data, offset):
@@ -231,7 +232,7 @@ def test_verify_catches_a_byte_written_wrong(tmp_path: Path, monkeypatch):
             return real(fd, bad, offset)
         return real(fd, data, offset)
 
-    monkeypatch.setattr(extract_mod._Output, "pwrite", staticmethod(flip_once))
+    monkeypatch.setattr(stream_mod.ShardOutput, "pwrite", staticmethod(flip_once))
     r = run("extract", str(src), str(tmp_path / "out"), "--verify")
     assert hit and r.exit_code != 0 and "does not match its source bytes" in r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from dsparkctl.checkpoint import hub
 from dsparkctl.checkpoint.fixtures import write_fixture
-from dsparkctl.cli import common
+from dsparkctl.cli import console
 from dsparkctl.cli.main import app
 
 REPO = "deepseek-ai/DeepSeek-V4.1-Flash-mini"
@@ -94,7 +94,7 @@ def fake_hub(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf_home" / "hub"))
-    monkeypatch.setattr(common.err, "soft_wrap", True)
+    monkeypatch.setattr(console.err, "soft_wrap", True)
     yield server
     server.server.shutdown()
 

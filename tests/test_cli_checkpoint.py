@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from dsparkctl.checkpoint import extract as extract_mod
 from dsparkctl.checkpoint.fixtures import write_fixture
 from dsparkctl.checkpoint.source import open_local
-from dsparkctl.cli import common
+from dsparkctl.cli import console
 from dsparkctl.cli.main import app
 from tests.helpers import snapshot
 
@@ -35,7 +35,7 @@ def pristine(tmp_path_factory) -> Path:
 
 @pytest.fixture(autouse=True)
 def _offline_one_line_no_hang(monkeypatch, tmp_path):
-    monkeypatch.setattr(common.err, "soft_wrap", True)  # one line, not hard-wrapped at 80 columns
+    monkeypatch.setattr(console.err, "soft_wrap", True)  # one line, not hard-wrapped at 80 columns
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # no test touches the network
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
 
@@ -248,9 +248,9 @@ def test_extract_output_honours_the_umask(pristine: Path, tmp_path: Path):
 def test_library_entries_name_fields_and_return_the_documents(pristine: Path, tmp_path: Path):
     """run_inspect, run_download, run_extract: a bad spec is refused in its fields' names (the CLI
     renders them as its flags), and a good one returns the document the command prints."""
-    from dsparkctl.checkpoint.extract import ExtractSpec, run_extract
-    from dsparkctl.checkpoint.hub import DownloadSpec, run_download
-    from dsparkctl.checkpoint.inspect import InspectSpec, run_inspect
+    from dsparkctl.app.download import DownloadSpec, run_download
+    from dsparkctl.app.extract import ExtractSpec, run_extract
+    from dsparkctl.app.inspect import InspectSpec, run_inspect
     from dsparkctl.errors import DsparkError
 
     before = snapshot(pristine)

@@ -1,4 +1,4 @@
-"""Commands check their inputs and outputs before any work (cli/checks.py), as a hostile review of
+"""Commands check their inputs and outputs before any work (app/preflight.py), as a hostile review of
 the finished commands found them wanting (issue 12): outputs that overwrite inputs, serve-config's
 unchecked files, late recipe checks. Each case: exit ≠ 0, one `error:` line, and the user's files
 as they were. (Loose draft configs: test_draft_config.py; files written 0600: test_draft_io.py;
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from dsparkctl.cli import common
+from dsparkctl.cli import console
 from dsparkctl.cli.main import app
 from tests.helpers import snapshot
 from tests.tiny_models import save_tiny_target, write_deepspec_draft
@@ -22,7 +22,7 @@ runner = CliRunner()
 
 @pytest.fixture(autouse=True)
 def _one_line(monkeypatch):
-    monkeypatch.setattr(common.err, "soft_wrap", True)
+    monkeypatch.setattr(console.err, "soft_wrap", True)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Shared CLI plumbing (cli/common.py). Numbers in option lists are bounded where they are parsed
+"""Shared CLI plumbing (cli/options.py, console.py, guard.py). Numbers in option lists are bounded where they are parsed
 (issue 20, class 4): a typo such as --requests 1,99999999999 is one usage line, exit 2, before any
 model loads; typer's own usage errors are one line too."""
 
@@ -10,9 +10,9 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from dsparkctl.cli import common
-from dsparkctl.cli.common import INT_LIST_MAX, int_list
+from dsparkctl.cli import console
 from dsparkctl.cli.main import app
+from dsparkctl.cli.options import INT_LIST_MAX, int_list
 from dsparkctl.engine.profile import check_batch_tokens
 from dsparkctl.errors import UsageError
 
@@ -42,7 +42,7 @@ def test_check_batch_tokens():
     (["sweep-scheduler", "--trace", "t", "--sps-table", "s", "--concurrency", "1,99999999999"],
      "error: --concurrency 99999999999 is larger than 65536")])
 def test_through_the_cli(tmp_path, monkeypatch, argv, message):
-    monkeypatch.setattr(common.err, "soft_wrap", True)
+    monkeypatch.setattr(console.err, "soft_wrap", True)
     monkeypatch.chdir(tmp_path)
     r = CliRunner().invoke(app, argv)
     assert r.exit_code == 2 and r.output.startswith("error:") and len(r.output.strip().splitlines()) == 1, r.output
@@ -80,8 +80,8 @@ def test_bad_revision_is_refused_before_any_lookup(revision, monkeypatch):
 def test_messages_name_options_as_the_running_command_does():
     """A library message names an input once (`errors.option`); Python callers read the field, the
     CLI the flag of the command that ran, found from the command's own typer options."""
-    from dsparkctl.cli.common import option_names
     from dsparkctl.cli.evaluate import eval_acceptance
+    from dsparkctl.cli.guard import option_names
     from dsparkctl.cli.profile import profile_sps_cmd
     from dsparkctl.errors import UsageError, option
 

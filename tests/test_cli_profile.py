@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from dsparkctl.cli import common
+from dsparkctl.cli import console
 from dsparkctl.cli.main import app
 from dsparkctl.strict_json import loads
 from tests.helpers import snapshot
@@ -22,7 +22,7 @@ FAST = ["--requests", "1", "--tokens-per-request", "1,2", "--repeats", "1", "--w
 
 @pytest.fixture(autouse=True)
 def _one_line(monkeypatch):
-    monkeypatch.setattr(common.err, "soft_wrap", True)
+    monkeypatch.setattr(console.err, "soft_wrap", True)
 
 
 @pytest.fixture(scope="module")

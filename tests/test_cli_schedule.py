@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from dsparkctl.cli import common
+from dsparkctl.cli import console
 from dsparkctl.cli.main import app
+from dsparkctl.formats.sps import save_sps_table
+from dsparkctl.formats.trace import write_synthetic_trace
 from dsparkctl.math.sps import SPSTable
 from dsparkctl.math.synthetic import SyntheticModel
-from dsparkctl.sps_io import save_sps_table
 from dsparkctl.strict_json import loads
-from dsparkctl.trace import write_synthetic_trace
 from tests.helpers import snapshot
 
 runner = CliRunner()
@@ -29,7 +29,7 @@ SPS = {"format": "dsparkctl-sps/1", "batch_tokens": [1, 4, 16, 64, 256, 1024, 81
 
 @pytest.fixture(autouse=True)
 def _one_line(monkeypatch):
-    monkeypatch.setattr(common.err, "soft_wrap", True)
+    monkeypatch.setattr(console.err, "soft_wrap", True)
 
 
 def _lines(path: Path) -> list[str]:
@@ -288,17 +288,17 @@ def test_generate_trace_capped_by_the_budget_is_swept(tmp_path: Path):
 
 def test_library_errors_name_no_flags(d: Path):
     """The library says what is wrong in its own words; only the CLI names its flags (the table above)."""
-    from dsparkctl.calibrate import run_calibration
     from dsparkctl.errors import UsageError
     from dsparkctl.math.audit import check_alpha
-    from dsparkctl.sweep import run_sweep
+    from dsparkctl.tuning.calibration import calibrate_traces
+    from dsparkctl.tuning.sweep import sweep_traces
 
     cases = [
-        (lambda: run_sweep([d / "full.jsonl"], d / "sps.json", rounds=0), "rounds must be ≥ 1, got 0"),
-        (lambda: run_sweep([d / "full.jsonl"], d / "sps.json", concurrency=[64], rounds=10),
+        (lambda: sweep_traces([d / "full.jsonl"], d / "sps.json", rounds=0), "rounds must be ≥ 1, got 0"),
+        (lambda: sweep_traces([d / "full.jsonl"], d / "sps.json", concurrency=[64], rounds=10),
          "concurrency 64 is more than rounds 10"),
-        (lambda: run_calibration([d / "full.jsonl"], holdout=1.5), "holdout must be in (0, 1), got 1.5"),
-        (lambda: run_calibration([d / "full.jsonl"], bins=10 ** 8), "bins 100000000 is more than the 400 rounds"),
+        (lambda: calibrate_traces([d / "full.jsonl"], holdout=1.5), "holdout must be in (0, 1), got 1.5"),
+        (lambda: calibrate_traces([d / "full.jsonl"], bins=10 ** 8), "bins 100000000 is more than the 400 rounds"),
         (lambda: check_alpha(0.0), "the significance level alpha 0.0 must be in (0, 1)"),
     ]
     for call, words in cases:
@@ -451,7 +451,7 @@ def _grid_table(verify: str) -> SPSTable:
 def test_replay_prices_a_step_as_the_engine_lays_it_out():
     """Fixed lengths cost the same in both layouts; a policy whose lengths differ across requests
     pays for its longest verify on a padded table (dsparkctl's engine), not on a ragged one."""
-    from dsparkctl.sweep import replay
+    from dsparkctl.tuning.sweep import replay
 
     pool = _pool([0, 1, 2, 3] * 50)
     padded, ragged = ({r["policy"]: r for r in replay(pool, ["static:2", "threshold:0.5"], [4], t, rounds=2000)}
@@ -468,7 +468,7 @@ def test_batch_replay_runs_each_request_to_its_token_budget(k, C, N):
     10·(k'+1) ms (a plain step 8 ms for static:0) and decodes C·(N-1) tokens."""
     from math import ceil
 
-    from dsparkctl.sweep import replay_batches
+    from dsparkctl.tuning.sweep import replay_batches
 
     row = replay_batches(_pool([3] * 10), [f"static:{k}"], [C], _grid_table("padded"), N, rounds=C * (N - 1))[0]
     steps = ceil((N - 1) / (k + 1))
@@ -510,10 +510,10 @@ def test_human_views_print_a_table(files, tmp_path):
 
 def test_entries_check_everything_before_the_work(files, tmp_path):
     """Each entry refuses a bad spec in its fields' names, before any output is written."""
-    from dsparkctl.calibrate import CalibrateSpec, run_calibrate
+    from dsparkctl.app.audit import AuditSpec, run_audit
+    from dsparkctl.app.calibrate import CalibrateSpec, run_calibrate
+    from dsparkctl.app.sweep_scheduler import SweepSpec, run_sweep_scheduler
     from dsparkctl.errors import DsparkError
-    from dsparkctl.math.audit import AuditSpec, run_audit
-    from dsparkctl.sweep import SweepSpec, run_sweep_scheduler
 
     trace, sps = (files / "full.jsonl",), files / "sps.json"
     (tmp_path / "plots").mkdir()
@@ -540,8 +540,8 @@ def test_entries_check_everything_before_the_work(files, tmp_path):
 
 
 def test_entries_return_what_the_commands_print(files, tmp_path):
-    from dsparkctl.calibrate import CalibrateSpec, run_calibrate
-    from dsparkctl.sweep import SweepSpec, run_sweep_scheduler
+    from dsparkctl.app.calibrate import CalibrateSpec, run_calibrate
+    from dsparkctl.app.sweep_scheduler import SweepSpec, run_sweep_scheduler
 
     said: list[str] = []
     doc = run_calibrate(CalibrateSpec((files / "full.jsonl",), bins=10, out=tmp_path / "c.json"), log=said.append)
@@ -557,19 +557,19 @@ def test_entries_return_what_the_commands_print(files, tmp_path):
 def test_sweep_writes_its_figure_and_json_together_or_neither(files, tmp_path, monkeypatch):
     """The figure is staged beside the JSON: when the JSON cannot be written (a full disk, say), no
     figure is left behind either; when it can, both appear."""
-    import dsparkctl.fsutil as fsutil
-    from dsparkctl.sweep import SweepSpec, run_sweep_scheduler
+    import dsparkctl.app.sweep_scheduler as command
+    from dsparkctl.app.sweep_scheduler import SweepSpec, run_sweep_scheduler
 
     spec = SweepSpec((files / "full.jsonl",), files / "sps.json", policies=("static:1",), concurrency=(1, 2),
                      rounds=100, plot=tmp_path / "f.png", out=tmp_path / "s.json")
-    real = fsutil.write_json
+    real = command.write_json
 
     def full_disk(path, obj, each_rank=False):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(fsutil, "write_json", full_disk)
+    monkeypatch.setattr(command, "write_json", full_disk)
     with pytest.raises(OSError):
         run_sweep_scheduler(spec)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
-    monkeypatch.setattr(fsutil, "write_json", real)
+    monkeypatch.setattr(command, "write_json", real)
     run_sweep_scheduler(spec)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f.png", "s.json"]

@@ -1,5 +1,5 @@
 """The library entries of generate, eval-acceptance and profile-sps (`run_generate`,
-`run_evaluation`, `run_profile`): each refuses a bad spec before any model loads, in messages
+`run_eval_acceptance`, `run_profile_sps`): each refuses a bad spec before any model loads, in messages
 that name the spec's fields (or, rendered with `names`, what the CLI calls them: its flags)."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from dsparkctl.engine.generate import GenerateSpec, run_generate
-from dsparkctl.engine.profile import ProfileSpec, run_profile
+from dsparkctl.app.eval_acceptance import EvalSpec, run_eval_acceptance
+from dsparkctl.app.generate import GenerateSpec, run_generate
+from dsparkctl.app.profile_sps import ProfileSpec, run_profile_sps
 from dsparkctl.errors import UsageError
-from dsparkctl.evaluation.run import EvalSpec, run_evaluation
 
 NO_MODEL = "/nonexistent/no-such-model"  # loading it would be a different error: none is loaded
 
@@ -25,21 +25,21 @@ CASES = [
      "batch_size must be >= 1, got 0"),
     ("generate: trace is a folder", run_generate, GenerateSpec(target=NO_MODEL, trace=Path("{tmp}")), None,
      "trace {tmp} is a folder"),
-    ("eval: labels", run_evaluation, EvalSpec(target=NO_MODEL, labels=("a",)), None,
+    ("eval: labels", run_eval_acceptance, EvalSpec(target=NO_MODEL, labels=("a",)), None,
      "labels must be given once per drafts"),
-    ("eval: no tokens", run_evaluation, EvalSpec(target=NO_MODEL, max_new_tokens=0),
+    ("eval: no tokens", run_eval_acceptance, EvalSpec(target=NO_MODEL, max_new_tokens=0),
      {"max_new_tokens": "--max-new-tokens"}, "--max-new-tokens must be >= 1"),
-    ("eval: batch 0", run_evaluation, EvalSpec(target=NO_MODEL, batch_size=0), None, "batch_size must be >= 1, got 0"),
-    ("eval: mode", run_evaluation, EvalSpec(target=NO_MODEL, mode="fast"), None, "unknown mode 'fast'"),
-    ("profile: one probe", run_profile, ProfileSpec(target=NO_MODEL, out=Path("{tmp}/s.json"), requests=(1,),
+    ("eval: batch 0", run_eval_acceptance, EvalSpec(target=NO_MODEL, batch_size=0), None, "batch_size must be >= 1, got 0"),
+    ("eval: mode", run_eval_acceptance, EvalSpec(target=NO_MODEL, mode="fast"), None, "unknown mode 'fast'"),
+    ("profile: one probe", run_profile_sps, ProfileSpec(target=NO_MODEL, out=Path("{tmp}/s.json"), requests=(1,),
                                                     tokens_per_request=(2,)), None,
      "the grid requests 1 × tokens_per_request 2 gives one batch-token count"),
-    ("profile: repeats", run_profile, ProfileSpec(target=NO_MODEL, out=Path("{tmp}/s.json"), repeats=0),
+    ("profile: repeats", run_profile_sps, ProfileSpec(target=NO_MODEL, out=Path("{tmp}/s.json"), repeats=0),
      {"context_len": "--context-len", "repeats": "--repeats", "warmup": "--warmup"},
      "--context-len and --repeats must be >= 1, --warmup >= 0"),
-    ("profile: one device", run_profile, ProfileSpec(target=NO_MODEL, out=Path("{tmp}/s.json"), target_parallel="tp"),
+    ("profile: one device", run_profile_sps, ProfileSpec(target=NO_MODEL, out=Path("{tmp}/s.json"), target_parallel="tp"),
      None, "profile-sps times one process on one device; target_parallel 'tp'"),
-    ("profile: out is a folder", run_profile, ProfileSpec(target=NO_MODEL, out=Path("{tmp}")), None,
+    ("profile: out is a folder", run_profile_sps, ProfileSpec(target=NO_MODEL, out=Path("{tmp}")), None,
      "out {tmp} is a folder"),
 ]
 

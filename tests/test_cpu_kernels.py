@@ -14,18 +14,18 @@ from torch import nn
 from typer.testing import CliRunner
 
 from dsparkctl.cli.main import app
+from dsparkctl.engine.kernel_choice import (STOCK_IN_FILE, cache_path, cached_choice, choice_key, choose_kernels,
+                                            route_from, rows_in_file)
 from dsparkctl.engine.session import open_session
 from dsparkctl.engine.speculative import SpeculativeEngine, plain_generate
 from dsparkctl.errors import UsageError
-from dsparkctl.math.policies import parse_policy
+from dsparkctl.files.atomic import current_umask
+from dsparkctl.math.policy_spec import parse_policy
 from dsparkctl.math.sampling import SamplingParams
 from dsparkctl.math.sps import SPSTable
-from dsparkctl.fsutil import current_umask
-from dsparkctl.engine.kernel_choice import (STOCK_IN_FILE, cache_path, cached_choice, choice_key, choose_kernels,
-                                           route_from, rows_in_file)
-from dsparkctl.models.packed_linear import (EVERY_CALL, STOCK, PackedLinear, pack_linears, packing_supported,
-                                           route_of, unpack_linears, use_stock_up_to)
 from dsparkctl.models.draft_io import random_draft
+from dsparkctl.models.packed_linear import (EVERY_CALL, STOCK, PackedLinear, pack_linears, packing_supported, route_of,
+                                            unpack_linears, use_stock_up_to)
 from dsparkctl.models.target import TargetAdapter
 from tests.test_engine import PROMPTS, _exact_three_token_distribution, assert_three_tokens_distributed_as
 from tests.tiny_models import bigram_oracle_draft, save_tiny_target, tiny_target, write_deepspec_draft

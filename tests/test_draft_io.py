@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-import huggingface_hub
 import os
 import stat
-from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
+import huggingface_hub
 import pytest
 import torch
+from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
 from dsparkctl.errors import CheckpointError, InputError
 from dsparkctl.models.draft_io import load_draft, random_draft, resolve_folder, save_draft

@@ -9,8 +9,8 @@ import pytest
 
 
 def test_the_gguf_reader_draws_no_bar_while_we_convert(monkeypatch):
-    from transformers import modeling_gguf_pytorch_utils as reader
     from tqdm.auto import tqdm
+    from transformers import modeling_gguf_pytorch_utils as reader
 
     from dsparkctl.models import embedded
 

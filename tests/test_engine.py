@@ -8,7 +8,7 @@ from scipy.stats import chisquare
 
 from dsparkctl.engine.speculative import SpeculativeEngine, plain_generate
 from dsparkctl.errors import UsageError
-from dsparkctl.math.policies import parse_policy
+from dsparkctl.math.policy_spec import parse_policy
 from dsparkctl.math.sampling import SamplingParams
 from dsparkctl.math.sps import SPSTable
 from dsparkctl.models.draft_io import random_draft

@@ -9,11 +9,11 @@ import torch
 from typer.testing import CliRunner
 
 from dsparkctl.cli.main import app
-from dsparkctl.evaluation.run import DraftUnderTest, evaluate_dataset, trace_path
+from dsparkctl.evaluation.acceptance import DraftUnderTest, evaluate_dataset, trace_path
 from dsparkctl.evaluation.teacher_forced import TeacherForcedStats, sequence_betas
+from dsparkctl.formats.trace import read_trace
 from dsparkctl.math.sampling import SamplingParams
 from dsparkctl.models.target import TargetAdapter
-from dsparkctl.trace import read_trace
 from tests.tiny_models import bigram_oracle_draft, save_tiny_target, tiny_target, write_deepspec_draft
 
 runner = CliRunner()

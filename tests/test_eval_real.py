@@ -10,7 +10,7 @@ pytestmark = pytest.mark.slow
 
 def test_shipped_draft_is_accepted_on_mt_bench():
     from dsparkctl.data.prompts import encode_prompts, load_prompts
-    from dsparkctl.evaluation.run import DraftUnderTest, evaluate_dataset
+    from dsparkctl.evaluation.acceptance import DraftUnderTest, evaluate_dataset
     from dsparkctl.math.sampling import SamplingParams
     from dsparkctl.models.draft_io import load_draft
     from dsparkctl.models.loading import default_draft_dir, load_target, stop_token_ids

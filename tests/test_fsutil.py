@@ -1,6 +1,6 @@
-"""Nothing of a user's is replaced (issue 20, class 1 and 5): `fsutil.replace_refusal` is the one
+"""Nothing of a user's is replaced (issue 20, class 1 and 5): `files.ownership.replace_refusal` is the one
 rule ("a new path, or a regular file we wrote"), applied by `check_outputs` to every file output,
-by `save_figure`, and by the kernel-choice cache; `fsutil.staged` makes a command's outputs appear
+by `save_figure`, and by the kernel-choice cache; `files.atomic.staged` makes a command's outputs appear
 together or not at all. Each case asserts exit code, message and the files left."""
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from dsparkctl.cli import common
+from dsparkctl.cli import console
 from dsparkctl.cli.main import app
-from dsparkctl.fsutil import (atomic_open, os_error_words, remove_stale_temps, replace_refusal, staged, write_json,
-                              written_by_us)
+from dsparkctl.files.atomic import atomic_open, remove_stale_temps, staged, write_json
+from dsparkctl.files.os_errors import os_error_words
+from dsparkctl.files.ownership import replace_refusal, written_by_us
+from dsparkctl.formats.trace import write_synthetic_trace
 from dsparkctl.math.synthetic import SyntheticModel
-from dsparkctl.trace import write_synthetic_trace
 from tests.helpers import snapshot
 
 runner = CliRunner()
@@ -30,7 +31,7 @@ runner = CliRunner()
 
 @pytest.fixture(autouse=True)
 def _one_line(monkeypatch):
-    monkeypatch.setattr(common.err, "soft_wrap", True)
+    monkeypatch.setattr(console.err, "soft_wrap", True)
 
 
 def _make(path: Path, kind: str, tmp: Path) -> None:
@@ -239,7 +240,7 @@ def test_the_kernel_choice_cache_never_touches_a_device(monkeypatch):
 def test_environment_errors_are_one_line_exit_2(monkeypatch, exc, code, line):
     import typer
 
-    from dsparkctl.cli.common import guarded
+    from dsparkctl.cli.guard import guarded
 
     @guarded
     def cmd() -> None:
@@ -257,12 +258,11 @@ def test_environment_errors_are_one_line_exit_2(monkeypatch, exc, code, line):
     ({"DSPARKCTL_CACHE": " ", "XDG_CACHE_HOME": ""}, "home/.cache/dsparkctl"),  # empty: unset
 ])
 def test_every_cache_lives_under_the_one_cache_root(tmp_path, monkeypatch, env, root):
-    from dsparkctl.engine import sps_cache
+    from dsparkctl.engine import kernel_choice, sps_cache
     from dsparkctl.evaluation import continuations
-    from dsparkctl.fsutil import cache_root
-    from dsparkctl.engine import kernel_choice
+    from dsparkctl.files.cache import cache_root
     from dsparkctl.models import embedded
-    from dsparkctl.train.run import default_cache_dir
+    from dsparkctl.train.job import default_cache_dir
 
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     for name in ("DSPARKCTL_CACHE", "XDG_CACHE_HOME", "DSPARKCTL_SPS_CACHE", "DSPARKCTL_CPU_KERNELS_CACHE",
@@ -280,7 +280,7 @@ def test_every_cache_lives_under_the_one_cache_root(tmp_path, monkeypatch, env, 
 
 @pytest.mark.parametrize("setup,refused", [("user files", True), ("empty", False), ("previous download", False)])
 def test_download_never_writes_into_a_folder_of_the_users(tmp_path, monkeypatch, setup, refused):
-    from dsparkctl.checkpoint import hub
+    from dsparkctl.app import download as hub  # the command module calls the library's download
 
     d = tmp_path / "dl"
     d.mkdir()
@@ -307,8 +307,8 @@ def test_download_never_writes_into_a_folder_of_the_users(tmp_path, monkeypatch,
 def test_an_interruption_never_says_nothing_was_written_beside_a_written_output(tmp_path, monkeypatch, writes, line):
     import typer
 
-    from dsparkctl import fsutil
-    from dsparkctl.cli.common import guarded
+    from dsparkctl.cli.guard import guarded
+    from dsparkctl.files import atomic as fsutil
 
     monkeypatch.setattr(fsutil, "WRITTEN", [])
 
@@ -329,7 +329,7 @@ def test_an_opaque_writer_failure_on_a_full_disk_is_said_as_a_full_disk(tmp_path
     import shutil
     from collections import namedtuple
 
-    from dsparkctl.fsutil import full_disk_error
+    from dsparkctl.files.os_errors import full_disk_error
 
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(100, 100, 0))
@@ -340,11 +340,11 @@ def test_an_opaque_writer_failure_on_a_full_disk_is_said_as_a_full_disk(tmp_path
 
 
 def test_writers_write_on_rank_zero_alone(tmp_path, monkeypatch):
-    """Under torchrun the other ranks hold the same merged results: fsutil's writers and the trace
+    """Under torchrun the other ranks hold the same merged results: the atomic writers and the trace
     writer write nothing there (library code never asks its rank); `each_rank` files are written."""
     from dsparkctl import distributed
-    from dsparkctl.fsutil import append_line, atomic_dir, atomic_open, staged, write_json
-    from dsparkctl.trace import TraceWriter
+    from dsparkctl.files.atomic import append_line, atomic_dir, atomic_open, staged, write_json
+    from dsparkctl.formats.trace import TraceWriter
 
     monkeypatch.setattr(distributed, "_WORLD", distributed.World(rank=1, size=2))
     write_json(tmp_path / "a.json", {"x": 1})
@@ -373,7 +373,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WRITER = """
 import sys, time
 sys.path.insert(0, {root!r})
-from dsparkctl.fsutil import atomic_open
+from dsparkctl.files.atomic import atomic_open
 with atomic_open({path!r}, "w") as fh:
     fh.write("partial")
     fh.flush()
@@ -429,7 +429,7 @@ def test_a_signal_while_outputs_go_in_place_lands_after_all_of_them(tmp_path, mo
 
     import pytest
 
-    from dsparkctl import fsutil
+    from dsparkctl.files import atomic as fsutil
     from dsparkctl.signals import terminate_as_interrupt
 
     outs = [tmp_path / f"o{i}.json" for i in range(3)]

@@ -14,13 +14,14 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from dsparkctl.calibrate import calibration_data, load_temperatures
 from dsparkctl.errors import DsparkError
+from dsparkctl.formats.calibration import load_temperatures
+from dsparkctl.formats.sps import load_sps_table, table_json
+from dsparkctl.formats.trace import MAX_BLOCK_SIZE, read_trace, write_synthetic_trace
 from dsparkctl.math.sps import MAX_BATCH_TOKENS, MAX_STEPS_PER_SEC
 from dsparkctl.math.synthetic import SyntheticModel
-from dsparkctl.sps_io import load_sps_table, table_json
-from dsparkctl.sweep import load_replay_rounds
-from dsparkctl.trace import MAX_BLOCK_SIZE, read_trace, write_synthetic_trace
+from dsparkctl.tuning.calibration import calibration_data
+from dsparkctl.tuning.sweep import load_replay_rounds
 
 BUDGET_S = 1.5  # per reader
 PALETTE: list[Any] = [None, True, False, -1, 0, 1, 3, 5, 2 ** 63, 10 ** 30, -0.0, 0.5, 1e308, -1e308, 1e-320,

@@ -9,7 +9,7 @@ import torch
 from typer.testing import CliRunner
 
 from dsparkctl.cli.main import app
-from dsparkctl.trace import read_trace
+from dsparkctl.formats.trace import read_trace
 from tests.tiny_models import save_tiny_target, write_deepspec_draft
 
 runner = CliRunner()

@@ -1,4 +1,4 @@
-"""What SGLang, vLLM, DeepSpec and transformers read from the files we write (INTEROP.md)."""
+"""What SGLang, vLLM, DeepSpec and transformers read from the files we write (docs/serving.md)."""
 
 from __future__ import annotations
 
@@ -150,7 +150,7 @@ def test_draft_with_embeddings_loads_with_from_pretrained_and_matches_ours(tmp_p
 
 def test_reduced_vocabulary_drafts_cannot_be_exported_with_embeddings():
     from dsparkctl.errors import InputError
-    from dsparkctl.train.run import check_embeddings_export
+    from dsparkctl.train.draft_init import check_embeddings_export
 
     with pytest.raises(InputError, match="reduced-vocabulary"):
         check_embeddings_export(8192, True)

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from dsparkctl.errors import InputError, UsageError
-from dsparkctl.math.policies import (NEEDS_SPS, POLICY_NAMES, POLICY_SPECS, DSparkAsync, expected_throughput,
-                                     parse_policy, survival_from_logits)
+from dsparkctl.math.admission import expected_throughput, survival_from_logits
+from dsparkctl.math.policies import DSparkAsync
+from dsparkctl.math.policy_spec import NEEDS_SPS, POLICY_NAMES, POLICY_SPECS, parse_policy
 from dsparkctl.math.sps import SPSTable
 
 

@@ -11,7 +11,7 @@ from dsparkctl.cli.main import app
 from dsparkctl.engine.profile import profile_whole_step
 from dsparkctl.engine.speculative import SpeculativeEngine
 from dsparkctl.errors import UsageError
-from dsparkctl.math.policies import parse_policy
+from dsparkctl.math.policy_spec import parse_policy
 from dsparkctl.math.sampling import SamplingParams
 from dsparkctl.models.draft_io import random_draft
 from dsparkctl.models.target import TargetAdapter

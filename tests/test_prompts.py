@@ -9,7 +9,7 @@ import gzip
 import pytest
 from typer.testing import CliRunner
 
-from dsparkctl.cli import common
+from dsparkctl.cli import console
 from dsparkctl.cli.main import app
 from dsparkctl.data.prompts import load_conversations, load_prompts, prompt_texts
 from dsparkctl.errors import InputError
@@ -46,7 +46,7 @@ def test_a_bad_prompt_file_is_one_input_error(tmp_path, name, content, message):
 
 @pytest.mark.parametrize("name,content,message", CASES[:5] + CASES[10:11], ids=[c[0] for c in CASES[:5] + CASES[10:11]])
 def test_through_the_cli_it_is_exit_2_and_one_line(tmp_path, monkeypatch, name, content, message):
-    monkeypatch.setattr(common.err, "soft_wrap", True)
+    monkeypatch.setattr(console.err, "soft_wrap", True)
     p = tmp_path / name
     p.write_bytes(content)
     r = CliRunner().invoke(app, ["generate", "--prompts-file", str(p), "--target", str(tmp_path / "none")])

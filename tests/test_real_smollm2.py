@@ -40,7 +40,7 @@ def _check(model, prompt, got, ref, label):
 def test_greedy_identity_on_mt_bench(session):
     from dsparkctl.data.prompts import encode_prompts, load_prompts
     from dsparkctl.engine.speculative import SpeculativeEngine, plain_generate
-    from dsparkctl.math.policies import parse_policy
+    from dsparkctl.math.policy_spec import parse_policy
     from dsparkctl.math.sampling import SamplingParams
 
     prompts = encode_prompts(session.target.tokenizer, load_prompts("mt-bench", limit=N_PROMPTS))

@@ -18,7 +18,7 @@ from dsparkctl.cli.main import app
 from dsparkctl.engine.speculative import SpeculativeEngine, plain_generate
 from dsparkctl.errors import CheckpointError
 from dsparkctl.evaluation.teacher_forced import sequence_betas
-from dsparkctl.math.policies import parse_policy
+from dsparkctl.math.policy_spec import parse_policy
 from dsparkctl.math.sampling import SamplingParams, warp_probs
 from dsparkctl.math.sps import SPSTable
 from dsparkctl.models.draft_io import load_draft, random_draft, save_draft

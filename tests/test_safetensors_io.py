@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dsparkctl.checkpoint.fixtures import write_fixture
-from dsparkctl.cli import common
+from dsparkctl.cli import console
 from dsparkctl.cli.main import app
 
 DRAFT_SHARD = "model-00005-of-00008.safetensors"  # mtp.0
@@ -143,7 +143,7 @@ def pristine(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("case,mutate,needles,args", CASES, ids=[c[0] for c in CASES])
 def test_corrupt_input_is_refused(case, mutate, needles, args, pristine: Path, tmp_path: Path, monkeypatch):
     # The message is one line; the shared stderr console would hard-wrap it at 80 columns when not a TTY.
-    monkeypatch.setattr(common.err, "soft_wrap", True)
+    monkeypatch.setattr(console.err, "soft_wrap", True)
     folder = tmp_path / "ckpt"
     folder.mkdir()
     for f in pristine.iterdir():

@@ -1,6 +1,6 @@
 """The library entries of serve-config and train (`run_serve_config`, `run_train`): each refuses a
 bad spec before any model loads, in messages that name the spec's fields; the CLI names them by
-its flags (`DsparkError.one_line(names)`, as `cli.common.guarded` renders them)."""
+its flags (`DsparkError.one_line(names)`, as `cli.guard.guarded` renders them)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from dsparkctl.app.serve_config import ServeSpec, run_serve_config
+from dsparkctl.app.train import TrainSpec, run_train
 from dsparkctl.errors import DsparkError
-from dsparkctl.serving import ServeSpec, run_serve_config
-from dsparkctl.train.run import TrainSpec, run_train
 
 NO_MODEL = "/nonexistent/no-such-model"  # loading it would be a different error: none is loaded
 NO_TARGET = f'target.model="{NO_MODEL}"'
@@ -74,10 +74,10 @@ def test_refused_before_any_model_loads(case, entry, spec, names, text, flagged,
 def test_the_command_names_its_flags(argv, line, tmp_path: Path, monkeypatch):
     from typer.testing import CliRunner
 
-    from dsparkctl.cli import common
+    from dsparkctl.cli import console
     from dsparkctl.cli.main import app
 
-    monkeypatch.setattr(common.err, "soft_wrap", True)
+    monkeypatch.setattr(console.err, "soft_wrap", True)
     (tmp_path / "r.toml").write_text(f"[target]\nmodel = \"{NO_MODEL}\"\n")
     res = CliRunner().invoke(app, [a.format(tmp=tmp_path) for a in argv])
     assert res.exit_code == 2 and line.format(tmp=tmp_path) in res.output, res.output
@@ -92,12 +92,12 @@ def test_shared_messages_name_what_each_command_has(tmp_path: Path, monkeypatch)
 
     from typer.testing import CliRunner
 
-    from dsparkctl.cli import common
+    from dsparkctl.cli import console
     from dsparkctl.cli.main import app
     from tests.helpers import tiny_recipe
     from tests.tiny_models import save_tiny_target
 
-    monkeypatch.setattr(common.err, "soft_wrap", True)
+    monkeypatch.setattr(console.err, "soft_wrap", True)
     run = lambda *a: CliRunner().invoke(app, [str(x) for x in a])  # noqa: E731
     for argv, text in ((["--top-p", "0"], "error: --top-p must be in (0, 1], got 0.0"),
                        (["--top-k", "-1"], "error: --top-k must be an integer >= 0, got -1"),

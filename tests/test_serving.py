@@ -1,4 +1,4 @@
-"""serve-config (serving.py): SGLang's launch line and vLLM's speculative config, with names read in
+"""serve-config (app/serve_config.py, serving/): SGLang's launch line and vLLM's speculative config, with names read in
 their source; the scripts it writes are inert (issue 20, class 1)."""
 
 from __future__ import annotations
@@ -10,12 +10,13 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from dsparkctl.cli import common
+from dsparkctl.cli import console
 from dsparkctl.cli.main import app
 from dsparkctl.errors import InputError
 from dsparkctl.models.draft_io import load_draft, random_draft, save_draft
 from dsparkctl.models.target import TargetAdapter
-from dsparkctl.serving import k_table_from_sweep, shell_line, shell_word
+from dsparkctl.serving.engines import k_table_from_sweep
+from dsparkctl.serving.shell import shell_line, shell_word
 from tests.helpers import snapshot
 from tests.tiny_models import save_tiny_target, tiny_target, write_deepspec_draft
 
@@ -211,7 +212,7 @@ runner = CliRunner()
 
 @pytest.fixture(autouse=True)
 def _one_line(monkeypatch):
-    monkeypatch.setattr(common.err, "soft_wrap", True)
+    monkeypatch.setattr(console.err, "soft_wrap", True)
 
 
 @pytest.mark.parametrize("value", ["a\nb", "a\rb", "a\x1b[2Jb", "a\x00b", "a\u2028b", "a\u0085b", "a\tb", "a\x7fb"])
@@ -284,7 +285,7 @@ def test_a_script_with_odd_but_legal_names_runs_nothing_else(tmp_path, models):
                             "the sweep covered concurrency 1..16; batch sizes 17..1024 reuse the length at 16"]),
 ])
 def test_sweep_notes_name_the_right_range_and_another_block_size(rows, swept, notes):
-    from dsparkctl.serving import k_table_from_sweep, sweep_notes
+    from dsparkctl.serving.engines import k_table_from_sweep, sweep_notes
 
     sweep = {"format": "dsparkctl-sweep/1", "block_size": swept,
              "rows": [{"policy": f"static:{k}", "concurrency": c, "throughput_tok_s": 1.0} for c, k in rows]}
@@ -299,8 +300,9 @@ def test_the_sts_twin_beside_the_calibration_wins_and_a_bad_sweep_fails_first(tm
     read, before serve-config loads the models or exports a draft."""
     import json
 
+    from dsparkctl.app.serve_config import read_serve_inputs
     from dsparkctl.errors import InputError
-    from dsparkctl.serving import read_serve_inputs, sglang_file
+    from dsparkctl.formats.sglang import sglang_file
 
     mine, other = tmp_path / "mine", tmp_path / "other"
     for d in (mine, other):

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from dsparkctl.errors import InputError
+from dsparkctl.formats.sps import load_sps_table, save_sps_table
 from dsparkctl.math.sps import SPSTable
-from dsparkctl.sps_io import load_sps_table, save_sps_table
 
 BT, SPS = [1, 4, 16, 64], [100.0, 80.0, 40.0, 12.0]
 
@@ -88,8 +88,8 @@ def test_a_saved_table_prices_steps_exactly_as_the_one_written(tmp_path):
     costs must survive the file unrounded, or a near tie decides differently (skip or draft)."""
     import torch
 
+    from dsparkctl.formats.sps import load_sps_table, save_sps_table
     from dsparkctl.math.sps import SPSTable, StepGrid
-    from dsparkctl.sps_io import load_sps_table, save_sps_table
 
     grid = StepGrid([1, 2, 4], [1, 2, 3], [[10.123456789, 11.98765, 13.5], [12.3333333, 14.1, 15.77777],
                                            [20.1, 23.3, 27.123456]], [9.87654321, 11.1111111, 18.2222222])

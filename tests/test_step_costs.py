@@ -1,4 +1,4 @@
-"""Step costs (math/sps.py StepGrid, engine/profile.py fit_table, sps_io format 2, the per-machine
+"""Step costs (math/sps.py StepGrid, engine/profile.py fit_table, formats/sps.py format 2, the per-machine
 cache) and the inputs that must be refused: tables without a plain step, non-monotone tables,
 probes out of order, tables from another block size, calibrations of another draft."""
 
@@ -13,9 +13,9 @@ from typer.testing import CliRunner
 from dsparkctl.cli.main import app
 from dsparkctl.engine.profile import SPSPoint, fit_table
 from dsparkctl.errors import InputError
-from dsparkctl.math.policies import parse_policy
+from dsparkctl.formats.sps import load_sps_table, save_sps_table
+from dsparkctl.math.policy_spec import parse_policy
 from dsparkctl.math.sps import SPSTable, StepGrid, fit_step_grid, isotonic
-from dsparkctl.sps_io import load_sps_table, save_sps_table
 from tests.tiny_models import save_tiny_target, write_deepspec_draft
 
 runner = CliRunner()
@@ -151,8 +151,8 @@ def test_a_table_without_a_plain_step_is_used_with_a_note(pair, tmp_path):
 
 
 def test_traces_mark_plain_steps_and_calibration_skips_them(tmp_path):
-    from dsparkctl.calibrate import run_calibration
-    from dsparkctl.trace import TRACE_FORMAT, read_trace
+    from dsparkctl.formats.trace import TRACE_FORMAT, read_trace
+    from dsparkctl.tuning.calibration import calibrate_traces
 
     lines = [{"format": TRACE_FORMAT}]
     for req in range(8):
@@ -165,7 +165,7 @@ def test_traces_mark_plain_steps_and_calibration_skips_them(tmp_path):
     p = tmp_path / "t.jsonl"
     p.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     assert sum(not r.drafted for r in read_trace(p).rounds) == 80
-    res = run_calibration([p], holdout=0.25, bins=4)
+    res = calibrate_traces([p], holdout=0.25, bins=4)
     assert res["rounds"]["train"] + res["rounds"]["heldout"] == 160  # the 80 plain steps carry no labels
     bad = tmp_path / "bad.jsonl"
     lines[1] = {**lines[1], "drafted": False}  # a plain step cannot have verified drafts
@@ -203,8 +203,8 @@ def test_a_damaged_machine_table_is_profiled_again(pair, tmp_path, monkeypatch):
 def test_the_draft_fingerprint_does_not_depend_on_the_kernels():
     """A calibration records the draft's fingerprint; packing the draft's linears for the CPU
     kernels (biases become buffers) must not change it, another draft must."""
-    from dsparkctl.models.packed_linear import pack_linears, packing_supported
     from dsparkctl.models.draft_io import random_draft
+    from dsparkctl.models.packed_linear import pack_linears, packing_supported
     from dsparkctl.models.target import TargetAdapter
     from tests.tiny_models import tiny_target
 
@@ -255,7 +255,7 @@ def test_a_padded_step_costs_its_longest_verify_for_every_request(tmp_path):
 
 
 def _uniform_best(a: torch.Tensor, table: SPSTable) -> float:
-    from dsparkctl.math.policies import expected_throughput
+    from dsparkctl.math.admission import expected_throughput
 
     R, gamma = a.shape
     return max(float(expected_throughput(a, torch.full((R,), L), table)) for L in range(gamma + 1))
@@ -265,7 +265,7 @@ def test_on_a_padded_table_the_theta_search_admits_whole_levels():
     """Below the longest verify a draft is free, beyond it a whole level is paid: dspark verifies
     the same L for every request (the first L where Θ stops rising), the unrestricted search the
     best L, and no length vector beats the best whole level."""
-    from dsparkctl.math.policies import expected_throughput
+    from dsparkctl.math.admission import expected_throughput
 
     gen = torch.Generator().manual_seed(0)
     grid = StepGrid([1, 4], [1, 2, 3, 4], [[10.0, 13.0, 17.0, 22.0], [12.0, 18.0, 25.0, 33.0]], [9.0, 10.0])
@@ -308,7 +308,7 @@ def test_the_machine_table_profiles_only_the_request_counts_a_run_reaches(pair, 
 @pytest.mark.parametrize("drafted, steps, said", [(0, 40, "never drafted"), (3, 40, "drafted in 3 of 40 steps"),
                                                   (20, 40, None), (0, 0, None)])
 def test_a_scheduler_that_drafts_rarely_says_so_and_why(drafted, steps, said):
-    from dsparkctl.engine.generate import scheduler_note
+    from dsparkctl.engine.policy_choice import scheduler_note
 
     grid = StepGrid([1, 2], [1, 2, 3], [[12.0, 15.0, 18.0], [14.0, 18.0, 22.0]], [10.0, 12.0])
     pol = parse_policy("dspark", sps=SPSTable([1, 2], [1.0, 1.0], grid=grid))

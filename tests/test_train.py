@@ -13,11 +13,13 @@ from typer.testing import CliRunner
 from dsparkctl.cli.main import app
 from dsparkctl.errors import InputError
 from dsparkctl.models.target import TargetAdapter
-from dsparkctl.train.data import regenerate_part, unpack
+from dsparkctl.train.batches import make_batch
+from dsparkctl.train.draft_init import init_draft
 from dsparkctl.train.loss import dspark_loss, lr_at, position_weights, sparse_l1
+from dsparkctl.train.parts import unpack
 from dsparkctl.train.recipe import load_recipe, parse_overrides
-from dsparkctl.train.run import init_draft
-from dsparkctl.train.trainer import Trainer, make_batch
+from dsparkctl.train.target_passes import regenerate_part
+from dsparkctl.train.trainer import Trainer
 from tests.helpers import regenerated_tiny, tiny_recipe, write_tiny_prompts
 from tests.tiny_models import tiny_target
 
@@ -157,7 +159,7 @@ def test_regenerated_features_match_a_full_forward(tiny):
 def test_teacher_forced_parts_keep_their_order_and_match_one_forward_each(precision):
     """Sequences are batched by length (little padding) yet come back in their own order; in bf16
     autocast the features and top-1 stay close to the fp32 pass."""
-    from dsparkctl.train.data import teacher_forced_part
+    from dsparkctl.train.target_passes import teacher_forced_part
 
     model = tiny_target("qwen3", vocab=64, layers=3)
     g = torch.Generator().manual_seed(0)
@@ -289,7 +291,7 @@ def test_cached_heldout_tau_equals_a_real_teacher_forced_evaluation(tmp_path):
     teacher-forced evaluator computes with a real target forward: same anchors, same slots."""
     from dsparkctl.evaluation.teacher_forced import evaluate_sequences
     from dsparkctl.math.sampling import SamplingParams
-    from dsparkctl.train.run import heldout_stats
+    from dsparkctl.train.job import heldout_stats
 
     model = tiny_target("llama", vocab=64, layers=4)
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14], [20, 21]]
@@ -310,7 +312,8 @@ def test_init_from_a_draft_folder_continues_it(tmp_path):
     """A fresh machine without the run folder continues a shipped draft: init_from loads every
     trained tensor (the tap scale folded into fc is unfolded), the optimizer starts fresh."""
     from dsparkctl.models.draft_io import load_draft
-    from dsparkctl.train.run import export_draft, load_init_draft, tap_scale, trainable
+    from dsparkctl.train.draft_init import export_draft, load_init_draft, tap_scale
+    from dsparkctl.train.job import trainable
 
     model = tiny_target("llama", vocab=64, layers=4)
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14], [20, 21]]
@@ -322,7 +325,7 @@ def test_init_from_a_draft_folder_continues_it(tmp_path):
     rec = load_recipe(None, base)
     tgt = TargetAdapter(model, [0, 2])
     draft = init_draft(rec, tgt, 2)
-    from dsparkctl.train.run import select_vocab
+    from dsparkctl.train.draft_init import select_vocab
     draft.set_draft_vocab(select_vocab(seqs, 40, 64))
     draft.share_target_embeddings(tgt.embed_tokens(), tgt.lm_head())
     scale = tap_scale(seqs, 2)

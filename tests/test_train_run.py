@@ -12,10 +12,11 @@ import pytest
 from typer.testing import CliRunner
 
 from dsparkctl import locks
-from dsparkctl.cli import common
+from dsparkctl.cli import console
 from dsparkctl.cli.main import app
 from tests.helpers import tiny_recipe, write_tiny_prompts
 from tests.tiny_models import save_tiny_target, write_deepspec_draft
+
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
@@ -29,7 +30,7 @@ def base(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def _one_line(monkeypatch):
-    monkeypatch.setattr(common.err, "soft_wrap", True)
+    monkeypatch.setattr(console.err, "soft_wrap", True)
 
 
 def _recipe(base, tmp_path, init=""):

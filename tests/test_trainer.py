@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from dsparkctl.errors import InputError
 from dsparkctl.models.target import TargetAdapter
+from dsparkctl.train.draft_init import init_draft
 from dsparkctl.train.recipe import load_recipe
-from dsparkctl.train.run import init_draft
 from dsparkctl.train.trainer import Trainer
 from tests.helpers import regenerated_tiny
 
@@ -129,7 +129,7 @@ def test_a_stray_checkpoint_folder_is_left_alone(tiny, tmp_path):
 def test_run_files_that_a_writer_would_block_on_or_follow_are_refused(tmp_path, name, make, why):
     import os
 
-    from dsparkctl.train.trainer import check_run_files
+    from dsparkctl.train.checkpoints import check_run_files
 
     p = tmp_path / name
     {"fifo": lambda: os.mkfifo(p), "symlink": lambda: p.symlink_to(tmp_path.parent), "folder": p.mkdir,

@@ -7,12 +7,7 @@ import torch
 from scipy.stats import chisquare
 
 from dsparkctl.math.sampling import SamplingParams, exponential_noise, sample, sample_with_noise, warp_probs
-from dsparkctl.math.verify import (
-    _reference_with_noise,
-    _verify_with_noise,
-    verify,
-    verify_reference,
-)
+from dsparkctl.math.verify import _reference_with_noise, _verify_with_noise, verify, verify_reference
 
 V = 6
 NAN = float("nan")

@@ -75,7 +75,7 @@ def write_deepspec_draft(folder: Path, vocab: int = 64, hidden: int = 32, layers
                          taps=(0, 1), rank: int = 8, block_size: int = 4, num_target_layers: int = 4,
                          with_embeddings: bool = False, confidence: bool = True, seed: int = 0,
                          overrides: dict | None = None, tensor_overrides: dict | None = None) -> Path:
-    """Write a miniature DeepSpec DSpark draft using the documented tensor names (FORMATS.md §3)."""
+    """Write a miniature DeepSpec DSpark draft using the documented tensor names (docs/formats.md §3)."""
     from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(seed)

@@ -24,7 +24,6 @@ is provably ours and provably stale (`partials`).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import math
@@ -38,30 +37,16 @@ from typing import Any, Callable
 from dsparkctl.checkpoint import partials
 from dsparkctl.checkpoint.inspect import consistency, stage_count
 from dsparkctl.checkpoint.layouts import fp8_block
-from dsparkctl.checkpoint.safetensors_io import ShardHeader, TensorInfo, encode_header, open_regular, read_header
+from dsparkctl.checkpoint.quant import dequant_fp4, dequant_fp8
+from dsparkctl.checkpoint.safetensors_io import TensorInfo, read_header
+from dsparkctl.checkpoint.shard_stream import Planned, ShardOutput, fsync_dir, open_source, stream_shard, worker_count
 from dsparkctl.checkpoint.source import INDEX, Checkpoint, check_scales, logical_shape, quant_kind, scale_name
-from dsparkctl.errors import CheckpointError, UsageError, option
-from dsparkctl.fsutil import atomic_dir, honour_umask, write_json
+from dsparkctl.errors import CheckpointError, UsageError
+from dsparkctl.files.atomic import atomic_dir, honour_umask, write_json
 from dsparkctl.provenance import provenance
 from dsparkctl.signals import point_of_no_return
 
 CHUNK = 8 * 1024 * 1024  # read granularity of verify
-STREAM_CHUNK = 1024 * 1024  # a shard worker's read size (its one buffer; bounds memory for plain copies)
-WRITEBACK_STEP = 64 * 1024 * 1024  # start writeback of the output every this many bytes of a segment
-
-
-@dataclass
-class Planned:
-    """One output tensor and where it comes from."""
-
-    src: TensorInfo
-    dtype: str  # output dtype
-    shape: tuple[int, ...]  # output shape
-    nbytes: int
-    dequant: str | None = None  # "fp8" | "fp4" when converted to bf16
-    scale: TensorInfo | None = None  # the source scale consumed by dequantization
-    sha256: str | None = None  # of the output bytes, filled in when verifying
-    shard: int = 0  # output shard number (0-based)
 
 
 @dataclass
@@ -131,62 +116,14 @@ def extract(ckpt: Checkpoint, out: Path, *, dequantize: bool = False, with_head:
             point_of_no_return()  # complete and fsynced: a signal now would only misreport the result
             for path in [tmp, *tmp.iterdir()]:  # temp files are private; the result is an ordinary folder
                 honour_umask(path, directory=path.is_dir())
-            _fsync_dir(tmp)  # the folder's entries; atomic_dir fsyncs each file once more, then renames
+            fsync_dir(tmp)  # the folder's entries; atomic_dir fsyncs each file once more, then renames
     except OSError as exc:
         if exc.filename2 is not None and Path(exc.filename2) == out and out.exists():
             raise UsageError(f"{out} was created by another process while this extract ran; this run's copy "
                              "was discarded", hint="check that the other run's output is the one you want") from None
         raise
-    _fsync_dir(out.parent)  # the rename itself
+    fsync_dir(out.parent)  # the rename itself
     return ExtractResult(out, len(items), sum(p.nbytes for p in items), files, source_sha, verify)
-
-
-@dataclass(frozen=True)
-class ExtractSpec:
-    """Everything `extract` runs (`run_extract` checks it)."""
-    source: str  # a local checkpoint folder or a hub repo id
-    out_dir: Path  # the new folder for the draft checkpoint
-    revision: str | None = None  # hub repos only
-    dequantize: str | None = None  # "bf16": convert FP8/FP4 weights and drop their scales
-    max_shard_size: int = 5_000_000_000  # bytes per output shard, at most
-    with_head: bool = False  # also the target's embed/head the draft borrows
-    verify: bool = False  # re-read the output and check every tensor
-
-
-def run_extract(spec: ExtractSpec, *, on_bytes: Callable[[int, int], None] | None = None,
-                note: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """`extract` as one call: check the settings and OUT (new, and never inside the input model),
-    fetch a hub repo's draft shards (`hub.download`), write the draft atomically (`extract`) and
-    return {"out", "layout", "tensors", "bytes", "shards", "source_shards_sha256", "verified"}.
-    `on_bytes(n, total)`: n more of the total source bytes read (from worker threads); `note`
-    gets the partial folders of earlier killed runs that were removed."""
-    from dsparkctl.checkpoint import hub
-    from dsparkctl.checkpoint.source import open_local
-    from dsparkctl.checks import Output, check_outputs, local_inputs
-
-    if spec.dequantize not in (None, "bf16"):
-        raise UsageError(f"{option('dequantize')} {spec.dequantize!r} is not supported",
-                         hint=f"use {option('dequantize')} bf16")
-    if spec.max_shard_size < 1:
-        raise UsageError(f"{option('max_shard_size')} {spec.max_shard_size} is less than one byte",
-                         hint="give the largest shard in bytes, e.g. 5000000000")
-    out = spec.out_dir
-    if out.exists():
-        raise UsageError(f"{out} already exists", hint="choose a new output folder or delete the old one")
-    inputs = local_inputs(spec.source)
-    inputs += [p.parent for p in inputs if p.is_file()]  # a checkpoint file: its folder is the model
-    check_outputs([Output(out, option("out_dir"), "folder")], inputs)  # never inside the input model
-    if hub.looks_like_repo(spec.source):
-        ckpt = open_local(hub.download(spec.source, spec.revision, None, spec.with_head).folder)
-    else:
-        ckpt = hub.open_checkpoint(spec.source, spec.revision)
-    files = {ckpt.weight_map[n] for n in ckpt.draft_names(spec.with_head)}
-    total = sum(ckpt.headers[f].file_size for f in files if f in ckpt.headers)
-    res = extract(ckpt, out, dequantize=bool(spec.dequantize), with_head=spec.with_head,
-                  max_shard_size=spec.max_shard_size, verify=spec.verify,
-                  on_bytes=(lambda n: on_bytes(n, total)) if on_bytes else None, log=note)
-    return {"out": str(res.out), "layout": ckpt.layout.key, "tensors": res.tensors, "bytes": res.bytes_written,
-            "shards": res.shards, "source_shards_sha256": res.source_shards, "verified": res.verified}
 
 
 def _write_draft(ckpt: Checkpoint, tmp: Path, files: list[str], items: list[Planned], dequantize: bool,
@@ -197,16 +134,16 @@ def _write_draft(ckpt: Checkpoint, tmp: Path, files: list[str], items: list[Plan
     by_file: dict[str, dict[str, Planned]] = {}
     for p in items:
         by_file.setdefault(p.src.file, {})[p.src.name] = p
-    output = _Output(tmp, files, items)
+    output = ShardOutput(tmp, files, items)
     cancel = threading.Event()
     fds: list[int] = []
     try:
-        with ThreadPoolExecutor(_workers(len(by_file)), thread_name_prefix="shard") as pool:
+        with ThreadPoolExecutor(worker_count(len(by_file)), thread_name_prefix="shard") as pool:
             try:
                 jobs: dict[str, Future] = {}
                 for file, wanted in by_file.items():
-                    fds.append(_open_source(ckpt, file))
-                    jobs[file] = pool.submit(_stream_shard, fds[-1], ckpt.headers[file], wanted, output,
+                    fds.append(open_source(ckpt, file))
+                    jobs[file] = pool.submit(stream_shard, fds[-1], ckpt.headers[file], wanted, output,
                                              verify, progress, cancel)
                 # meanwhile this thread converts the tensors to dequantize, one at a time
                 for fd, wanted in zip(fds, by_file.values()):
@@ -234,172 +171,8 @@ def _write_draft(ckpt: Checkpoint, tmp: Path, files: list[str], items: list[Plan
     return source_sha
 
 
-def _workers(shards: int) -> int:
-    """One worker per source shard, up to twice the cores: a shard's sha256 is sequential, so with
-    fewer workers than shards the last shard runs alone while other cores idle (3 equal shards on
-    2 workers take 2/3 of the total; on 3 they take 1/2 of it on 2 cores)."""
-    return max(1, min(shards, 2 * (os.cpu_count() or 1)))
-
-
-class _Output:
-    """Every output shard, created up front with its header; each tensor has a planned offset.
-
-    Tensors are written with os.pwrite at their offsets, so shard workers write in parallel and
-    in any order. Files are fsynced after the last byte (`_write_draft`). Writeback is started
-    early (`kick`) so that fsync has little left to wait for.
-    """
-
-    def __init__(self, folder: Path, files: list[str], items: list[Planned]):
-        self.fds: list[int] = []
-        self.place: dict[str, tuple[int, int]] = {}  # tensor name -> (fd, offset)
-        self.flusher = ThreadPoolExecutor(1, thread_name_prefix="writeback")
-        by_shard: dict[int, list[Planned]] = {}
-        for p in items:
-            by_shard.setdefault(p.shard, []).append(p)
-        try:
-            for shard, file in enumerate(files):
-                fd = os.open(folder / file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                self.fds.append(fd)
-                entries = [(q.src.name, q.dtype, q.shape, q.nbytes) for q in by_shard.get(shard, [])]
-                head = encode_header(entries, {"format": "pt"})
-                pos = self.pwrite(fd, head, 0)
-                for q in by_shard.get(shard, []):
-                    self.place[q.src.name] = (fd, pos)
-                    pos += q.nbytes
-        except BaseException:
-            self.close()
-            raise
-
-    @staticmethod
-    def pwrite(fd: int, data: Any, offset: int) -> int:
-        """Write all of `data` at `offset`; returns the offset after it."""
-        view = memoryview(data).cast("B")
-        while view:
-            n = os.pwrite(fd, view, offset)
-            view, offset = view[n:], offset + n
-        return offset
-
-    def write(self, p: Planned, data: Any) -> None:
-        fd, offset = self.place[p.src.name]
-        self.pwrite(fd, data, offset)
-        self.kick(fd, offset, p.nbytes)
-
-    def kick(self, fd: int, offset: int, n: int) -> None:
-        """Start (not wait for) writeback of a written range, on the flusher thread.
-
-        On Linux, POSIX_FADV_DONTNEED first starts asynchronous writeback of the range's dirty
-        pages (then drops only pages already clean), so the disk writes while the workers go on:
-        same bytes, same final fsync, only earlier. The call can block while the device queue is
-        full, hence its own thread. It is advice: errors are ignored; a no-op without posix_fadvise.
-        """
-        if n and hasattr(os, "posix_fadvise"):
-            self.flusher.submit(_advise_written, fd, offset, n)
-
-    def close(self) -> None:
-        self.flusher.shutdown(wait=True)  # before the fds it uses are closed
-        for fd in self.fds:
-            os.close(fd)
-        self.fds = []
-
-
-def _advise_written(fd: int, offset: int, n: int) -> None:
-    with contextlib.suppress(OSError):
-        os.posix_fadvise(fd, offset, n, os.POSIX_FADV_DONTNEED)  # type: ignore[attr-defined]
-
-
-@dataclass
-class _Segment:
-    """Bytes [start, end) of a source shard that go, unchanged, to `fd` at `out`."""
-
-    start: int
-    end: int
-    fd: int
-    out: int
-
-
-def _open_source(ckpt: Checkpoint, file: str) -> int:
-    try:
-        fd = open_regular(ckpt.folder / file, file)  # type: ignore[operator]
-    except FileNotFoundError:
-        raise CheckpointError(f"{file}: shard vanished since its header was read", hint="rerun") from None
-    if os.fstat(fd).st_size != ckpt.headers[file].file_size:
-        os.close(fd)
-        raise CheckpointError(f"{file}: shard changed size since its header was read", hint="rerun")
-    return fd
-
-
-def _stream_shard(fd: int, header: ShardHeader, wanted: dict[str, Planned], output: _Output, verify: bool,
-                  progress: Callable[[int], None], cancel: threading.Event) -> str:
-    """One front-to-back pass over a source shard (on a worker thread); returns its sha256.
-
-    Each chunk is read once into a reused buffer, fed to the shard's sha256 (and, with `verify`,
-    to the tensor's), and, where it belongs to a copied tensor, written at its output offset.
-    Tensors next to each other in the source and in the output form one segment.
-    """
-    segments: list[_Segment] = []
-    for p in sorted((q for q in wanted.values() if not q.dequant), key=lambda q: q.src.start):
-        out_fd, out = output.place[p.src.name]
-        last = segments[-1] if segments else None
-        if last and last.end == p.src.start and last.fd == out_fd and last.out + last.end - last.start == out:
-            last.end = p.src.end
-        elif p.src.nbytes:
-            segments.append(_Segment(p.src.start, p.src.end, out_fd, out))
-    tensors: dict[int, Planned] = {}  # start -> copied tensor whose source bytes to hash (verify)
-    for p in wanted.values():
-        if verify and not p.dequant:
-            if p.src.nbytes:
-                tensors[p.src.start] = p
-            else:
-                p.sha256 = hashlib.sha256().hexdigest()
-    starts = {s.start: s for s in segments}
-    marks = sorted({0, header.file_size, *starts, *(s.end for s in segments),
-                    *tensors, *(p.src.end for p in tensors.values())})
-    shard_sha, buf = hashlib.sha256(), memoryview(bytearray(STREAM_CHUNK))
-    seg: _Segment | None = None
-    kicked = 0
-    for start, end in zip(marks, marks[1:]):
-        if start in starts:
-            seg, kicked = starts[start], start
-        elif seg and start >= seg.end:
-            seg = None
-        tensor_sha = hashlib.sha256() if start in tensors else None
-        pos = start
-        while pos < end:
-            if cancel.is_set():
-                return ""
-            n = os.preadv(fd, [buf[:min(STREAM_CHUNK, end - pos)]], pos)
-            if not n:
-                raise CheckpointError(f"{header.file}: truncated at byte {pos} of {header.file_size}",
-                                      hint="re-download the shard")
-            chunk = buf[:n]
-            shard_sha.update(chunk)
-            if tensor_sha:
-                tensor_sha.update(chunk)
-            pos += n
-            if seg:
-                output.pwrite(seg.fd, chunk, seg.out + pos - n - seg.start)
-                if pos - kicked >= WRITEBACK_STEP or pos == seg.end:
-                    output.kick(seg.fd, seg.out + kicked - seg.start, pos - kicked)
-                    kicked = pos
-            progress(n)
-        if tensor_sha:
-            tensors[start].sha256 = tensor_sha.hexdigest()
-    return shard_sha.hexdigest()
-
-
-def _fsync_dir(folder: Path) -> None:
-    with contextlib.suppress(OSError):  # some filesystems refuse fsync on a folder; best effort
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def _dequant(fd: int, p: Planned, block: tuple[int, int]) -> memoryview:
     import torch  # only dequantization needs torch; plain extraction stays light
-
-    from dsparkctl.checkpoint.quant import dequant_fp4, dequant_fp8
 
     weight = _load(fd, p.src)
     scale = _load(fd, p.scale)  # type: ignore[arg-type]
@@ -468,4 +241,3 @@ def _revision_from_path(folder: Path | None) -> str | None:
     if folder is not None and folder.resolve().parent.name == "snapshots":
         return folder.resolve().name
     return None
-

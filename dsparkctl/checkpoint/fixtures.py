@@ -1,7 +1,7 @@
 """Miniature checkpoints with the real tensor names, dtypes, sharding and index layout.
 
 Shared by the tests and `benchmarks/bench_extract.py`. Dimensions are small (or whatever `Dims`
-says); names, dtypes, stage counts per FORMATS.md §1–3 are exact. Tensor bytes are random,
+says); names, dtypes, stage counts per docs/formats.md §1–3 are exact. Tensor bytes are random,
 except e8m0 scales, which are kept finite (no 0xFF) so the checkpoint dequantizes.
 """
 

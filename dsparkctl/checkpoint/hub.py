@@ -13,7 +13,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import huggingface_hub
 from huggingface_hub import constants, hf_hub_url
@@ -26,7 +26,7 @@ from dsparkctl.checkpoint.source import (INDEX, SINGLE, Checkpoint, check_consis
 from dsparkctl.errors import CheckpointError, InputError, UsageError, option
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                   "tokenizer.model")
+                   "chat_template.jinja", "tokenizer.model")  # a model's tokenizer files, fetched and copied beside a draft
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
@@ -204,33 +204,3 @@ def download(repo: str, revision: str | None = None, local_dir: Path | None = No
                 result.folder = Path(path).parent
     result.skipped = [(f, s) for f, s in sizes.items() if f not in wanted]
     return result
-
-
-@dataclass(frozen=True)
-class DownloadSpec:
-    """Everything `download` runs (`run_download` checks it)."""
-    repo: str  # hub repo id (org/name)
-    revision: str | None = None
-    local_dir: Path | None = None  # None: the hub cache
-    with_head: bool = False  # also the target's embed/head the draft borrows
-
-
-def run_download(spec: DownloadSpec, *, on_file: Callable[[str, int], None] | None = None) -> dict[str, Any]:
-    """`download` as one call: check the repo id and the folder, fetch the draft's files
-    (`download`; `on_file(file, bytes)` before each), return {"folder", "revision", "fetched",
-    "skipped"} (each file as {"file", "bytes"})."""
-    from dsparkctl.checks import Output, check_outputs
-
-    check_repo_id(spec.repo)
-    local_dir = spec.local_dir
-    if local_dir is not None:
-        check_outputs([Output(local_dir, option("local_dir"), "folder")])
-        if local_dir.is_symlink() or (local_dir.is_dir() and any(local_dir.iterdir())
-                                      and not (local_dir / ".cache" / "huggingface").is_dir()):
-            raise UsageError(f"{option('local_dir')} {local_dir} holds files that no download wrote; the download "
-                             "would replace them",
-                             hint="download into a new or empty folder (or the one a download used)")
-    res = download(spec.repo, spec.revision, local_dir, spec.with_head, on_file=on_file)
-    return {"folder": str(res.folder), "revision": res.revision,
-            "fetched": [{"file": f, "bytes": b} for f, b in res.fetched],
-            "skipped": [{"file": f, "bytes": b} for f, b in res.skipped]}

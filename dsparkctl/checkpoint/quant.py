@@ -19,7 +19,6 @@ import torch
 from dsparkctl.checkpoint.source import FP4_BLOCK
 from dsparkctl.errors import CheckpointError
 
-
 # e2m1 code -> value; codes 8..15 are the negatives (8 is -0.0).
 FP4_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                            -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=torch.float32)

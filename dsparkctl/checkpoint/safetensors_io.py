@@ -1,6 +1,6 @@
 """Safe safetensors header parsing: 8-byte little-endian length, then a JSON header. Never unpickle.
 
-Every check in FORMATS.md §5 lives here, so local and remote readers share one validator:
+Every check in docs/formats.md §5 lives here, so local and remote readers share one validator:
 header length past the end of the file, non-JSON, unknown dtype, shape × dtype size != byte span,
 offsets out of range, overlapping, or not covering the data region exactly, a tensor named twice
 (duplicate JSON keys), NaN/Infinity constants. Local files are opened only when they are regular

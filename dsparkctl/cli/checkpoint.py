@@ -9,11 +9,12 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from dsparkctl.checkpoint.extract import ExtractSpec, run_extract
-from dsparkctl.checkpoint.hub import DownloadSpec, run_download
-from dsparkctl.checkpoint.inspect import InspectSpec, run_inspect
-from dsparkctl.cli.common import JsonOpt, RevisionOpt, err, guarded, note, out, print_json, progress_bar, styled
-from dsparkctl.checks import Output, check_outputs
+from dsparkctl.app.download import DownloadSpec, run_download
+from dsparkctl.app.extract import ExtractSpec, run_extract
+from dsparkctl.app.inspect import InspectSpec, run_inspect
+from dsparkctl.cli.console import err, note, out, print_json, progress_bar, styled
+from dsparkctl.cli.guard import guarded
+from dsparkctl.cli.options import JsonOpt, RevisionOpt
 from dsparkctl.errors import UsageError
 
 SourceArg = Annotated[str, typer.Argument(help="A local checkpoint folder or a hub repo id (org/name).")]
@@ -134,14 +135,9 @@ def fixture_cmd(
     layout: Annotated[str, typer.Option("--layout")] = "v4.1-flash",
 ) -> None:
     """(dev) Write a miniature checkpoint with real names and dtypes."""
-    from dsparkctl.checkpoint.fixtures import FIXTURE_LAYOUTS, write_fixture
+    from dsparkctl.app.dev_fixture import FixtureSpec, run_dev_fixture
 
-    if layout not in FIXTURE_LAYOUTS:
-        raise UsageError(f"no fixture for {layout!r}", hint=f"choose one of {', '.join(FIXTURE_LAYOUTS)}")
-    if out_dir.is_symlink() or (out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir()))):
-        raise UsageError(f"{out_dir} already exists", hint="choose a new output folder or delete the old one")
-    check_outputs([Output(out_dir, "OUT", "folder")])
-    out.print(str(write_fixture(out_dir, layout)))
+    out.print(str(run_dev_fixture(FixtureSpec(out_dir, layout))))
 
 
 def register(app: typer.Typer) -> None:

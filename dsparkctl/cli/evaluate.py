@@ -8,12 +8,12 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.table import Table
 
-from dsparkctl.cli.common import (CpuKernels, CpuKernelsOpt, DeviceOpt, DType, DTypeOpt, Device, JsonOpt, MaxNewTokensOpt, PresetOpt, RevisionOpt,
-                                  SeedOpt, TargetOpt, TargetParallelOpt, TemperatureOpt, TrustRemoteCodeOpt, err,
-                                  guarded, note, out, print_json)
-from dsparkctl.cli.common import choices
-from dsparkctl.evaluation.run import MODES
-
+from dsparkctl.cli.console import err, note, out, print_json
+from dsparkctl.cli.guard import guarded
+from dsparkctl.cli.options import (CpuKernels, CpuKernelsOpt, Device, DeviceOpt, DType, DTypeOpt, JsonOpt,
+                                   MaxNewTokensOpt, PresetOpt, RevisionOpt, SeedOpt, TargetOpt, TargetParallelOpt,
+                                   TemperatureOpt, TrustRemoteCodeOpt, choices)
+from dsparkctl.evaluation.acceptance import MODES
 
 Mode = choices("Mode", MODES)
 
@@ -81,7 +81,7 @@ def eval_acceptance(
     seed: SeedOpt = 0,
     json_out: JsonOpt = False,
 ) -> None:
-    from dsparkctl.evaluation.run import EvalSpec, run_evaluation
+    from dsparkctl.app.eval_acceptance import EvalSpec, run_eval_acceptance
 
     spec = EvalSpec(drafts=tuple(draft or ()), labels=tuple(labels or ()), target=target,
                     datasets=tuple(dataset or ["mt-bench"]), field=field, limit=limit, preset=preset,
@@ -89,7 +89,7 @@ def eval_acceptance(
                     chat=chat, plot=plot, trace=trace, out=out_path, revision=revision,
                     trust_remote_code=trust_remote_code, target_parallel=target_parallel,
                     cpu_kernels=cpu_kernels.value, device=device.value, dtype=dtype.value, seed=seed)
-    results = run_evaluation(spec, log=lambda s: err.print(s, highlight=False),
+    results = run_eval_acceptance(spec, log=lambda s: err.print(s, highlight=False),
                              note=note)
     if json_out:
         print_json(results)

@@ -8,10 +8,12 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.table import Table
 
-from dsparkctl.cli.common import (CpuKernels, CpuKernelsOpt, DeviceOpt, DraftOpt, DType, DTypeOpt, Device, JsonOpt, RevisionOpt, SeedOpt,
-                                  MaxNewTokensOpt, PresetOpt, TargetOpt, TargetParallelOpt, TemperatureOpt, TrustRemoteCodeOpt, err,
-                                  guarded, note, out, print_json, progress_bar, show_progress, styled)
-from dsparkctl.math.policies import NEEDS_SPS, POLICY_SPECS
+from dsparkctl.cli.console import err, note, out, print_json, progress_bar, show_progress, styled
+from dsparkctl.cli.guard import guarded
+from dsparkctl.cli.options import (CpuKernels, CpuKernelsOpt, Device, DeviceOpt, DraftOpt, DType, DTypeOpt, JsonOpt,
+                                   MaxNewTokensOpt, PresetOpt, RevisionOpt, SeedOpt, TargetOpt, TargetParallelOpt,
+                                   TemperatureOpt, TrustRemoteCodeOpt)
+from dsparkctl.math.policy_spec import NEEDS_SPS, POLICY_SPECS
 
 
 def register(app: typer.Typer) -> None:
@@ -77,7 +79,7 @@ def generate(
     target_parallel: TargetParallelOpt = "none",
     cpu_kernels: CpuKernelsOpt = CpuKernels.auto,
 ) -> None:
-    from dsparkctl.engine.generate import GenerateSpec, run_generate
+    from dsparkctl.app.generate import GenerateSpec, run_generate
 
     spec = GenerateSpec(
         prompts=tuple(prompts or ()), prompts_file=prompts_file, dataset=dataset, field=field, limit=limit,

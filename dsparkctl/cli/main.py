@@ -8,7 +8,7 @@ import typer
 
 from dsparkctl import __version__
 from dsparkctl.cli import checkpoint, evaluate, generate, profile, schedule, serve, train
-from dsparkctl.cli.common import STATE
+from dsparkctl.cli.console import STATE
 
 app = typer.Typer(
     name="dsparkctl",
@@ -34,7 +34,6 @@ def _root(
 ) -> None:
     STATE["debug"] = debug
     from dsparkctl import distributed
-
     from dsparkctl.errors import DsparkError
 
     try:
@@ -44,7 +43,7 @@ def _root(
     except DsparkError as exc:  # every rank sees the same verdict: each says it in one line, leaves the group, exits
         import sys
 
-        from dsparkctl.cli.common import err, error_line
+        from dsparkctl.cli.console import err, error_line
 
         w = distributed.env_world()
         label = f"rank {w.rank} error:" if w.distributed else "error:"

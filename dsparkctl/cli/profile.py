@@ -8,11 +8,11 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.table import Table
 
-from dsparkctl.cli.common import (CpuKernels, CpuKernelsOpt, DeviceOpt, DraftOpt, DType, DTypeOpt, Device, JsonOpt, RevisionOpt, SeedOpt,
-                                  TargetOpt, err, guarded, int_list, out, print_json, progress_bar, styled)
-from dsparkctl.cli.common import choices
+from dsparkctl.cli.console import err, out, print_json, progress_bar, styled
+from dsparkctl.cli.guard import guarded
+from dsparkctl.cli.options import (CpuKernels, CpuKernelsOpt, Device, DeviceOpt, DraftOpt, DType, DTypeOpt, JsonOpt,
+                                   RevisionOpt, SeedOpt, TargetOpt, choices, int_list)
 from dsparkctl.engine.profile import MEASURES
-
 
 Measure = choices("Measure", MEASURES)
 
@@ -47,7 +47,7 @@ def profile_sps_cmd(
     plot: Annotated[Optional[Path], typer.Option("--plot", help="PNG path (default <out stem>.png).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    from dsparkctl.engine.profile import ProfileSpec, run_profile
+    from dsparkctl.app.profile_sps import ProfileSpec, run_profile_sps
 
     spec = ProfileSpec(out=out_path, sglang_out=sglang_out, plot=plot, measure=(measure or Measure.whole_step).value,
                        requests=tuple(int_list(requests, "--requests")),
@@ -56,7 +56,7 @@ def profile_sps_cmd(
                        revision=revision, device=device.value, dtype=dtype.value, cpu_kernels=cpu_kernels.value,
                        seed=seed)
     with progress_bar("profile-sps", None) as update:
-        result, table = run_profile(spec, log=lambda m: err.print(styled((m, "dim"))),
+        result, table = run_profile_sps(spec, log=lambda m: err.print(styled((m, "dim"))),
                                     on_progress=lambda done, total: update(completed=done, total=total))
     for w in result["warnings"]:
         err.print(styled(("warning:", "yellow"), f" {w}"))

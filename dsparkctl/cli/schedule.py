@@ -8,11 +8,14 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from dsparkctl.cli.common import JsonOpt, SeedOpt, err, error_line, guarded, int_list, out, print_json, styled
+from dsparkctl.app.audit import AuditSpec
+from dsparkctl.app.sweep_scheduler import SweepSpec
+from dsparkctl.cli.console import err, error_line, out, print_json, styled
+from dsparkctl.cli.guard import guarded
+from dsparkctl.cli.options import JsonOpt, SeedOpt, int_list
 from dsparkctl.errors import UsageError
-from dsparkctl.math.audit import AuditSpec
-from dsparkctl.math.policies import POLICY_SPECS
-from dsparkctl.sweep import DEFAULT_CONCURRENCY, DEFAULT_POLICIES, SweepSpec
+from dsparkctl.math.policy_spec import POLICY_SPECS
+from dsparkctl.tuning.sweep import DEFAULT_CONCURRENCY, DEFAULT_POLICIES
 
 POLICY_HELP = f"Policies: {POLICY_SPECS}."
 
@@ -37,7 +40,7 @@ def calibrate(
     json_out: JsonOpt = False,
 ) -> None:
     """Fit STS temperatures on traces; report held-out ECE/AUROC/Brier per position before and after."""
-    from dsparkctl.calibrate import CalibrateSpec, run_calibrate, strip_diagrams
+    from dsparkctl.app.calibrate import CalibrateSpec, run_calibrate, strip_diagrams
 
     spec = CalibrateSpec(traces=tuple(traces), holdout=holdout, bins=bins, out=out_path, sglang_out=sglang_out,
                          plot_dir=plot_dir, seed=seed)
@@ -83,7 +86,7 @@ def sweep_scheduler(
     json_out: JsonOpt = False,
 ) -> None:
     """Replay recorded rounds under each policy and concurrency; report tokens/step, Θ and per-user speed."""
-    from dsparkctl.sweep import run_sweep_scheduler
+    from dsparkctl.app.sweep_scheduler import run_sweep_scheduler
 
     spec = SweepSpec(traces=tuple(trace), sps_table=sps_table, policies=tuple(_policy_specs(policies)),
                      concurrency=tuple(int_list(concurrency, "--concurrency")), calibration=calibration,
@@ -124,7 +127,7 @@ def audit(
     json_out: JsonOpt = False,
 ) -> None:
     """Losslessness audit: chi-square of the first (and first two) output tokens against the target."""
-    from dsparkctl.math.audit import run_audit
+    from dsparkctl.app.audit import run_audit
 
     spec = AuditSpec(policies=tuple(_policy_specs(policies)), rounds=rounds, plain_rounds=plain_rounds,
                      random_settings=random_settings, alpha=alpha, seed=seed)

@@ -7,7 +7,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from dsparkctl.cli.common import DraftOpt, JsonOpt, RevisionOpt, TargetOpt, err, guarded, note, out, print_json, styled
+from dsparkctl.cli.console import err, note, out, print_json, styled
+from dsparkctl.cli.guard import guarded
+from dsparkctl.cli.options import DraftOpt, JsonOpt, RevisionOpt, TargetOpt
 
 
 def register(app: typer.Typer) -> None:
@@ -37,7 +39,7 @@ def serve_config(
     out_path: Annotated[Optional[Path], typer.Option("--out", help="Also write a shell script with both commands.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    from dsparkctl.serving import ServeSpec, run_serve_config
+    from dsparkctl.app.serve_config import ServeSpec, run_serve_config
 
     spec = ServeSpec(draft=draft, target=target, target_id=target_id, revision=revision, sps_table=sps_table,
                      calibration=calibration, sweep=sweep, export_full_vocab=export_full_vocab,

@@ -8,8 +8,9 @@ from typing import Annotated, Any
 
 import typer
 
-from dsparkctl.cli.common import (Device, DeviceOpt, JsonOpt, err, guarded, out, print_json, progress_bar,
-                                  show_progress)
+from dsparkctl.cli.console import err, out, print_json, progress_bar, show_progress
+from dsparkctl.cli.guard import guarded
+from dsparkctl.cli.options import Device, DeviceOpt, JsonOpt
 
 
 def register(app: typer.Typer) -> None:
@@ -81,7 +82,7 @@ def train(
     json_out: JsonOpt = False,
 ) -> None:
     """Train a DSpark/DFlash draft by self-distillation from the target (resumable)."""
-    from dsparkctl.train.run import TrainSpec, run_train
+    from dsparkctl.app.train import TrainSpec, run_train
 
     spec = TrainSpec(recipe=recipe, overrides=tuple(set_ or ()), resume=resume, out=out_dir, cache_dir=cache_dir,
                      max_steps=max_steps, max_minutes=max_minutes, export_step=export_step, device=device.value,

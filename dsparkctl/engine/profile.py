@@ -30,16 +30,19 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 
 from dsparkctl.engine.clock import Clock, sync
-from dsparkctl.engine.session import ModelSettings
+from dsparkctl.engine.speculative import SpeculativeEngine
 from dsparkctl.errors import UsageError, option
-from dsparkctl.math.policies import Static, parse_policy
-from dsparkctl.models.target import TargetAdapter
+from dsparkctl.math.policies import Static
+from dsparkctl.math.policy_spec import parse_policy
+from dsparkctl.math.sampling import SamplingParams
+from dsparkctl.math.sps import SPSTable, StepGrid, fit_step_grid, isotonic
+from dsparkctl.models.target import TargetAdapter, position_limit
+from dsparkctl.provenance import provenance
 
 
 @dataclass
@@ -56,16 +59,6 @@ class SPSPoint:
     @property
     def median_ms(self) -> float:
         return statistics.median(self.ms)
-
-
-def position_limit(model: torch.nn.Module) -> int | None:
-    """The most positions the model was built for (`max_position_embeddings` or its aliases), if it says."""
-    cfg = getattr(model, "config", None)
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        v = getattr(cfg, key, None)
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-            return v
-    return None
 
 
 def check_context(model: torch.nn.Module, context_len: int, tokens_per_request: Sequence[int]) -> None:
@@ -223,7 +216,6 @@ def fit_table(points: Sequence[SPSPoint], meta: dict[str, Any]) -> tuple[Any, li
     step per request count likewise (when measured). The 1-D table SGLang reads is the fitted
     grid seen by batch tokens (median over the (R, t) with R·t = B, then fitted monotone in B).
     A warning names every probe whose median lies further from the fit than its spread."""
-    from dsparkctl.math.sps import SPSTable, StepGrid, fit_step_grid, isotonic
 
     drafted = [p for p in points if not p.plain]
     reqs = sorted({p.requests for p in drafted})
@@ -271,9 +263,6 @@ def profile_table(sess: Any, measure: str, requests: Sequence[int], tokens_per_r
     """Profile the session (whole-step: its engine's round and plain step, `profile_whole_step`;
     target-forward: the target alone, `profile_sps`) and fit its table (`fit_table`): (SPSTable,
     warnings). The table records how it was measured, every raw probe, and `meta`."""
-    from dsparkctl.engine.speculative import SpeculativeEngine
-    from dsparkctl.math.sampling import SamplingParams
-    from dsparkctl.provenance import provenance
 
     whole = measure == "whole-step"
     if whole:
@@ -293,92 +282,3 @@ def profile_table(sess: Any, measure: str, requests: Sequence[int], tokens_per_r
         points=[{"requests": p.requests, "tokens_per_request": p.tokens_per_request, "plain": p.plain,
                  "batch_tokens": p.batch_tokens, "median_ms": round(p.median_ms, 4),
                  "ms": [round(x, 4) for x in p.ms]} for p in points]))
-
-
-MAX_REPEATS = 1000  # per grid point; a typo such as 99999999999 would profile for years
-
-
-@dataclass(frozen=True)
-class ProfileSpec(ModelSettings):
-    """Everything `profile-sps` runs, as the user gave it (`run_profile` checks it)."""
-    out: Path = Path("sps.json")  # our table; the SGLang table and the PNG default beside it
-    sglang_out: Path | None = None  # None: <out stem>.sglang.json
-    plot: Path | None = None  # None: <out stem>.png
-    measure: str = "whole-step"  # one of MEASURES
-    requests: tuple[int, ...] = (1, 2, 4, 8)
-    tokens_per_request: tuple[int, ...] | None = None  # None: 1..γ+1 (whole-step) or 1,2,3,4,6,8
-    context_len: int = 256  # cached context tokens per request
-    repeats: int = 5  # timed repeats per point (median)
-    warmup: int = 2  # untimed warm-up steps per point
-    draft: str | None = None  # whole-step only; None: the shipped draft
-
-
-def run_profile(spec: ProfileSpec, *,
-                log: Callable[[str], None] = lambda m: None,
-                on_progress: Callable[[int, int], None] | None = None) -> tuple[dict[str, Any], Any]:
-    """Check the spec (numbers, grid, every output path before any model loads; the grid against
-    the model before kernel timing), profile, fit, write our table, SGLang's and the PNG: (the
-    result document, the SPSTable). `on_progress(done, total)` counts grid points."""
-    import itertools
-
-    from dsparkctl.checks import Output, check_outputs, local_inputs
-    from dsparkctl.engine.session import open_session, open_target
-    from dsparkctl.fsutil import staged
-    from dsparkctl.plots import plot_sps
-    from dsparkctl.sps_io import save_sps_table
-
-    whole = spec.measure == "whole-step"
-    if spec.measure not in MEASURES:
-        raise UsageError(f"unknown measure {spec.measure!r}", f"use one of {', '.join(MEASURES)}")
-    if spec.target_parallel != "none":
-        raise UsageError(f"profile-sps times one process on one device; {option('target_parallel')} "
-                         f"{spec.target_parallel!r} is for generate and eval-acceptance",
-                         "profile the target on one device (the table's costs are per device)")
-    if spec.context_len < 1 or spec.repeats < 1 or spec.warmup < 0:
-        raise UsageError(f"{option('context_len')} and {option('repeats')} must be >= 1, {option('warmup')} >= 0",
-                         f"e.g. {option('context_len')} 256 {option('repeats')} 5 {option('warmup')} 2")
-    if spec.repeats > MAX_REPEATS or spec.warmup > MAX_REPEATS:
-        raise UsageError(f"{option('repeats')} and {option('warmup')} must be at most {MAX_REPEATS}, got "
-                         f"{spec.repeats} and {spec.warmup}",
-                         f"e.g. {option('repeats')} 5 {option('warmup')} 2 (medians settle within a few)")
-    inputs = local_inputs(target=spec.target, drafts=[spec.draft])
-    check_outputs([Output(spec.out, option("out"))], inputs)  # first: the other names derive from it
-    sg = spec.sglang_out or spec.out.with_name(spec.out.stem + ".sglang.json")
-    png = spec.plot or spec.out.with_suffix(".png")
-    check_outputs([Output(spec.out, option("out")), Output(sg, option("sglang_out")), Output(png, option("plot"), "figure")], inputs)
-    reqs = list(spec.requests)
-    toks = list(spec.tokens_per_request) if spec.tokens_per_request is not None else (None if whole else [1, 2, 3, 4, 6, 8])
-    if toks is not None:
-        check_grid(reqs, toks)  # before any model loads
-    check_batch_tokens(reqs, toks or [8], spec.context_len)
-    if whole:
-        sess = open_session(spec.target, spec.draft, spec.device, spec.dtype, spec.revision, spec.trust_remote_code,
-                            spec.seed, log=log, cpu_kernels=spec.cpu_kernels, settle=False)
-        gamma = sess.draft.block_size
-        if toks is None:
-            toks = list(range(1, gamma + 2))
-            check_grid(reqs, toks)
-        check_verify_width(gamma, toks)
-    else:
-        sess = open_target(spec.target, spec.device, spec.dtype, spec.revision, spec.trust_remote_code, log=log,
-                           cpu_kernels=spec.cpu_kernels, settle=False)
-    check_context(sess.target.model, spec.context_len, toks)
-    sess.settle_kernels(log)  # every input is checked: the timing is not wasted
-    done = itertools.count(1)
-    n_points = len(set(reqs)) * (len(set(toks)) + whole)
-    drafted = ((str(Path(spec.draft).resolve()) if spec.draft and Path(spec.draft).exists() else sess.draft_name)
-               if whole else None)
-    table, warnings = profile_table(sess, spec.measure, reqs, toks, spec.context_len, spec.repeats, spec.warmup,
-                                    spec.seed, on_point=(lambda p: on_progress(next(done), n_points))
-                                    if on_progress else None, draft=drafted)
-    bt, sps = table.batch_tokens, table.steps_per_sec
-    dev, dt = sess.device, str(sess.dtype).replace("torch.", "")
-    with staged() as stage:  # the three appear together, or none (serve-config reads the SGLang twin beside ours)
-        plot_sps(bt, sps, stage(png), f"{sess.target.name} on {dev} ({dt}), context {spec.context_len}, "
-                 f"{spec.measure}", as_path=png)
-        save_sps_table(table, stage(sg), fmt="sglang")
-        save_sps_table(table, stage(spec.out), fmt="dsparkctl")
-    doc = {"table": str(spec.out), "sglang_table": str(sg), "plot": str(png), "measures": spec.measure,
-           "batch_tokens": bt, "steps_per_sec": [round(s, 3) for s in sps],
-           "ms_per_step": [round(1000 / s, 3) for s in sps], "grid": table.grid.to_json(), "warnings": warnings}
-    return doc, table

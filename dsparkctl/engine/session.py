@@ -9,7 +9,9 @@ from typing import Any, Callable
 import torch
 
 from dsparkctl.distributed import Split
+from dsparkctl.engine.kernel_choice import cpu_info, resolve
 from dsparkctl.errors import UsageError, option
+from dsparkctl.formats.calibration import own_calibration
 from dsparkctl.models.draft import DSparkDraft
 from dsparkctl.models.draft_io import load_draft, random_draft
 from dsparkctl.models.loading import (RANDOM_DRAFT, LoadedTarget, default_draft_dir, is_default_draft, is_embedded,
@@ -72,10 +74,8 @@ class Session:
 
     def conditions(self) -> dict[str, Any]:
         """What a step's time depends on besides the models: the machine, torch's threads, the
-        kernels, device and dtype (recorded in SPS tables; `sps_io.condition_notes` compares)."""
+        kernels, device and dtype (recorded in SPS tables; `formats.sps.condition_notes` compares)."""
         import platform
-
-        from dsparkctl.engine.kernel_choice import cpu_info
 
         return {"cpu": cpu_info()["name"], "machine": platform.machine(), "threads": torch.get_num_threads(),
                 "cpu_kernels": self.cpu_kernels, "device": str(self.device),
@@ -86,7 +86,6 @@ class Session:
         when it was fitted for this very draft (its fingerprint); else None."""
         if self.draft is None:
             return None
-        from dsparkctl.calibrate import own_calibration
 
         return own_calibration(self.draft_dir, self.draft.fingerprint())
 
@@ -112,7 +111,6 @@ class Session:
         now), then pack the session's draft and `drafts` (loaded while the choice was pending) to match."""
         if self.route is not None:
             return
-        from dsparkctl.engine.kernel_choice import resolve
 
         model = self.target.model
         before = dict(model.named_modules())  # what drafts loaded meanwhile may have borrowed

@@ -17,15 +17,17 @@ from typing import Callable, Sequence
 
 import torch
 
-from dsparkctl.engine.clock import Clock
 from dsparkctl.checks import check_positive
-from dsparkctl.math.policies import Policy, check_fits
+from dsparkctl.engine.clock import Clock
+from dsparkctl.formats.trace import TraceRound
+from dsparkctl.math.policies import Policy
+from dsparkctl.math.policy_spec import check_fits
 from dsparkctl.math.sampling import SamplingParams, draw, warp_probs
 from dsparkctl.math.stats import AcceptanceStats
 from dsparkctl.math.verify import VerifyResult, verify
-from dsparkctl.models.draft import DraftState, DSparkDraft
+from dsparkctl.models.draft import DSparkDraft
+from dsparkctl.models.draft_inference import DraftState
 from dsparkctl.models.target import TargetAdapter
-from dsparkctl.trace import TraceRound
 
 
 @dataclass

@@ -16,13 +16,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from pathlib import Path
 from typing import Callable
 
-import time
-
+from dsparkctl.engine.profile import profile_table
 from dsparkctl.errors import DsparkError
+from dsparkctl.files.atomic import cannot_create
+from dsparkctl.files.cache import cache_location
+from dsparkctl.files.ownership import replace_refusal
+from dsparkctl.formats.sps import load_sps_table, save_sps_table
 from dsparkctl.math.sps import SPSTable
+from dsparkctl.models.target import model_fingerprint, position_limit
 
 RULE = 1  # bump when what is profiled or how it is fitted changes
 REQUESTS = (1, 2, 4, 8)
@@ -30,7 +35,6 @@ CONTEXT = 256
 
 
 def _key(sess, gamma: int, requests: tuple[int, ...] = REQUESTS) -> str:
-    from dsparkctl.evaluation.continuations import model_fingerprint
 
     doc = {"rule": RULE, "conditions": sess.conditions(), "target": model_fingerprint(sess.target.model),
            "draft": sess.draft.fingerprint(), "block_size": gamma, "requests": list(requests), "context": CONTEXT}
@@ -47,10 +51,9 @@ def requests_for(batch_size: int | None) -> tuple[int, ...]:
 
 
 def cache_dir() -> Path:
-    """`$DSPARKCTL_SPS_CACHE`, else `sps/` of the cache root (fsutil.cache_root)."""
-    from dsparkctl.fsutil import cache_path
+    """`$DSPARKCTL_SPS_CACHE`, else `sps/` of the cache root (files.cache.cache_root)."""
 
-    return cache_path("sps", "DSPARKCTL_SPS_CACHE")
+    return cache_location("sps", "DSPARKCTL_SPS_CACHE")
 
 
 def cache_path(sess, requests: tuple[int, ...] = REQUESTS) -> Path:
@@ -58,7 +61,6 @@ def cache_path(sess, requests: tuple[int, ...] = REQUESTS) -> Path:
 
 
 def _cached(sess, path: Path) -> SPSTable | None:
-    from dsparkctl.sps_io import load_sps_table
 
     if not path.is_file():
         return None
@@ -72,9 +74,6 @@ def _cached(sess, path: Path) -> SPSTable | None:
 def machine_sps_table(sess, log: Callable[[str], None] = print, batch_size: int | None = None) -> SPSTable:
     """The session's whole-step SPS table for this machine, for runs of up to `batch_size` requests
     (None: every grid row): cached (a wider grid serves too), else profiled now and cached."""
-    from dsparkctl.engine.profile import profile_table
-    from dsparkctl.fsutil import cannot_create
-    from dsparkctl.sps_io import save_sps_table
 
     need = requests_for(batch_size)
     for wider in range(len(REQUESTS), len(need) - 1, -1):
@@ -82,7 +81,6 @@ def machine_sps_table(sess, log: Callable[[str], None] = print, batch_size: int 
             return table
     path = cache_path(sess, need)
     gamma = sess.draft.block_size
-    from dsparkctl.engine.profile import position_limit
 
     limit = position_limit(sess.target.model)
     context = CONTEXT if limit is None else max(1, min(CONTEXT, limit - gamma - 2))
@@ -92,7 +90,6 @@ def machine_sps_table(sess, log: Callable[[str], None] = print, batch_size: int 
     table, _ = profile_table(sess, "whole-step", need, list(range(1, gamma + 2)), context, repeats=3, warmup=1,
                              draft=sess.draft_name, cached_by="generate", on_sweep=_eta(log))
     table.source = str(path)
-    from dsparkctl.fsutil import replace_refusal
 
     if (why := cannot_create(path) or replace_refusal(path, ours=lambda p: True)) is not None:  # a damaged entry of this cache is ours; a link, FIFO or folder is not
         log(f"note: the SPS cache {path} cannot be written ({why}); the table is used for this run only")

@@ -3,7 +3,7 @@ target's own answers, which do not change between drafts.
 
 The key covers what the answers depend on: the model (config and a fingerprint of its weights),
 dtype and device type, the prompt ids, max new tokens, sampling settings, seed, stop ids and the
-batch size (batches are seeded separately, engine/run.py). Files live under
+batch size (batches are seeded separately, engine/decode.py). Files live under
 `$DSPARKCTL_CACHE/continuations/` (default ~/.cache/dsparkctl), written atomically; a corrupt
 or foreign file is recomputed, never trusted.
 """
@@ -20,27 +20,22 @@ import torch
 
 from dsparkctl.distributed import DATA_PARALLEL, Split
 from dsparkctl.evaluation.live import target_continuations
-from dsparkctl.fsutil import atomic_open
+from dsparkctl.files.atomic import atomic_open, cannot_create
+from dsparkctl.files.cache import cache_location
+from dsparkctl.files.os_errors import os_error_words
+from dsparkctl.files.ownership import regular_file, replace_refusal
 from dsparkctl.math.sampling import SamplingParams
 from dsparkctl.models.packed_linear import PackedLinear, route_of
+from dsparkctl.models.target import model_fingerprint
+from dsparkctl.strict_json import loads
 
 FORMAT = "dsparkctl-continuations/1"
 
 
 def cache_dir() -> Path:
-    """`$DSPARKCTL_CONTINUATIONS_CACHE`, else `continuations/` of the cache root (fsutil.cache_root)."""
-    from dsparkctl.fsutil import cache_path
+    """`$DSPARKCTL_CONTINUATIONS_CACHE`, else `continuations/` of the cache root (files.cache.cache_root)."""
 
-    return cache_path("continuations", "DSPARKCTL_CONTINUATIONS_CACHE")
-
-
-def model_fingerprint(model: torch.nn.Module) -> str:
-    """Config + a few weight slices: cheap, and different for any other checkpoint in practice."""
-    h = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
-    params = list(model.parameters())
-    for p in (params[0], params[len(params) // 2], params[-1]):
-        h.update(p.detach().reshape(-1)[:4096].float().cpu().numpy().tobytes())
-    return h.hexdigest()[:16]
+    return cache_location("continuations", "DSPARKCTL_CONTINUATIONS_CACHE")
 
 
 def continuations_key(model: torch.nn.Module, prompts: Sequence[Sequence[int]], params: SamplingParams,
@@ -66,8 +61,6 @@ def read_entry(path: Path, key: str, n_prompts: int, vocab_size: int, max_new_to
     none). Valid, like user input: a regular file (a FIFO is never opened), strict JSON, our
     format and key, one list per prompt of at most max_new_tokens ids inside the vocabulary, and
     the digest of exactly those lists (a damaged but well-formed entry would change τ)."""
-    from dsparkctl.fsutil import regular_file
-    from dsparkctl.strict_json import loads
 
     if not os.path.lexists(path):
         return None, ""
@@ -95,7 +88,6 @@ def read_entry(path: Path, key: str, n_prompts: int, vocab_size: int, max_new_to
 
 def cache_problem(folder: Path | None = None) -> str | None:
     """Why continuations cannot be cached (checked before any work, said as a note), or None."""
-    from dsparkctl.fsutil import cannot_create
 
     folder = folder or cache_dir()
     if os.path.lexists(folder) and not folder.is_dir():
@@ -111,7 +103,6 @@ def cached_continuations(model: torch.nn.Module, prompts: Sequence[Sequence[int]
                          split: Split = DATA_PARALLEL) -> tuple[list[list[int]], bool]:
     """(continuations, from_cache). A damaged entry is discarded and recomputed, with a note; a
     cache that cannot be written is said before the work, and the result is still returned."""
-    from dsparkctl.fsutil import replace_refusal
 
     key = continuations_key(model, prompts, params, max_new_tokens, stop_ids, seed, batch_size)
     path = cache_dir() / f"{key}.json"
@@ -126,7 +117,7 @@ def cached_continuations(model: torch.nn.Module, prompts: Sequence[Sequence[int]
     if problem:
         log(f"note: continuations cannot be cached ({problem}); computing them without the cache")
     conts = target_continuations(model, prompts, params, max_new_tokens, stop_ids, seed, batch_size, split)
-    if not problem:  # under torchrun rank 0 alone writes (fsutil.atomic_open)
+    if not problem:  # under torchrun rank 0 alone writes (files.atomic.atomic_open)
         refusal = replace_refusal(path, ours=lambda p: True)  # our folder: any regular file there is an entry
         if refusal:
             log(f"note: {path} {refusal}; left as it is, continuations not cached")
@@ -135,7 +126,6 @@ def cached_continuations(model: torch.nn.Module, prompts: Sequence[Sequence[int]
             with atomic_open(path, "w") as fh:
                 json.dump({"format": FORMAT, "key": key, "sha256": _digest(conts), "continuations": conts}, fh)
         except OSError as exc:
-            from dsparkctl.fsutil import os_error_words
 
             words = os_error_words(exc)
             log(f"note: could not cache the continuations in {path} ({words[0] if words else exc}); "

@@ -13,14 +13,14 @@ from typing import Callable, Sequence
 import torch
 
 from dsparkctl.distributed import DATA_PARALLEL, Split
-from dsparkctl.engine.run import plain_decoder, run_prompts, speculative_decoder
+from dsparkctl.engine.decode import plain_decoder, run_prompts, speculative_decoder
 from dsparkctl.engine.speculative import SpeculativeEngine
-from dsparkctl.math.policies import parse_policy
+from dsparkctl.formats.trace import TraceRound
+from dsparkctl.math.policy_spec import parse_policy
 from dsparkctl.math.sampling import SamplingParams
 from dsparkctl.math.stats import AcceptanceStats
 from dsparkctl.models.draft import DSparkDraft
 from dsparkctl.models.target import TargetAdapter
-from dsparkctl.trace import TraceRound
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dsparkctl.fsutil import save_figure
+from dsparkctl.plots import save_figure
 
 
 def plot_acceptance(results: dict[str, Any], path: str | Path, title: str | None = None) -> Path:

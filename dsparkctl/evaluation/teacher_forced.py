@@ -9,10 +9,12 @@ at position a+k-1 (both at the evaluation temperature; greedy = one-hot argmax):
     β_k(a) = Σ_v min(p_k, q_k) = 1 − ½‖p_k − q_k‖₁          (probability slot k is accepted)
     s_j(a) = Π_{i≤j} β_i(a)                                   (probability drafts 1..j all pass)
 
-Aggregated over anchors (the same estimands `AcceptanceStats` measures live):
-    survival    a_j = mean_a s_j(a)
-    conditional c_j = Σ_a s_j(a) / Σ_a s_{j-1}(a)       (s_0 = 1)
-    τ           = 1 + Σ_j a_j                            (full verification, bonus included)
+Aggregated over anchors, the same estimands `AcceptanceStats` measures live, through the same
+definitions (math/stats.py) applied to expected counts: an anchor is a fully verified round that
+reaches position j with probability s_{j-1}(a) and accepts it with probability s_j(a), so
+    survival    a_j = Σ_a s_j(a) / anchors                (`survival_full`)
+    conditional c_j = Σ_a s_j(a) / Σ_a s_{j-1}(a)         (`conditional_acceptance`; s_0 = 1)
+    τ           = 1 + Σ_j a_j                             (`tau_full`: full verification, bonus included)
 Intervals are 95% cluster-robust (prompts are the clusters) delta-method intervals.
 """
 
@@ -20,17 +22,41 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from dsparkctl.distributed import DATA_PARALLEL, Split
 from dsparkctl.math.sampling import SamplingParams, warp_probs
+from dsparkctl.math.stats import conditional_acceptance, survival_full, tau_full
 from dsparkctl.models.draft import DSparkDraft
 from dsparkctl.models.target import tapped
 
 FORMAT = "dsparkctl-teacher-forced/1"
+
+
+def beta_from_l1(l1: torch.Tensor) -> torch.Tensor:
+    """β = 1 − ½‖p − q‖₁, the probability a slot is accepted, from the L1 distance of the target's
+    and the draft's distributions (clamped against rounding): the one definition of β."""
+    return (1.0 - 0.5 * l1).clamp(0.0, 1.0)
+
+
+def anchor_block_logits(draft: DSparkDraft, feats: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor,
+                        chunk: int = 64, trim_context: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The draft's block logits at every anchor, `chunk` anchors at a time: (idx [n, γ+1] the
+    positions a..a+γ of each block, logits [n, γ, K]). feats: [1, S', F] the tapped target
+    features, on the draft's device; `trim_context` passes only the features before the last anchor."""
+    g = draft.block_size
+    dev = feats.device
+    for i in range(0, len(anchors), chunk):
+        a = anchors[i: i + chunk]  # [n]
+        idx = a[:, None] + torch.arange(g + 1, device=a.device)  # [n, γ+1]
+        toks = tokens[idx]
+        ctx = feats[:, : int(a.max())] if trim_context else feats
+        hidden = draft.forward_blocks(ctx, toks[None, :, 0].to(dev), a[None].to(dev))[0]  # [n, γ, H]
+        logits, _ = draft.block_logits(hidden, toks[:, :g].to(dev))  # [n, γ, K]
+        yield idx, logits
 
 
 @torch.no_grad()
@@ -45,18 +71,12 @@ def sequence_betas(draft: DSparkDraft, tokens: torch.Tensor, features: torch.Ten
     g = draft.block_size
     S = int(tokens.shape[0])
     anchors = torch.arange(start, max(start, S - g), device=tokens.device)  # a + γ <= S - 1 (none if too short)
-    out = []
     dt = next(draft.fc.parameters()).dtype
-    feats = features[None].to(dt)
-    for i in range(0, len(anchors), chunk):
-        a = anchors[i: i + chunk]  # [n]
-        idx = a[:, None] + torch.arange(g + 1, device=a.device)  # [n, γ+1]
-        toks = tokens[idx]
-        hidden = draft.forward_blocks(feats, toks[None, :, 0], a[None])[0]  # [n, γ, H]
-        logits, _ = draft.block_logits(hidden, toks[:, :g])  # [n, γ, K]
+    out = []
+    for idx, logits in anchor_block_logits(draft, features[None].to(dt), tokens, anchors, chunk):
         q = draft.full_vocab(warp_probs(logits.float(), params))  # [n, γ, V]
         p = warp_probs(target_logits[idx[:, :g]].float(), params)
-        out.append((1.0 - 0.5 * (p - q).abs().sum(-1)).clamp(0.0, 1.0))
+        out.append(beta_from_l1((p - q).abs().sum(-1)))
     if not out:
         return torch.zeros(0, g)
     return torch.cat(out).float().cpu()
@@ -97,19 +117,17 @@ class TeacherForcedStats:
         if not self.counts:
             return [None] * self.block_size
         S0, n = self._arrays()
-        return [float(x) for x in S0[:, 1:].sum(0) / n.sum()]
+        return survival_full(S0[:, 1:].sum(0), n.sum())
 
     def conditional(self) -> list[float | None]:
         if not self.counts:
             return [None] * self.block_size
         S0, _ = self._arrays()
-        num, den = S0[:, 1:].sum(0), S0[:, :-1].sum(0)
-        return [float(a / b) if b > 0 else None for a, b in zip(num, den)]
+        return conditional_acceptance(S0[:, 1:].sum(0), S0[:, :-1].sum(0))
 
     @property
     def tau(self) -> float | None:
-        surv = self.survival()
-        return None if surv[0] is None else 1.0 + float(sum(surv))
+        return tau_full(self.survival())
 
     @staticmethod
     def _ratio_se(num: np.ndarray, den: np.ndarray) -> tuple[float, float]:

@@ -1,0 +1,1 @@
+"""The arithmetic of speculation: sampling, verification, statistics, SPS tables, policies."""

@@ -18,7 +18,7 @@ Extrapolation policy (B beyond the last probe)
 
 Probes are bounded: batch tokens ≤ MAX_BATCH_TOKENS, steps/s in [MIN_STEPS_PER_SEC,
 MAX_STEPS_PER_SEC], so every lookup and every Θ computed from a table is finite and positive.
-Reading and writing table files (ours and SGLang's) is `dsparkctl.sps_io`.
+Reading and writing table files (ours and SGLang's) is `dsparkctl.formats.sps`.
 
 Step grid and the plain step (`StepGrid`, what `profile-sps` measures since table format 2).
 A 1-D table in B cannot tell 8 requests verifying nothing (8 drafts, 8 tokens) from 2 requests

@@ -20,6 +20,10 @@ Under full verification (ℓ = γ every round) a_j is exactly #rounds(a ≥ j) /
 shorter, possibly adaptive verify lengths the product of conditionals is the estimator that
 uses only positions that were actually tested.
 
+The functions `conditional_acceptance`, `survival_from_conditional`, `survival_full` and
+`tau_full` are these definitions; `AcceptanceStats` (live rounds) and the teacher-forced
+statistics (evaluation/teacher_forced.py, expected counts over anchors) both compute through them.
+
 Lists in the public API are indexed by position j = 1..γ as list index j-1.
 """
 
@@ -31,7 +35,8 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["AcceptanceStats", "wilson_interval"]
+__all__ = ["AcceptanceStats", "conditional_acceptance", "survival_from_conditional", "survival_full",
+           "tau_full", "wilson_interval"]
 
 FORMAT = "dsparkctl-acceptance/1"
 
@@ -48,6 +53,45 @@ def wilson_interval(successes: float, trials: float, z: float = 1.96) -> tuple[f
     center = (p + z2 / (2 * trials)) / denom
     half = z / denom * math.sqrt(max(p * (1 - p) / trials + z2 / (4 * trials * trials), 0.0))
     return (max(0.0, center - half), min(1.0, center + half))
+
+
+def conditional_acceptance(accepted_at: Sequence[float], reached: Sequence[float]) -> list[float | None]:
+    """c_j = accepted_at[j] / reached[j]: of the rounds that tested position j, the share that
+    accepted it; None where none did. The counts may be expected counts (teacher forcing: Σ_a s_j(a)
+    over Σ_a s_{j-1}(a))."""
+    return [float(a / n) if n > 0 else None for a, n in zip(accepted_at, reached)]
+
+
+def survival_from_conditional(conditional: Sequence[float | None]) -> list[float | None]:
+    """a_j = Π_{i≤j} c_i, the estimator that uses only positions actually tested (any verify
+    lengths). Once the product is 0 it stays 0; None once undefined."""
+    out: list[float | None] = []
+    prod: float | None = 1.0
+    for c in conditional:
+        if prod is None or prod == 0.0:
+            pass
+        elif c is None:
+            prod = None
+        else:
+            prod *= c
+        out.append(prod)
+    return out
+
+
+def survival_full(accepted_at: Sequence[float], rounds: float) -> list[float | None]:
+    """a_j = accepted_at[j] / rounds: exact under full verification (every round tests position j
+    unless an earlier one was rejected, so accepted_at[j] counts the rounds whose first j drafts
+    passed); None for every position without rounds."""
+    if not rounds > 0:
+        return [None] * len(accepted_at)
+    return [float(a / rounds) for a in accepted_at]
+
+
+def tau_full(survival: Sequence[float | None]) -> float | None:
+    """τ = 1 + Σ_j a_j: tokens per round under full verification (each round emits its accepted
+    drafts, Σ_j 1[first j accepted], plus one token); None when a_1 is undefined. With any verify
+    lengths τ is counted directly, as `AcceptanceStats.tau` = tokens / rounds."""
+    return None if survival[0] is None else 1.0 + float(sum(survival))
 
 
 def _as_int_array(values) -> np.ndarray:
@@ -132,21 +176,11 @@ class AcceptanceStats:
 
     def conditional(self) -> list[float | None]:
         """c_j = accepted_at[j] / reached[j]; None where position j was never tested."""
-        return [a / n if n else None for a, n in zip(self.accepted_at, self.reached)]
+        return conditional_acceptance(self.accepted_at, self.reached)
 
     def survival(self) -> list[float | None]:
-        """a_j = Π_{i≤j} c_i. Once the product is 0 it stays 0; None once undefined."""
-        out: list[float | None] = []
-        prod: float | None = 1.0
-        for c in self.conditional():
-            if prod is None or prod == 0.0:
-                pass
-            elif c is None:
-                prod = None
-            else:
-                prod *= c
-            out.append(prod)
-        return out
+        """a_j = Π_{i≤j} c_i (`survival_from_conditional`). Once the product is 0 it stays 0; None once undefined."""
+        return survival_from_conditional(self.conditional())
 
     def conditional_interval(self, z: float = 1.96) -> list[tuple[float, float] | None]:
         """Wilson interval of each c_j over the rounds that reached j (None if none did)."""

@@ -6,13 +6,12 @@ Each round of each request draws a true conditional-acceptance logit per positio
 `overconfidence_k · z_k + bias_k`: over-confident when the scale is > 1. STS with
 `T_k = overconfidence_k` (bias 0) recovers the true probabilities exactly.
 Rounds are verified fully (`static:γ`) unless `verify_length` says otherwise, so the traces also
-feed `sweep-scheduler`. Writing them as a trace file is `dsparkctl.trace.write_synthetic_trace`.
+feed `sweep-scheduler`. Writing them as a trace file is `dsparkctl.formats.trace.write_synthetic_trace`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 
 import torch
 

@@ -1,0 +1,1 @@
+"""The models: the DSpark draft, its config and files, the target adapter, loading, packed linears."""

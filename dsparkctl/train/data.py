@@ -1,7 +1,7 @@
-"""Training data: prompt + response token ids, with the target's features and top-k distribution.
+"""Training data: the cache of prompt + response token ids, with the target's features and top-k.
 
-Two sources of responses (recipe `data.source`):
-    regenerate   the target answers each prompt (self-distillation, DSPARK.md); the tapped
+Two sources of responses (recipe `data.source`), both made by train/target_passes.py:
+    regenerate   the target answers each prompt (self-distillation, docs/background.md §7); the tapped
                  features and the target's top-k are captured while it decodes (one forward
                  per token, no second pass)
     responses    the dataset's own responses (e.g. ShareGPT's first assistant turn), run through
@@ -17,46 +17,36 @@ without `num_prompts`, so a larger `num_prompts` extends a cache instead of repl
                                                   and the target's top-k at response positions
 Every file is written atomically; an interrupted build resumes at the first missing file.
 Changing the tapped layers re-extracts features from the cached tokens (teacher-forced) and
-never regenerates.
-
-Per sequence of S tokens with prompt length P: `features[t]` is the tapped output at position
-t (t = 0..S-2), and top-k row j is the target's distribution at position P-1+j, i.e. for the
-token at P+j (j = 0..S-P-1), stored as ids (int32) and log-probabilities (fp16, T = 1).
+never regenerates. What a part holds per sequence, and the check a cached one must pass, is
+train/parts.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save
 
 from dsparkctl.data.prompts import encode_prompts, load_conversations, load_prompts
 from dsparkctl.distributed import DATA_PARALLEL, barrier
 from dsparkctl.errors import InputError
-from dsparkctl.fsutil import atomic_open, write_json
+from dsparkctl.files.atomic import atomic_open, write_json
+from dsparkctl.files.ownership import regular_file
+from dsparkctl.locks import claim, release, wait_for
+from dsparkctl.strict_json import loads
+from dsparkctl.train.parts import Sequence, check_part, unpack
 from dsparkctl.train.recipe import Recipe
+from dsparkctl.train.target_passes import regenerate_part, teacher_forced_part
 
 FORMAT = "dsparkctl-train-data/2"
 
 
-@dataclass
-class Sequence:
-    tokens: torch.Tensor  # [S] long: prompt + response
-    prompt_len: int  # P
-    features: torch.Tensor  # [S-1, n_taps*H] fp16 tapped target layers at positions 0..S-2
-    topk_ids: torch.Tensor  # [S-P, k] int32: target top-k for the token at P+j
-    topk_logp: torch.Tensor  # [S-P, k] fp16 log-probabilities (T = 1) of those ids
-
-    @property
-    def response_len(self) -> int:
-        return int(self.tokens.shape[0]) - self.prompt_len
-
-
-# ---------------------------------------------------------------------------------------- prompts
 def candidate_items(recipe: Recipe, tokenizer: Any) -> list[dict[str, list[int]]]:
     """Every usable item, chat-encoded, deduplicated, in a seeded order (prefix-stable in num_prompts)."""
     d = recipe.data
@@ -82,161 +72,6 @@ def candidate_items(recipe: Recipe, tokenizer: Any) -> list[dict[str, list[int]]
     return uniq
 
 
-# ---------------------------------------------------------------------------------------- target passes
-def _right_pad(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    L = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), L), pad, dtype=torch.long)
-    mask = torch.zeros(len(seqs), L, dtype=torch.bool)
-    for r, s in enumerate(seqs):
-        ids[r, : len(s)] = torch.as_tensor(s, dtype=torch.long)
-        mask[r, : len(s)] = True
-    return ids, mask
-
-
-def _topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits: [N, V] float32 -> top-k ids [N, k] int32 and log-probs [N, k] fp16 (T = 1)."""
-    v, i = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
-    return i.to(torch.int32), v.to(torch.float16)
-
-
-def _draw(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> torch.Tensor:
-    """The next token per row [n] from logits [n, V]: the argmax when greedy, else a multinomial draw
-    on the CPU (where the generator lives). Not math.sampling.draw: its exponential race draws the
-    same law from another random stream, and a data cache built for a seed must not change."""
-    if temperature > 0:
-        probs = torch.softmax(logits / temperature, dim=-1).cpu()
-        return torch.multinomial(probs, 1, generator=generator)[:, 0].to(logits.device)
-    return logits.argmax(-1)
-
-
-@torch.no_grad()
-def regenerate_part(model: Any, prompts: list[list[int]], layer_ids: tuple[int, ...], max_new_tokens: int,
-                    temperature: float, stop_ids: list[int], pad_id: int, topk: int,
-                    generator: torch.Generator) -> dict[str, torch.Tensor]:
-    """Decode responses for one batch of prompts, capturing tapped features and top-k as we go.
-
-    Right-padded prefill with explicit positions; each decode step feeds one token per live row
-    (padding slots stay as masked holes); finished rows leave the batch at once. The base model
-    runs and the head is applied at the last position only: the target adapter's prefill would
-    compute logits at every position ([R, L, V], gigabytes at a recipe's batch). The cache is
-    handled through models/target.py.
-    """
-    from dsparkctl.models.target import cached_forward, keep_cache_rows, new_cache, tapped
-
-    base, head = model.model, model.get_output_embeddings()
-    dev = next(model.parameters()).device  # the model's device; everything cached goes to the CPU
-    R = len(prompts)
-    ids, mask = _right_pad(prompts, pad_id)
-    ids, mask = ids.to(dev), mask.to(dev)
-    plen = torch.tensor([len(p) for p in prompts])
-    pos = torch.arange(ids.shape[1], device=dev)[None].expand(R, -1)
-    cache = new_cache(model.config)
-    out = cached_forward(base, ids, mask, pos, cache)
-    taps = tapped(out.hidden_states, layer_ids, dev).to(torch.float16).cpu()  # [R, L, F]
-    last = out.last_hidden_state[torch.arange(R, device=dev), (plen - 1).to(dev)]  # [R, H]
-    stop = torch.tensor(sorted(set(int(t) for t in stop_ids)) or [-1], device=dev)
-    rows = torch.arange(R, device=dev)  # batch index of each live row
-    seq_len = plen.clone().to(dev)
-    steps: list[tuple[torch.Tensor, ...]] = []  # per decode step: (rows, token, top-k ids, log-probs, taps)
-    count = torch.zeros(R, dtype=torch.long, device=dev)  # response tokens so far per row
-    for _step in range(max_new_tokens):
-        logits = head(last).float()  # [n, V]
-        i, v = _topk(logits, topk)
-        nxt = _draw(logits, temperature, generator)
-        count[rows] += 1
-        done = torch.isin(nxt, stop) | (count[rows] >= max_new_tokens)
-        step = [rows.cpu(), nxt.cpu(), i.cpu(), v.cpu()]
-        steps.append(step)
-        if bool(done.all()):
-            break
-        if bool(done.any()):
-            kd = (~done).nonzero().flatten()
-            rows, nxt, seq_len, mask = rows[kd], nxt[kd], seq_len[kd], mask[kd]
-            keep_cache_rows(cache.layers, kd)
-        mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=torch.bool, device=dev)], dim=1)
-        out = cached_forward(base, nxt[:, None], mask, seq_len[:, None], cache)
-        # the taps of the token just fed (it belongs to the rows still live)
-        step.append((rows.cpu(), tapped(out.hidden_states, layer_ids, dev)[:, 0].to(torch.float16).cpu()))
-        last = out.last_hidden_state[:, 0]
-        seq_len = seq_len + 1
-    # regroup the per-step tensors by row (vectorised: no per-token Python work)
-    tok_rows = torch.cat([st[0] for st in steps])
-    order = torch.sort(tok_rows, stable=True).indices  # by row, then step
-    toks = torch.cat([st[1] for st in steps])[order]
-    tki = torch.cat([st[2] for st in steps])[order]
-    tkl = torch.cat([st[3] for st in steps])[order]
-    n_resp = torch.bincount(tok_rows, minlength=R).tolist()
-    fed = [st[4] for st in steps if len(st) > 4]
-    if fed:
-        f_rows = torch.cat([r for r, _ in fed])
-        f_order = torch.sort(f_rows, stable=True).indices
-        f_taps = torch.cat([t for _, t in fed])[f_order]
-        n_fed = torch.bincount(f_rows, minlength=R).tolist()
-    else:
-        f_taps, n_fed = taps.new_zeros(0, taps.shape[-1]), [0] * R
-    resp = toks.split(n_resp)
-    feats = [torch.cat([taps[r, : plen[r]], t]) for r, t in enumerate(f_taps.split(n_fed))]
-    return _pack([list(p) + resp[r].tolist() for r, p in enumerate(prompts)], [len(p) for p in prompts],
-                 feats, list(tki.split(n_resp)), list(tkl.split(n_resp)))
-
-
-@torch.no_grad()
-def teacher_forced_part(model: Any, seqs: list[list[int]], prompt_lens: list[int], layer_ids: tuple[int, ...],
-                        pad_id: int, topk: int, chunk: int = 8, precision: str = "fp32") -> dict[str, torch.Tensor]:
-    """One forward per sequence (batched by length): tapped features and the target's top-k at
-    response positions; `precision` bf16 runs the forwards under autocast (`data_precision`)."""
-    from dsparkctl.models.target import tapped
-
-    base, head = model.model, model.get_output_embeddings()
-    dev = next(model.parameters()).device
-    n = len(seqs)
-    feats: list = [None] * n
-    tki: list = [None] * n
-    tkl: list = [None] * n
-    by_length = sorted(range(n), key=lambda j: len(seqs[j]))  # chunks of similar lengths: little padding
-    for c in range(0, n, chunk):
-        rows = by_length[c: c + chunk]
-        ids, mask = _right_pad([seqs[j] for j in rows], pad_id)
-        with data_precision(precision, model):
-            out = base(input_ids=ids.to(dev), attention_mask=mask.long().to(dev), output_hidden_states=True)
-            logits = [head(out.last_hidden_state[r, prompt_lens[j] - 1: len(seqs[j]) - 1]) for r, j in enumerate(rows)]
-        taps = tapped(out.hidden_states, layer_ids, dev).to(torch.float16).cpu()
-        for r, j in enumerate(rows):
-            feats[j] = taps[r, : len(seqs[j]) - 1]
-            i, v = _topk(logits[r].float(), topk)
-            tki[j], tkl[j] = i.cpu(), v.cpu()
-    return _pack(seqs, prompt_lens, feats, tki, tkl)
-
-
-def _pack(seqs: list[list[int]], prompt_lens: list[int], feats: list[torch.Tensor], tki: list[torch.Tensor],
-          tkl: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    offs = [0]
-    for s in seqs:
-        offs.append(offs[-1] + len(s))
-    return {"tokens": torch.tensor([t for s in seqs for t in s], dtype=torch.long),
-            "prompt_len": torch.tensor(prompt_lens, dtype=torch.long), "offsets": torch.tensor(offs),
-            "features": torch.cat([f[: len(s) - 1] for f, s in zip(feats, seqs)]).contiguous(),
-            "topk_ids": torch.cat([t[: len(s) - p] for t, s, p in zip(tki, seqs, prompt_lens)]).contiguous(),
-            "topk_logp": torch.cat([t[: len(s) - p] for t, s, p in zip(tkl, seqs, prompt_lens)]).contiguous()}
-
-
-def unpack(tokens: dict[str, torch.Tensor], feats: dict[str, torch.Tensor]) -> list[Sequence]:
-    out = []
-    offs = tokens["offsets"].tolist()
-    plens = tokens["prompt_len"].tolist()
-    foff = koff = 0
-    for i in range(len(offs) - 1):
-        S, P = offs[i + 1] - offs[i], plens[i]
-        out.append(Sequence(tokens=tokens["tokens"][offs[i]: offs[i + 1]], prompt_len=P,
-                            features=feats["features"][foff: foff + S - 1],
-                            topk_ids=feats["topk_ids"][koff: koff + S - P],
-                            topk_logp=feats["topk_logp"][koff: koff + S - P]))
-        foff += S - 1
-        koff += S - P
-    return out
-
-
-# ---------------------------------------------------------------------------------------- the cache
 def data_dir(recipe: Recipe, cache_dir: Path) -> Path:
     return cache_dir / f"data-{recipe.data_digest()}"
 
@@ -255,7 +90,6 @@ def build_dataset(recipe: Recipe, model: Any, tokenizer: Any, stop_ids: list[int
     seqs = _build_source(recipe, model, tokenizer, stop_ids, cache_dir, on_batch, log)
     d = recipe.data
     if d.extra_responses:
-        import dataclasses
         extra = dataclasses.replace(recipe, data=dataclasses.replace(d, source="responses", num_prompts=d.extra_responses,
                                                                      extra_responses=0))
         held = {tuple(s.tokens[: s.prompt_len].tolist()) for s in seqs[:holdout]}
@@ -272,9 +106,6 @@ def read_items(pfile: Path, vocab: int, responses: bool) -> tuple[list[dict] | N
     """(items, "") from a valid prompts.json; (None, why) for a damaged one ("" when absent).
     Valid: a regular file, strict JSON, a list of {"prompt": [ids]} (and "response" for the
     responses source), every id inside the vocabulary."""
-    from dsparkctl.fsutil import regular_file
-    from dsparkctl.strict_json import loads
-
     if not os.path.lexists(pfile):
         return None, ""
     if not regular_file(pfile):
@@ -330,53 +161,13 @@ def _build_source(recipe: Recipe, model: Any, tokenizer: Any, stop_ids: list[int
 def _discard(path: Path, folder: Path) -> None:
     """Remove a damaged cache file of ours so it is rebuilt; something that is not a regular file
     (a folder, a FIFO, a link) is not ours to remove: refused in one line naming it."""
-    from dsparkctl.fsutil import regular_file
-
     if os.path.lexists(path) and not regular_file(path):
         raise InputError(f"{path} is not a regular file; the data cache {folder} is damaged",
                          f"delete {folder} to rebuild the data")
     path.unlink(missing_ok=True)
 
 
-def check_part(toks: dict[str, torch.Tensor], feats: dict[str, torch.Tensor] | None, part: list[dict],
-               n_features: int, topk: int, vocab: int) -> str:
-    """"" when a cached part fits the items it was built from and the recipe; else why not. The
-    token file: the part's prompts, in order, each followed by ids inside the vocabulary; the
-    feature file: one feature row per position but the last, one top-k row per response token."""
-    if set(toks) != {"tokens", "prompt_len", "offsets"} or any(t.dtype != torch.long or t.dim() != 1
-                                                               for t in toks.values()):
-        return "holds other tensors than a token part"
-    offs, plen, ids = toks["offsets"].tolist(), toks["prompt_len"].tolist(), toks["tokens"]
-    if len(offs) != len(part) + 1 or len(plen) != len(part) or offs[0] != 0 or offs[-1] != ids.numel():
-        return "does not hold this part's sequences"
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-        return "holds token ids outside the target's vocabulary"
-    for i, it in enumerate(part):
-        S = offs[i + 1] - offs[i]
-        if plen[i] != len(it["prompt"]) or S <= plen[i] or ids[offs[i]: offs[i] + plen[i]].tolist() != it["prompt"]:
-            return f"sequence {i} is not the prompt it was built from"
-    if feats is None:
-        return ""
-    n_feat = sum(offs[i + 1] - offs[i] - 1 for i in range(len(part)))
-    n_resp = sum(offs[i + 1] - offs[i] - plen[i] for i in range(len(part)))
-    if not {"features", "topk_ids", "topk_logp"} <= set(feats) <= {"features", "topk_ids", "topk_logp", *toks}:
-        return "holds other tensors than a feature part"  # (older versions also kept the token tensors here)
-    f, ki, kl = feats["features"], feats["topk_ids"], feats["topk_logp"]
-    if f.dtype != torch.float16 or tuple(f.shape) != (n_feat, n_features) or not bool(torch.isfinite(f).all()):
-        return f"features are {tuple(f.shape)} {f.dtype}, expected ({n_feat}, {n_features}) finite float16"
-    if ki.dtype != torch.int32 or tuple(ki.shape) != (n_resp, topk) or (ki.numel() and (
-            int(ki.min()) < 0 or int(ki.max()) >= vocab)):
-        return "top-k ids do not fit the part"
-    if kl.dtype != torch.float16 or tuple(kl.shape) != (n_resp, topk) or bool(kl.isnan().any()) or bool((kl > 0).any()):
-        return "top-k log-probabilities do not fit the part"
-    return ""
-
-
 def _load_part(path: Path) -> tuple[dict[str, torch.Tensor] | None, str]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    from dsparkctl.fsutil import regular_file
 
     if not regular_file(path):
         return None, "is not a regular file"
@@ -432,19 +223,8 @@ def _build_part(recipe: Recipe, model: Any, tokenizer: Any, stop_ids: list[int],
     feats = {k: packed[k] for k in ("features", "topk_ids", "topk_logp")}
     _save(ffile, feats)
     _save(tfile, toks)
-    from dsparkctl.locks import release
-
     release(lock)
     return toks, feats
-
-
-def data_precision(precision: str, model: Any):
-    """The target's teacher-forced forwards (recipe `data.precision`): as loaded, or under bf16
-    autocast. Regeneration always runs as loaded: its answers are the target's own, exactly."""
-    import contextlib
-
-    dev = next(model.parameters()).device
-    return torch.autocast(dev.type, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
 
 
 def _compute_part(d: Any, model: Any, part: list[dict], b: int, layer_ids: tuple[int, ...], stop_ids: list[int],
@@ -462,15 +242,11 @@ def _compute_part(d: Any, model: Any, part: list[dict], b: int, layer_ids: tuple
 def _wait_for_other_builder(lock: Path, done: Callable[[], bool], log: Callable[[str], None] = print) -> None:
     """If another live process is building this part, wait for it (bounded, with a message)
     instead of computing the same part twice; a lock whose owner is gone is stale (locks.py)."""
-    from dsparkctl.locks import wait_for
-
     wait_for(lock, done, f"data part {lock.name.split('_')[1].split('.')[0]} of {lock.parent}", log=log)
 
 
 def _claim(lock: Path) -> Path:
     """Mark a part as being built by this process (removed when its files are written)."""
-    from dsparkctl.locks import claim
-
     if not claim(lock):  # another process claimed it between our check and now: build it anyway, ours wins
         lock.unlink(missing_ok=True)
         claim(lock)
@@ -478,7 +254,5 @@ def _claim(lock: Path) -> Path:
 
 
 def _save(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    from safetensors.torch import save
-
     with atomic_open(path, "wb", each_rank=True) as fh:  # under torchrun each rank writes its share of the parts
         fh.write(save(tensors, metadata={"format": FORMAT}))

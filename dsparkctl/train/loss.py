@@ -1,4 +1,4 @@
-"""The DSpark training objective (DSPARK.md "Training objective"), as pure functions.
+"""The DSpark training objective (docs/background.md §7), as pure functions.
 
 For every block (anchor) and slot k = 1..γ, with q = softmax(draft logits incl. Markov bias)
 over the draft's vocabulary, p = the target's distribution for the same position, x*_k the

@@ -37,18 +37,18 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from dsparkctl.errors import InputError, UsageError, option
-from dsparkctl.math.policies import parse_policy, survival_from_logits
+from dsparkctl.formats.calibration import load_survival_prior, load_temperatures
+from dsparkctl.formats.sps import load_sps_table
+from dsparkctl.formats.trace import read_traces, round_table
+from dsparkctl.math.admission import survival_from_logits
+from dsparkctl.math.policy_spec import parse_policy
 from dsparkctl.math.sps import SPSTable
 from dsparkctl.provenance import provenance
-from dsparkctl.sps_io import load_sps_table
-from dsparkctl.trace import read_traces
 
 SWEEP_FORMAT = "dsparkctl-sweep/1"
 DEFAULT_POLICIES = ("static:0", "static:1", "static:3", "threshold:0.5", "survival:0.4", "budget:256", "dspark",
@@ -59,34 +59,26 @@ MAX_CANDIDATES = 20_000_000  # request-rounds × γ held at once per cell (~70 b
 
 def load_replay_rounds(trace_paths: Sequence[str | os.PathLike]) -> dict[str, Any]:
     """Pool full-verification rounds: {"logits" [N, γ] (NaN rows when absent), "accepted" [N], "gamma",
-    "skipped" (budget-capped rounds left out)}."""
-    logits, acc = [], []
-    gamma, has_conf, skipped = None, True, 0
-    for t in read_traces(trace_paths):
-        p = t.path
-        for r in t.rounds:
-            if gamma is None:
-                gamma = r.block_size
-            elif r.block_size != gamma:
-                raise InputError(f"{p}: block size {r.block_size} differs from {gamma}",
-                                 "sweep traces of one block size at a time")
-            if r.budget_capped or not r.drafted:  # plain steps carry no drafts to replay
-                skipped += 1
-                continue
-            if r.verify_length != r.block_size:
-                raise InputError(
-                    f"{p}: request {r.request} round {r.round} verified {r.verify_length} of {r.block_size} "
-                    "drafts; the sweep needs traces recorded with full verification", _full_hint(t.header, gamma))
-            if r.confidence_logits is None:
-                has_conf = False
-            logits.append(r.confidence_logits if r.confidence_logits is not None else [math.nan] * r.block_size)
-            acc.append(r.accepted)
-    if not acc:
+    "skipped" (budget-capped rounds and plain steps left out)}."""
+    traces = read_traces(trace_paths)
+    table = round_table(traces, "sweep")
+    keep = ~table.budget_capped
+    partial = (keep & (table.verify_length != table.gamma)).nonzero()
+    if partial.numel():
+        i = int(partial[0])
+        path, request, rnd = table.where[i]
+        header = next(t.header for t in traces if t.path == path)
+        raise InputError(f"{path}: request {request} round {rnd} verified {int(table.verify_length[i])} of "
+                         f"{table.gamma} drafts; the sweep needs traces recorded with full verification",
+                         _full_hint(header, table.gamma))
+    skipped = table.plain_steps + int(table.budget_capped.sum())
+    if not bool(keep.any()):
         raise InputError("the traces contain no full-verification rounds"
                          + (f" ({skipped} budget-capped rounds skipped)" if skipped else ""),
                          "record some with `dsparkctl generate --trace t.jsonl --max-new-tokens N` (a larger N)")
-    return {"logits": torch.tensor(logits, dtype=torch.float64), "accepted": torch.tensor(acc),
-            "gamma": gamma, "has_confidence": has_conf, "skipped": skipped}
+    logits = table.logits[keep]
+    return {"logits": logits, "accepted": table.accepted[keep], "gamma": table.gamma,
+            "has_confidence": not bool(torch.isnan(logits).any()), "skipped": skipped}
 
 
 def _full_hint(header: dict[str, Any], gamma: int) -> str:
@@ -211,12 +203,11 @@ def check_max_new_tokens(max_new_tokens: int | None, rounds: int) -> None:
                          f"replay; raise {option('rounds')} for longer ones")
 
 
-def run_sweep(trace_paths, sps_path, policy_specs=DEFAULT_POLICIES, concurrency=DEFAULT_CONCURRENCY,
+def sweep_traces(trace_paths, sps_path, policy_specs=DEFAULT_POLICIES, concurrency=DEFAULT_CONCURRENCY,
               calibration=None, rounds: int = 20_000, seed: int = 0,
               max_new_tokens: int | None = None) -> dict[str, Any]:
     """Read the traces, the SPS table and the calibration, replay every cell, return the sweep document.
     `max_new_tokens`: replay finite batches (`replay_batches`) instead of the steady state."""
-    from dsparkctl.calibrate import load_survival_prior, load_temperatures
 
     check_max_new_tokens(max_new_tokens, rounds)
     if rounds < 1:
@@ -249,43 +240,3 @@ def run_sweep(trace_paths, sps_path, policy_specs=DEFAULT_POLICIES, concurrency=
             "policies": list(policy_specs), "concurrency": list(concurrency), "rows": rows,
             "provenance": provenance(inputs=[str(p) for p in trace_paths], sps_table=str(sps_path),
                                      calibration=str(calibration) if calibration else None, seed=seed)}
-
-
-@dataclass(frozen=True)
-class SweepSpec:
-    """Everything `sweep-scheduler` runs, as the user gave it (`run_sweep_scheduler` checks it)."""
-    traces: tuple[Path, ...]  # full-verification traces
-    sps_table: Path  # ours or SGLang's
-    policies: tuple[str, ...] = DEFAULT_POLICIES
-    concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY
-    calibration: Path | None = None  # our calibration JSON or SGLang's STS file
-    rounds: int = 20_000  # request-rounds replayed per cell
-    max_new_tokens: int | None = None  # None: the steady state; N: finite batches of N new tokens per request
-    plot: Path | None = None  # the frontier figure
-    out: Path | None = None  # the sweep JSON
-    seed: int = 0
-
-
-def run_sweep_scheduler(spec: SweepSpec, *, log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
-    """`sweep-scheduler` as one call: check every output, then the settings and the inputs and
-    replay every cell (`run_sweep`), then write the figure and the JSON together (both appear, or neither). Returns
-    the sweep document; `log` is told what was written."""
-    from dsparkctl.checks import Output, check_outputs
-    from dsparkctl.fsutil import staged, write_json
-
-    inputs = [Path(p) for p in (*spec.traces, spec.sps_table, *([spec.calibration] if spec.calibration else []))]
-    check_outputs([Output(p, option(field), kind) for p, field, kind in
-                   ((spec.plot, "plot", "figure"), (spec.out, "out", "file")) if p is not None], inputs=inputs)
-    result = run_sweep(spec.traces, spec.sps_table, spec.policies, spec.concurrency, spec.calibration, spec.rounds,
-                       spec.seed, max_new_tokens=spec.max_new_tokens)
-    with staged() as stage:
-        if spec.plot:
-            from dsparkctl.plots import frontier_plot
-
-            frontier_plot(result["rows"], stage(spec.plot), as_path=spec.plot)
-        if spec.out:
-            write_json(stage(spec.out), result)
-    for p in (spec.plot, spec.out):
-        if p:
-            log(f"wrote {p}")
-    return result

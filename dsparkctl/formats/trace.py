@@ -37,7 +37,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from dsparkctl.errors import InputError
-from dsparkctl.fsutil import atomic_open
+from dsparkctl.files.atomic import atomic_open
 from dsparkctl.math.synthetic import SyntheticModel, sample_rounds
 from dsparkctl.strict_json import StrictJSONError, finite, loads
 
@@ -188,9 +188,59 @@ def read_traces(paths: Sequence[str | os.PathLike]) -> list[Trace]:
     return [read_trace(p) for p in paths]
 
 
+@dataclass
+class RoundTable:
+    """The drafted rounds of one or more traces as tensors, one row a round (plain steps, which ran
+    no draft, are counted and left out): what calibration fits on and the sweep replays."""
+    logits: torch.Tensor  # [N, γ] float64 confidence logits (NaN rows where a round has none)
+    verify_length: torch.Tensor  # [N]
+    accepted: torch.Tensor  # [N]
+    request: torch.Tensor  # [N] a dense key per (trace, request): rounds of one request share it
+    budget_capped: torch.Tensor  # [N] bool: ℓ cut by the token budget, not chosen by the policy
+    gamma: int | None  # the block size (None: no rounds at all)
+    where: list[tuple[str | None, int, int]]  # (trace path, request, round) of each row, for messages
+    plain_steps: int = 0
+
+    @property
+    def has_confidence(self) -> bool:
+        return not bool(torch.isnan(self.logits).any())
+
+    def first_without_confidence(self) -> tuple[str | None, int, int] | None:
+        missing = torch.isnan(self.logits).any(dim=1).nonzero()
+        return self.where[int(missing[0])] if missing.numel() else None
+
+
+def round_table(traces: Sequence[Trace], purpose: str) -> RoundTable:
+    """Every drafted round of `traces` as tensors; refuses traces that mix block sizes (`purpose`
+    names what the caller does with them, for the hint: "calibrate", "sweep")."""
+    logits, ell, acc, keys, capped, where = [], [], [], [], [], []
+    ids: dict[tuple[int, int], int] = {}  # (trace, request) -> dense request key
+    gamma, plain = None, 0
+    for ti, t in enumerate(traces):
+        for r in t.rounds:
+            if gamma is None:
+                gamma = r.block_size
+            elif r.block_size != gamma:
+                raise InputError(f"{t.path}: block size {r.block_size} differs from {gamma} in earlier rounds",
+                                 f"{purpose} traces of one block size at a time")
+            if not r.drafted:
+                plain += 1
+                continue
+            logits.append(r.confidence_logits if r.confidence_logits is not None else [math.nan] * r.block_size)
+            ell.append(r.verify_length)
+            acc.append(r.accepted)
+            keys.append(ids.setdefault((ti, r.request), len(ids)))
+            capped.append(r.budget_capped)
+            where.append((t.path, r.request, r.round))
+    return RoundTable(torch.tensor(logits, dtype=torch.float64).reshape(len(logits), gamma or 0),
+                      torch.tensor(ell, dtype=torch.long), torch.tensor(acc, dtype=torch.long),
+                      torch.tensor(keys, dtype=torch.long), torch.tensor(capped, dtype=torch.bool), gamma, where,
+                      plain)
+
+
 class TraceWriter:
     """A context manager writing a trace atomically: the file appears only if the block succeeds.
-    Under torchrun rank 0 alone writes it (`fsutil.atomic_open`); every rank may call `write`."""
+    Under torchrun rank 0 alone writes it (`files.atomic.atomic_open`); every rank may call `write`."""
 
     def __init__(self, path: str | os.PathLike, header: dict[str, Any]):
         self._cm = atomic_open(path, "w")

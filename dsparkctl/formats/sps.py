@@ -21,7 +21,7 @@ import os
 from typing import Any
 
 from dsparkctl.errors import InputError, UsageError
-from dsparkctl.fsutil import write_json
+from dsparkctl.files.atomic import write_json
 from dsparkctl.math.sps import EXTRAPOLATION, LOOKUP_MODES, SPSTable, StepGrid
 from dsparkctl.provenance import provenance
 from dsparkctl.strict_json import read

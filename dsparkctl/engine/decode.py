@@ -19,12 +19,12 @@ from typing import Callable, Iterable, Protocol, Sequence
 import torch
 
 from dsparkctl.distributed import DATA_PARALLEL, Split
-from dsparkctl.errors import UsageError, option
 from dsparkctl.engine.speculative import RequestOutput, RunReport, SpeculativeEngine, plain_generate
+from dsparkctl.errors import UsageError, option
+from dsparkctl.formats.trace import TraceRound
 from dsparkctl.math.sampling import SamplingParams
 from dsparkctl.math.stats import AcceptanceStats
 from dsparkctl.models.target import TargetAdapter
-from dsparkctl.trace import TraceRound
 
 OnRound = Callable[[list[TraceRound]], None]
 OnTokens = Callable[[int, list[int]], None]

@@ -1,8 +1,8 @@
-"""`eval-acceptance` as a library call: per dataset and draft, teacher-forced and/or live.
+"""Acceptance per prompt set and draft, teacher-forced and/or live: the eval-acceptance document.
 
-`run_evaluation(spec)` checks every input, loads the target and drafts, encodes the prompt sets,
-runs `evaluate_acceptance`, writes the plot and the JSON it was asked for and returns the
-document; the command builds an `EvalSpec` from its options, calls it and prints."""
+`evaluate_acceptance` runs every (dataset, draft) pair, merges ranks under torchrun and adds the
+agreement of the two measures; the per-pair live trace paths come from `trace_paths`.
+"""
 
 from __future__ import annotations
 
@@ -14,17 +14,17 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from dsparkctl.calibrate import confidence_report
 from dsparkctl.distributed import DATA_PARALLEL, Split
-from dsparkctl.engine.session import ModelSettings
 from dsparkctl.errors import UsageError, option
 from dsparkctl.evaluation.continuations import cached_continuations
 from dsparkctl.evaluation.live import LiveResult, live_rollouts
 from dsparkctl.evaluation.teacher_forced import evaluate_sequences
+from dsparkctl.formats.calibration import load_temperatures, own_calibration
+from dsparkctl.formats.trace import TraceWriter
 from dsparkctl.math.sampling import SamplingParams
 from dsparkctl.models.draft import DSparkDraft
 from dsparkctl.provenance import provenance
-from dsparkctl.trace import TraceWriter
+from dsparkctl.tuning.calibration import confidence_report
 
 FORMAT = "dsparkctl-eval-acceptance/1"
 MODES = ("teacher-forced", "live", "both")
@@ -53,7 +53,6 @@ def drafts_under_test(sess: Any, sources: Sequence[str | None], labels: Sequence
                       revision: str | None = None, seed: int = 0) -> tuple[list[DraftUnderTest], list[str]]:
     """Load each draft (a folder, a hub id, or None for the session's default) against the session's target:
     (drafts, notes to tell the user). A draft's label is given, else its folder name or hub id."""
-    from dsparkctl.calibrate import load_temperatures, own_calibration
 
     drafts, notes = [], []
     for i, src in enumerate(sources):
@@ -102,82 +101,6 @@ def trace_paths(trace: Path | None, datasets: Sequence[str], labels: Sequence[st
             taken.add(p)
             out[(ds, label)] = p
     return out
-
-
-@dataclass(frozen=True)
-class EvalSpec(ModelSettings):
-    """Everything `eval-acceptance` runs, as the user gave it (`run_evaluation` checks it)."""
-    drafts: tuple[str | None, ...] = ()  # folders or hub ids; (): the shipped draft
-    labels: tuple[str, ...] = ()  # display name per draft (same order); (): folder names or hub ids
-    datasets: tuple[str, ...] = ("mt-bench",)  # built-in sets, local files or hub ids
-    field: str | None = None  # prompt field of local files / hub sets
-    limit: int | None = None  # first N prompts of each set
-    preset: str | None = None  # data/prompts.py PRESETS
-    temperature: float | None = None  # None: the preset's, else 0
-    max_new_tokens: int | None = None  # None: the preset's, else 128
-    mode: str = "both"  # one of MODES
-    batch_size: int = 8
-    chat: bool = True  # wrap prompts in the target's chat template
-    plot: Path | None = None  # a Figure-2-style PNG
-    trace: Path | None = None  # live round traces (`trace_paths`)
-    out: Path | None = None  # the document, also written here
-
-
-def run_evaluation(spec: EvalSpec, *,
-                   log: Callable[[str], None] = lambda s: None,
-                   note: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    """Check the spec (numbers, labels, every output path, prompt files) before any model loads,
-    the drafts' sizes before kernel timing, then evaluate: the eval-acceptance document (also
-    written to `spec.out`; the plot to `spec.plot`)."""
-    from dsparkctl.checks import Output, check_outputs, check_positive, local_inputs
-    from dsparkctl.data.prompts import apply_preset_wrap, encode_prompts, load_prompts, with_preset
-    from dsparkctl.engine.generate import check_positions
-    from dsparkctl.engine.session import open_target
-    from dsparkctl.fsutil import write_json
-
-    preset, temperature, max_new_tokens = with_preset(spec.preset, spec.temperature, spec.max_new_tokens)
-    check_positive(spec.batch_size, "batch_size")
-    if spec.mode not in MODES:
-        raise UsageError(f"unknown mode {spec.mode!r}", f"use one of {', '.join(MODES)}")
-    if spec.labels and len(spec.labels) != len(spec.drafts):
-        raise UsageError(f"{option('labels')} must be given once per {option('drafts')}")
-    live = spec.mode != "teacher-forced"
-    sources = spec.drafts or (None,)
-    inputs = local_inputs(*spec.datasets, target=spec.target, drafts=sources)
-    check_outputs([o for o in (Output(spec.out, option("out")) if spec.out else None,
-                               Output(spec.plot, option("plot"), kind="figure") if spec.plot else None,
-                               Output(spec.trace, option("trace")) if spec.trace else None) if o is not None], inputs)
-    # prompts first: bad prompt files fail before any model loads
-    texts = {ds: apply_preset_wrap(preset, ds, load_prompts(ds, spec.field, spec.limit)) for ds in spec.datasets}
-    sess = open_target(spec.target, spec.device, spec.dtype, spec.revision, spec.trust_remote_code, log=log,
-                       parallel=spec.target_parallel, cpu_kernels=spec.cpu_kernels, settle=False)
-    drafts, notes = drafts_under_test(sess, sources, spec.labels, spec.revision, spec.seed)
-    if spec.trace is not None and live:  # the per-pair files, checked like the trace itself
-        check_outputs([Output(p, option("trace")) for p in
-                       trace_paths(spec.trace, spec.datasets, [d.label for d in drafts]).values()], inputs)
-    for m in notes:
-        note(m)
-    gamma = max(d.draft.block_size for d in drafts)
-    if spec.mode != "live" and max_new_tokens <= gamma:
-        raise UsageError(f"{option('max_new_tokens')} {max_new_tokens} leaves no full block of γ={gamma} to score "
-                         "teacher-forced", f"use {option('max_new_tokens')} > {gamma}")
-    lt = sess.target
-    prompts = {ds: encode_prompts(lt.tokenizer, texts[ds], chat=spec.chat) for ds in spec.datasets}
-    for ids in prompts.values():  # generate's rule: every prompt + its tokens + a block fits the positions
-        check_positions(lt.model, ids, max_new_tokens, gamma)
-    opts = EvalOptions(mode=spec.mode, params=SamplingParams(temperature=temperature),
-                       max_new_tokens=max_new_tokens, seed=spec.seed, batch_size=spec.batch_size,
-                       trace=spec.trace if live else None, preset=preset.name if preset else None)
-    sess.settle_kernels(log, tuple(d.draft for d in drafts))  # every input is checked: the timing is not wasted
-    results = evaluate_acceptance(lt.model, lt.name, drafts, prompts, opts, sess.stop_ids, log=log, split=sess.split)
-    if spec.plot is not None:  # the writers are rank-aware: under torchrun rank 0 writes
-        from dsparkctl.evaluation.plot import plot_acceptance
-
-        plot_acceptance(results, spec.plot, title=f"{lt.name}, T={temperature}")
-        results["plot"] = str(spec.plot)
-    if spec.out is not None:
-        write_json(spec.out, results)
-    return results
 
 
 def evaluate_acceptance(model: Any, target_name: str, drafts: Sequence[DraftUnderTest],

@@ -1,0 +1,114 @@
+"""Checks a command runs before any work: every output it will write, against every input it reads.
+
+A command that computes for minutes and then cannot write its result has wasted the minutes; one
+that writes two of three outputs and fails on the third leaves a mix. So each command names all
+its outputs first and `check_outputs` refuses, before anything runs:
+  - a file output that exists as a folder (or a FIFO, a device), a folder output that is a file;
+  - a file output that exists and is not ours (a link, or a regular file without our marker,
+    `files.ownership.replace_refusal`): a user's file is never replaced;
+  - a path whose nearest existing parent is a file, or a folder we may not write to;
+  - a figure whose suffix matplotlib cannot write (`--plot j.xyz`);
+  - two outputs that are the same file, or an output that is one of the command's inputs
+    (`local_inputs` names them, with the folders the defaults stand for).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+from dsparkctl.errors import UsageError
+from dsparkctl.files.atomic import cannot_create
+from dsparkctl.files.ownership import replace_refusal
+from dsparkctl.models.embedded import EMBEDDED_NAME, cache_root
+from dsparkctl.models.loading import default_draft_dir, is_default_draft, is_embedded, names_a_place
+
+
+@dataclass(frozen=True)
+class Output:
+    path: Path
+    option: str  # what messages call it: the CLI passes its flag ("--out"), the library its field name
+    kind: str = "file"  # "file" | "figure" | "folder"
+
+
+def figure_formats() -> list[str]:
+    """Suffixes (without the dot) that `plots.save_figure` can write."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    return sorted(FigureCanvasAgg.get_supported_filetypes())
+
+
+def check_outputs(outputs: Sequence[Output], inputs: Sequence[Path] = (),
+                  derived: Callable[[Path], Sequence[Output]] | None = None) -> None:
+    """Refuse (UsageError naming the option) any output that could not be written or would clobber.
+    `derived(first output's path)`: the outputs named after the first one by default (`<out>.png`),
+    checked after it, so a bad first path fails on its own terms before anything is named after it."""
+    seen: dict[Path, Output] = {}
+    queue = list(outputs)
+    for n, o in enumerate(queue):
+        _check_one(o)
+        if n == 0 and derived is not None:
+            queue.extend(derived(o.path))
+        key = o.path.resolve()
+        if key in seen:
+            raise UsageError(f"{o.option} {o.path} is the same path as {seen[key].option} {seen[key].path}",
+                             hint="give each output its own path")
+        seen[key] = o
+        for i in inputs:
+            if key == i.resolve() or (o.path.exists() and i.exists() and os.path.samefile(o.path, i)):
+                raise UsageError(f"{o.option} {o.path} is one of the inputs and would be overwritten",
+                                 hint="write the output somewhere else")
+            if i.is_dir() and key.is_relative_to(i.resolve()):
+                raise UsageError(f"{o.option} {o.path} is inside the input folder {i}; writing there could "
+                                 "overwrite or corrupt the model", hint="write the output somewhere else")
+        if o.kind != "folder":  # a new path, or a regular file we wrote: never a user's file, link or device
+            why = replace_refusal(o.path)
+            if why:
+                raise UsageError(f"{o.option} {o.path} {why}; refusing to replace it",
+                                 hint="choose a new path, or remove it yourself")
+
+
+def _check_one(o: Output) -> None:
+    p = o.path
+    if str(p) in ("", "."):  # typer reads an empty value as Path("."): the two cannot be told apart
+        example = "./out" if o.kind == "folder" else "./out.json" if o.kind == "file" else "./figure.png"
+        raise UsageError(f"{o.option} is empty or the current folder itself",
+                         hint=f"give {o.option} a path of its own, e.g. {example}")
+    if p.exists():
+        if o.kind == "folder" and not p.is_dir():
+            raise UsageError(f"{o.option} {p} exists and is not a folder", hint="give a folder path")
+        if o.kind != "folder" and not p.is_file():
+            what = "a folder" if p.is_dir() else "not a regular file"
+            raise UsageError(f"{o.option} {p} is {what}", hint="give a file path, e.g. <folder>/result.json")
+    if o.kind == "figure":
+        fmt = p.suffix.lower().lstrip(".") or "png"  # save_figure's rule
+        formats = figure_formats()
+        if fmt not in formats:
+            raise UsageError(f"{o.option} {p}: cannot write figures of type {p.suffix!r}",
+                             hint=f"use one of {', '.join('.' + f for f in formats)}")
+    why = cannot_create(p)
+    if why:
+        raise UsageError(f"{o.option} {p} cannot be created: {why}", hint="choose a folder you can write to")
+
+
+def local_inputs(*specs: str | Path | None, target: str | None | bool = False,
+                 drafts: Sequence[str | None] = ()) -> list[Path]:
+    """The arguments that name local files or folders, plus the folders the defaults stand for:
+    `target` None/"embedded" is the embedded target's converted folder, a draft None/"default" the
+    shipped draft. (Hub ids drop out: their cache is the hub library's.)"""
+
+    named: list[str | Path | None] = list(specs)
+    if target is not False:
+        named.append(cache_root() / EMBEDDED_NAME if is_embedded(target) else target)
+    for d in drafts:
+        named.append(default_draft_dir() if is_default_draft(d) else d)
+    paths = []
+    for spec in named:
+        if not names_a_place(spec):
+            continue
+        p = Path(spec).expanduser()
+        if p.exists():
+            paths.append(p)
+    return paths

@@ -1,0 +1,52 @@
+"""`sweep-scheduler`: check the outputs, replay recorded rounds under each policy and concurrency
+(tuning/sweep.py), write the JSON and the frontier figure together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from dsparkctl.app.preflight import Output, check_outputs
+from dsparkctl.errors import option
+from dsparkctl.files.atomic import staged, write_json
+from dsparkctl.plots import frontier_plot
+from dsparkctl.tuning.sweep import DEFAULT_CONCURRENCY, DEFAULT_POLICIES, sweep_traces
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    """Everything `sweep-scheduler` runs, as the user gave it (`run_sweep_scheduler` checks it)."""
+    traces: tuple[Path, ...]  # full-verification traces
+    sps_table: Path  # ours or SGLang's
+    policies: tuple[str, ...] = DEFAULT_POLICIES
+    concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY
+    calibration: Path | None = None  # our calibration JSON or SGLang's STS file
+    rounds: int = 20_000  # request-rounds replayed per cell
+    max_new_tokens: int | None = None  # None: the steady state; N: finite batches of N new tokens per request
+    plot: Path | None = None  # the frontier figure
+    out: Path | None = None  # the sweep JSON
+    seed: int = 0
+
+
+def run_sweep_scheduler(spec: SweepSpec, *, log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+    """`sweep-scheduler` as one call: check every output, then the settings and the inputs and
+    replay every cell (`sweep_traces`), then write the figure and the JSON together (both appear, or neither). Returns
+    the sweep document; `log` is told what was written."""
+
+    inputs = [Path(p) for p in (*spec.traces, spec.sps_table, *([spec.calibration] if spec.calibration else []))]
+    check_outputs([Output(p, option(field), kind) for p, field, kind in
+                   ((spec.plot, "plot", "figure"), (spec.out, "out", "file")) if p is not None], inputs=inputs)
+    result = sweep_traces(spec.traces, spec.sps_table, spec.policies, spec.concurrency, spec.calibration, spec.rounds,
+                       spec.seed, max_new_tokens=spec.max_new_tokens)
+    with staged() as stage:
+        if spec.plot:
+
+            frontier_plot(result["rows"], stage(spec.plot), as_path=spec.plot)
+        if spec.out:
+            write_json(stage(spec.out), result)
+    for p in (spec.plot, spec.out):
+        if p:
+            log(f"wrote {p}")
+    return result

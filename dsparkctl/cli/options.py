@@ -1,0 +1,113 @@
+"""The options commands share, typed: device, dtype, kernels, target, draft, revision, sampling,
+and the parsers of list-valued options.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+from typing import Annotated, Any, Sequence
+
+import typer
+
+from dsparkctl.engine.session import CPU_KERNELS
+from dsparkctl.errors import UsageError
+from dsparkctl.models.loading import DTYPES
+
+
+def choices(name: str, values: Sequence[str]) -> Any:
+    """An option's choice type built from the library's tuple of names (so the two cannot drift);
+    a member is named as its value with "-" as "_" (`Mode.teacher_forced` is "teacher-forced")."""
+    return Enum(name, {v.replace("-", "_"): v for v in values}, type=str)
+
+
+Device = choices("Device", ("auto", "cpu", "cuda"))
+
+
+DType = choices("DType", DTYPES)
+
+
+CpuKernels = choices("CpuKernels", CPU_KERNELS)
+
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
+
+
+SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed (all randomness is seeded).")]
+
+
+DeviceOpt = Annotated[Device, typer.Option("--device", help="Where to run the models.")]
+
+
+DTypeOpt = Annotated[DType, typer.Option("--dtype", help="Model dtype (auto: bf16 on CUDA, fp32 on CPU).")]
+
+
+_REVISION = re.compile(r"^(?!.*\.\.)(?!.*//)(?!.*/\.)[A-Za-z0-9_][A-Za-z0-9_.\-/]{0,254}$")
+
+
+def _check_revision(value: str | None) -> str | None:
+    """A git ref or commit the hub could hold: refused here, not after retries against the hub."""
+    if value is not None and (not _REVISION.match(value) or value.endswith(("/", ".", ".lock"))):
+        raise typer.BadParameter(f"{value!r} is not a branch, tag or commit (e.g. main, v1.0, refs/pr/1, or a "
+                                 "40-hex commit)")
+    return value
+
+
+RevisionOpt = Annotated[str | None, typer.Option("--revision", help="Hub revision (branch, tag or commit).",
+                                                 callback=_check_revision)]
+
+
+TrustRemoteCodeOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow model repos to run their own "
+                                                  "code (off by default).")]
+
+
+TargetOpt = Annotated[str | None, typer.Option("--target", help="Target model: folder or hub id (default: the "
+                                               "embedded SmolLM2-135M-Instruct).")]
+
+
+DraftOpt = Annotated[str | None, typer.Option("--draft", help="DeepSpec draft folder or hub id; 'random' for an "
+                                              "untrained one (default: the shipped draft for the embedded target).")]
+
+
+TargetParallelOpt = Annotated[str, typer.Option("--target-parallel", help="For a target too big for one device: "
+                                                "device-map (one process, layers over the visible GPUs) or tp "
+                                                "(under torchrun, each rank a shard; the ranks then share the work).")]
+
+
+CpuKernelsOpt = Annotated[CpuKernels, typer.Option("--cpu-kernels", help="CPU fp32 only: packed = linear weights "
+                                                  "packed once for oneDNN (on many CPUs faster, above all for the "
+                                                  "multi-token verify forward); stock = torch's default kernels; "
+                                                  "auto = each forward on whichever of the two this CPU runs faster "
+                                                  "at its row count (timed once per machine and model, cached).")]
+
+
+TemperatureOpt = Annotated[float | None, typer.Option("--temperature", help="Sampling temperature; 0 = greedy "
+                                                     "(default 0, or the --preset's).")]
+
+
+MaxNewTokensOpt = Annotated[int | None, typer.Option("--max-new-tokens", help="Tokens to generate per prompt "
+                                                     "(default 128, or the --preset's).")]
+
+
+PresetOpt = Annotated[str | None, typer.Option("--preset", help="Another tool's evaluation settings, so numbers "
+                                               "compare with its tables: deepspec (T=1.0, 2048 tokens, chat template, "
+                                               "DeepSpec's HumanEval instruction). Explicit options win.")]
+
+
+INT_LIST_MAX = 1 << 16  # no load level, request count or token count we profile or sweep is larger
+
+
+def int_list(text: str, option: str, maximum: int = INT_LIST_MAX) -> list[int]:
+    """A comma-separated list of positive integers up to `maximum` given to `option` (e.g.
+    "--requests 1,2,4"): a typo such as 99999999999 is refused here, not by an allocation of
+    terabytes later."""
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"{option} must be comma-separated integers, got {text!r}", f"e.g. {option} 1,2,4") from None
+    if not vals or any(v < 1 for v in vals):
+        raise UsageError(f"{option} must be positive integers, got {text!r}", f"e.g. {option} 1,2,4")
+    big = [v for v in vals if v > maximum]
+    if big:
+        raise UsageError(f"{option} {big[0]} is larger than {maximum}", f"use values in 1..{maximum}, e.g. {option} 1,2,4")
+    return vals

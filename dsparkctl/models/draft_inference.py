@@ -1,0 +1,175 @@
+"""The draft at inference: its per-row context K/V cache and one round's proposal.
+
+In inference the context keys/values are cached per layer and per row (`DraftState`): each
+round appends the features of the tokens the target just committed (`append_context`, or
+`defer_context` after a plain step), then `propose` drafts one block for every row: one
+parallel backbone pass over [anchor, mask × (γ-1)] whose block K/V go into scratch slots after
+each row's context (`BlockSlots`), the serial Markov loop (math/draft_sampling.py), and the
+confidence logits. Rows are ragged.
+
+`DraftInference` holds these methods for `DSparkDraft` (models/draft.py), whose modules
+(`cfg`, `embed_tokens`, `fc`, `hidden_norm`, `layers`, `norm`, `rotary`, `lm_head`,
+`markov_head`, `confidence_head`, `draft_vocab_ids`) they use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from dsparkctl.math.draft_sampling import DraftBlock, sample_block
+from dsparkctl.math.sampling import SamplingParams
+
+
+@dataclass
+class DraftState:
+    """Per-row context K/V for every draft layer. Row r's valid context is [:ctx_len[r]]; the
+    slots after it are scratch, where each round's block K/V go (`BlockSlots`) until the
+    committed tokens' context overwrites them.
+
+    `pending` holds target features of tokens committed by steps that ran no draft (deferred
+    `append_context` calls, oldest first): they enter the K/V cache, in order, before the next
+    proposal, so a run of plain steps costs the draft nothing."""
+
+    keys: list[Tensor]  # per layer [R, kvh, C, d]
+    values: list[Tensor]
+    ctx_len: Tensor  # [R] long
+    pending: list[tuple[Tensor, Tensor]] = field(default_factory=list)  # (features [R, T, F], lengths [R])
+
+    def keep_rows(self, rows: Tensor) -> None:
+        self.keys = [k[rows] for k in self.keys]
+        self.values = [v[rows] for v in self.values]
+        self.ctx_len = self.ctx_len[rows]
+        self.pending = [(f[rows], n[rows]) for f, n in self.pending]
+
+
+@dataclass
+class BlockSlots:
+    """Where a block's γ K/V go in the state's buffers and what its queries may read.
+
+    Row r's block takes slots ctx_len[r] .. ctx_len[r]+γ-1, right after its context, so row r
+    reads slots < ctx_len[r]+γ. When every row's context has the same length n (always at batch
+    1) the block is one slice [n, n+γ) and nothing needs a mask."""
+
+    start: int | None  # n when every row's block starts there, else None (per-row `index`)
+    index: Tensor | None  # [R, 1, γ, 1] long slot of each block token (ragged rows only)
+    span: int  # slots attention reads: max ctx_len + γ
+    mask: Tensor | None  # [R, 1, 1, span] bool (True = attend); None when uniform
+
+    def put(self, buf: Tensor, x: Tensor) -> None:
+        """Write the block's x [R, kvh, γ, d] into buf [R, kvh, C, d] at its slots."""
+        if self.start is not None:
+            buf[:, :, self.start: self.start + x.shape[2]] = x
+        else:
+            buf.scatter_(2, self.index.expand_as(x), x)
+
+
+@dataclass
+class DraftProposal:
+    block: DraftBlock  # tokens [R, γ], probs [R, γ, V] (or None), markov_embeds
+    confidence_logits: Tensor | None  # [R, γ] float32 raw logits (pre-sigmoid)
+
+
+class DraftInference:
+    """`DSparkDraft`'s inference-time methods: the context cache and `propose` (see the module doc)."""
+
+    def new_state(self, batch: int, device, dtype, capacity: int = 256) -> DraftState:
+        shape = (batch, self.cfg.num_key_value_heads, capacity + 1, self.cfg.head_dim)  # +1 trash slot
+        return DraftState(
+            keys=[torch.zeros(shape, device=device, dtype=dtype) for _ in self.layers],
+            values=[torch.zeros(shape, device=device, dtype=dtype) for _ in self.layers],
+            ctx_len=torch.zeros(batch, dtype=torch.long, device=device),
+        )
+
+    def _ensure_capacity(self, state: DraftState, need: int) -> None:
+        cap = state.keys[0].shape[2] - 1
+        if need <= cap:
+            return
+        new_cap = max(need, 2 * cap)
+        def grow(t: Tensor) -> Tensor:
+            pad = t.new_zeros(t.shape[0], t.shape[1], new_cap + 1 - t.shape[2], t.shape[3])
+            return torch.cat([t, pad], dim=2)
+        state.keys = [grow(k) for k in state.keys]
+        state.values = [grow(v) for v in state.values]
+
+    @torch.no_grad()
+    def append_context(self, state: DraftState, features: Tensor, lengths: Tensor) -> None:
+        """Append target features of newly committed tokens. features: [R, T, n_taps*H]; lengths: [R]."""
+        R, T, _ = features.shape
+        self._ensure_capacity(state, int((state.ctx_len + lengths).max()))
+        cap = state.keys[0].shape[2] - 1
+        t = torch.arange(T, device=features.device)
+        ok = t[None, :] < lengths[:, None]  # [R, T]
+        pos = state.ctx_len[:, None] + t[None, :]  # [R, T]
+        slot = torch.where(ok, pos, torch.full_like(pos, cap))  # invalid writes go to the trash slot
+        ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))  # [R, T, H]
+        cos, sin = self.rotary.at(pos, cap + 1, ctx.dtype)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.kv(ctx, cos, sin)  # [R, kvh, T, d]
+            idx = slot[:, None, :, None].expand_as(k)
+            state.keys[i].scatter_(2, idx, k)
+            state.values[i].scatter_(2, idx, v)
+        state.ctx_len = state.ctx_len + lengths
+
+    MAX_PENDING = 64  # deferred appends held before they are applied anyway (bounds their memory)
+
+    def defer_context(self, state: DraftState, features: Tensor, lengths: Tensor) -> None:
+        """`append_context`, applied at the next proposal (or once MAX_PENDING are waiting)."""
+        state.pending.append((features, lengths))
+        if len(state.pending) >= self.MAX_PENDING:
+            self.flush_context(state)
+
+    @torch.no_grad()
+    def flush_context(self, state: DraftState) -> None:
+        """Apply every deferred append, in order; uniform one-token chunks go in one call."""
+        if not state.pending:
+            return
+        chunks, state.pending = state.pending, []
+        if all(bool((n == f.shape[1]).all()) for f, n in chunks):
+            feats = torch.cat([f for f, _ in chunks], dim=1)
+            self.append_context(state, feats, torch.full_like(chunks[0][1], feats.shape[1]))
+            return
+        for f, n in chunks:
+            self.append_context(state, f, n)
+
+    @torch.no_grad()
+    def backbone(self, state: DraftState, anchors: Tensor) -> Tensor:
+        """One parallel forward over [anchor, mask × (γ-1)] -> final-normed hidden [R, γ, H]."""
+        R, g = anchors.shape[0], self.cfg.block_size
+        dev = anchors.device
+        ids = torch.full((R, g), self.cfg.mask_token_id, dtype=torch.long, device=dev)
+        ids[:, 0] = anchors
+        x = self.embed_tokens(ids).to(self.fc.weight.dtype)
+        n = int(state.ctx_len.max())
+        self._ensure_capacity(state, n + g)
+        pos = state.ctx_len[:, None] + torch.arange(g, device=dev)[None, :]  # [R, γ]
+        cos, sin = self.rotary.at(pos, state.keys[0].shape[2], x.dtype)
+        if R == 1 or bool((state.ctx_len == n).all()):
+            write = BlockSlots(start=n, index=None, span=n + g, mask=None)
+        else:
+            mask = (torch.arange(n + g, device=dev)[None, :] < (state.ctx_len + g)[:, None])[:, None, None, :]
+            write = BlockSlots(start=None, index=pos[:, None, :, None], span=n + g, mask=mask)
+        for i, layer in enumerate(self.layers):
+            x = layer.forward_cached(x, cos, sin, state.keys[i], state.values[i], write)
+        return self.norm(x)
+
+    @torch.no_grad()
+    def propose(self, state: DraftState, anchors: Tensor, params: SamplingParams,
+                generator: torch.Generator | None, need_probs: bool = True) -> DraftProposal:
+        """Draft one block for every row: parallel backbone, serial Markov loop, confidences.
+        `need_probs=False` (greedy verification, which never reads q): the block holds no probs."""
+        self.flush_context(state)
+        h = self.backbone(state, anchors)  # [R, γ, H]
+        base = self.lm_head(h.to(self.lm_head.weight.dtype)).float()  # [R, γ, V]
+        need_h = self.markov_head is not None and self.markov_head.needs_hidden
+        block = sample_block(base, anchors, self.markov_head, h if need_h else None, params, generator,
+                             vocab_ids=self.draft_vocab_ids, need_probs=need_probs)
+        conf = None
+        if self.confidence_head is not None:
+            feats = h
+            if self.cfg.confidence_head_with_markov:
+                feats = torch.cat([h, block.markov_embeds.to(h.dtype)], dim=-1)
+            conf = self.confidence_head(feats.to(self.confidence_head.proj.weight.dtype)).float()
+        return DraftProposal(block=block, confidence_logits=conf)

@@ -1,0 +1,1 @@
+"""Serving a draft in SGLang and vLLM: the engines' flags and tables, shell quoting, vocabulary surgery."""

@@ -1,0 +1,1 @@
+"""Training a draft by self-distillation: recipe, data from the target, the loop, checkpoints, export."""

@@ -1,0 +1,171 @@
+"""A draft before and after training: its reduced vocabulary, the scale of its taps, its initial
+weights (copied from the target's layers, or another draft), and the draft folder it is exported to.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dsparkctl.errors import InputError, option
+from dsparkctl.models.draft import DSparkDraft
+from dsparkctl.models.draft_io import (check_compatible, init_weights, load_draft, random_draft_config,
+                                       read_draft_config, resolve_folder, save_draft)
+from dsparkctl.models.target import TargetAdapter
+from dsparkctl.train.parts import Sequence
+from dsparkctl.train.recipe import Recipe
+from dsparkctl.train.trainer import trainable
+
+
+# ------------------------------------------------------------------------------------ vocabulary
+def select_vocab(seqs: list[Sequence], size: int, vocab_size: int) -> torch.Tensor:
+    """The `size` most frequent response tokens (ties: lower id), as ascending target ids [K]."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for s in seqs:
+        counts += torch.bincount(s.tokens[s.prompt_len:], minlength=vocab_size)
+    order = sorted(range(vocab_size), key=lambda t: (-int(counts[t]), t))[:size]
+    return torch.tensor(sorted(order), dtype=torch.long)
+
+
+def vocab_coverage(seqs: list[Sequence], ids: torch.Tensor | None, vocab_size: int) -> float | None:
+    """Share of response tokens (the target's outputs) that the draft vocabulary can emit."""
+    if ids is None:
+        return 1.0
+    inside = torch.zeros(vocab_size, dtype=torch.bool)
+    inside[ids] = True
+    hit = total = 0
+    for s in seqs:
+        r = s.tokens[s.prompt_len:]
+        hit += int(inside[r].sum())
+        total += r.numel()
+    return hit / total if total else None
+
+
+def tap_scale(seqs: list[Sequence], n_taps: int, sample: int = 200) -> torch.Tensor:
+    """Per-feature multiplier [F] that brings each tapped layer to unit RMS (over a data sample)."""
+    rows = torch.cat([s.features[:: max(1, len(s.features) // 16)].float() for s in seqs[:sample]])
+    F_ = rows.shape[1]
+    per_tap = rows.view(-1, n_taps, F_ // n_taps).pow(2).mean(dim=(0, 2)).sqrt().clamp(min=1e-6)  # [n_taps]
+    return (1.0 / per_tap).repeat_interleave(F_ // n_taps)
+
+
+# ------------------------------------------------------------------------------------ the draft
+def init_draft(recipe: Recipe, adapter: TargetAdapter, mask_token_id: int) -> DSparkDraft:
+    """A fresh draft shaped by the recipe.
+
+    `draft.init = "random"`: weights N(0, 0.02) from a seeded generator. `"target"`: draft layer
+    i starts as target layer L-n+i (attention, MLP and their norms) and the final norm as the
+    target's, so the backbone starts as the target's top layers. Either way biases, the Markov
+    output projection W2 and the confidence head start at zero: training starts from the plain
+    backbone and σ(c) = ½.
+    """
+    d = recipe.draft
+    cfg = random_draft_config(adapter, num_layers=d.num_layers, block_size=d.block_size,
+                              markov_rank=d.markov_rank, markov_head_type=d.markov_head_type,
+                              confidence=d.confidence, layer_ids=list(d.layer_ids),
+                              mask_token_id=mask_token_id, intermediate_size=d.intermediate_size,
+                              draft_vocab_size=d.vocab_size)
+    draft = DSparkDraft(cfg)
+    init_weights(draft, torch.Generator().manual_seed(recipe.optim.seed), for_training=True)
+    if d.init == "target":
+        with torch.no_grad():
+            copy_target_layers(draft, adapter.model)
+    draft.share_target_embeddings(adapter.embed_tokens(), adapter.lm_head())
+    return draft.float()
+
+
+def copy_target_layers(draft: DSparkDraft, model: Any) -> None:
+    """Warm start: draft layer i <- target layer L-n+i, draft norm <- target final norm."""
+    layers = model.model.layers
+    n, L = len(draft.layers), len(layers)
+    for i, dl in enumerate(draft.layers):
+        src = layers[L - n + i].state_dict()
+        own = dl.state_dict()
+        for k, v in src.items():
+            if k in own and own[k].shape == v.shape:
+                own[k].copy_(v)
+            elif k in own:
+                raise InputError(f"draft.init = target: layer tensor {k} has shape {tuple(own[k].shape)} in the "
+                                 f"draft, {tuple(v.shape)} in the target",
+                                 "use draft.init = random, or the target's intermediate_size")
+    draft.norm.weight.copy_(model.model.norm.weight)
+
+
+def load_init_draft(recipe: Recipe, draft: DSparkDraft, adapter: TargetAdapter,
+                    scale: torch.Tensor | None) -> None:
+    """Start from a draft folder (`optim.init_from`) of the same shape; fc is unfolded by `scale`."""
+    src = load_draft(recipe.optim.init_from, adapter, dtype=torch.float32, device="cpu")
+    mine, theirs = trainable(draft), dict(src.named_parameters())
+    for n, p in mine.items():
+        if n not in theirs or theirs[n].shape != p.shape:
+            raise InputError(f"optim.init_from {recipe.optim.init_from}: tensor {n} does not match the recipe's "
+                             "draft", "use a draft trained with the same [draft] section")
+    with torch.no_grad():
+        for n, p in mine.items():
+            p.copy_(theirs[n])
+        if scale is not None:
+            draft.fc.weight.div_(scale.to(draft.fc.weight.device))  # exported fc = trained fc · scale: undo the fold
+        if draft.draft_vocab_ids is not None:
+            if src.draft_vocab_ids is None:
+                raise InputError(f"optim.init_from {recipe.optim.init_from}: has the full vocabulary, the recipe "
+                                 "a reduced one", "set draft.vocab_size = 0")
+            draft.set_draft_vocab(src.draft_vocab_ids)
+            draft.share_target_embeddings(adapter.embed_tokens(), adapter.lm_head())
+
+
+def check_embeddings_export(draft_vocab_size: int, with_embeddings: bool) -> None:
+    if with_embeddings and draft_vocab_size:
+        raise InputError(f"{option('with_embeddings')} writes a DeepSpec draft for loaders that do not borrow the "
+                         "target's embedding and LM head; a reduced-vocabulary draft is not one of those",
+                         "train with draft.vocab_size = 0 for DeepSpec's eval.py, or drop "
+                         f"{option('with_embeddings')}")
+
+
+def export_draft(draft: DSparkDraft, out: Path, scale: torch.Tensor | None, extra: dict[str, Any],
+                 with_embeddings: bool = False) -> Path:
+    """Save in DeepSpec format with the tap scale folded into fc (the file needs no extra op).
+
+    `with_embeddings` also writes the (borrowed) embedding and LM head, for loaders such as
+    DeepSpec's eval.py that build the draft with from_pretrained and do not borrow them (the
+    command checked that they can be written: `check_embeddings_export`)."""
+    w = draft.fc.weight.data
+    if scale is not None:
+        draft.fc.weight.data = w * scale.to(w.device)[None, :]
+    try:
+        return save_draft(draft, out, dtype=torch.bfloat16, extra_config=extra, overwrite=True,
+                          include_embeddings=with_embeddings)
+    finally:
+        draft.fc.weight.data = w
+
+
+def pick_mask_token(recipe: Recipe, tokenizer: Any, vocab: int) -> int:
+    if recipe.draft.mask_token_id is not None:
+        m = int(recipe.draft.mask_token_id)
+        if not 0 <= m < vocab:
+            raise InputError(f"draft.mask_token_id {m} is outside the vocabulary (size {vocab})")
+        return m
+    pad = getattr(tokenizer, "pad_token_id", None)
+    return int(pad) if pad is not None else 0
+
+
+def check_against_target(recipe: Recipe, model: Any) -> None:
+    """What the recipe asks of the target, checked before any data is built (init_from included:
+    a draft of another target is refused now, not after the data parts were regenerated)."""
+    vocab = model.get_input_embeddings().weight.shape[0]
+    if recipe.optim.init_from:
+
+        src = recipe.optim.init_from
+        cfg = read_draft_config(resolve_folder(src), f"optim.init_from {src}")
+        check_compatible(cfg, TargetAdapter(model), f"optim.init_from {src}")
+        if bool(cfg.draft_vocab_size) != bool(recipe.draft.vocab_size):
+            raise InputError(f"optim.init_from {src}: has {'a reduced' if cfg.draft_vocab_size else 'the full'} "
+                             f"vocabulary, the recipe {'a reduced' if recipe.draft.vocab_size else 'the full'} one",
+                             "set draft.vocab_size to match the draft you start from")
+    if recipe.draft.vocab_size > vocab:
+        raise InputError(f"draft.vocab_size {recipe.draft.vocab_size} exceeds the target's vocabulary ({vocab})",
+                         "use a smaller K, or 0 for the full vocabulary")
+    if recipe.draft.mask_token_id is not None and not 0 <= recipe.draft.mask_token_id < vocab:
+        raise InputError(f"draft.mask_token_id {recipe.draft.mask_token_id} is outside the target's vocabulary "
+                         f"({vocab})", "use a special token id of the target's tokenizer")

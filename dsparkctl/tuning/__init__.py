@@ -1,0 +1,1 @@
+"""Tuning the scheduler offline from recorded rounds: STS calibration and the policy sweep."""

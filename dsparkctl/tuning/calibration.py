@@ -1,0 +1,162 @@
+"""STS calibration from recorded rounds: traces and SGLang shards pooled, split by request, fitted
+(math/calibration.py) and measured before and after on the held-out part; and how well a draft's
+confidence head predicted a run's outcomes (`confidence_report`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from dsparkctl.errors import InputError, UsageError, option
+from dsparkctl.formats.calibration import CALIBRATION_FORMAT, load_temperatures, read_sglang_shard
+from dsparkctl.formats.trace import Trace, read_traces, round_table
+from dsparkctl.math.calibration import CalibrationData, fit_sts, position_metrics, split_requests
+from dsparkctl.provenance import provenance
+from dsparkctl.strict_json import finite
+
+
+def calibration_data(traces: Sequence[Trace]) -> tuple[CalibrationData, torch.Tensor]:
+    """All drafted rounds of the traces as tensors, plus a request key `[N]` for the split.
+
+    Refuses rounds without confidence logits and mixed block sizes."""
+    table = round_table(traces, "calibrate")
+    if (missing := table.first_without_confidence()) is not None:
+        path, request, rnd = missing
+        raise InputError(f"{path}: request {request} round {rnd} has no confidence logits",
+                         "calibration needs a draft with a confidence head (DSpark, not DFlash)")
+    if not table.where:
+        raise InputError("the traces contain no rounds", "record some with `dsparkctl generate --trace`")
+    return CalibrationData(table.logits, table.verify_length, table.accepted), table.request
+
+
+def _load_inputs(paths: Sequence[str | os.PathLike]) -> tuple[CalibrationData, torch.Tensor, list[Trace]]:
+    """Traces (JSON lines) and SGLang shards (.pt) pooled: (data, request keys, traces)."""
+    seen: dict[tuple[int, int], Path] = {}
+    for p in map(Path, paths):
+        if p.is_file():
+            st = p.stat()
+            if (st.st_dev, st.st_ino) in seen:  # the same rounds twice would count twice
+                raise InputError(f"{p} is given twice (also as {seen[(st.st_dev, st.st_ino)]})",
+                                 "pass each trace or shard once")
+            seen[(st.st_dev, st.st_ino)] = p
+    is_shard = [Path(p).suffix.lower() == ".pt" for p in paths]
+    shards = [p for p, s in zip(paths, is_shard) if s]
+    rest = [p for p, s in zip(paths, is_shard) if not s]
+    traces = read_traces(rest) if rest else []
+    parts, keys = [], []
+    if traces:
+        data, k = calibration_data(traces)
+        parts.append((data.logits, data.verify_length, data.accepted))
+        keys.append(k)
+    for p in shards:
+        lg, acc = read_sglang_shard(p)
+        parts.append((lg, torch.full_like(acc, lg.shape[1]), acc))
+        start = int(keys[-1].max()) + 1 if keys and keys[-1].numel() else 0
+        keys.append(torch.arange(start, start + lg.shape[0]))  # shards hold no request ids: one key per row
+    gammas = {lg.shape[1] for lg, _, _ in parts}
+    if len(gammas) > 1:
+        raise InputError(f"the inputs mix block sizes {sorted(gammas)}", "calibrate one block size at a time")
+    if not parts or sum(lg.shape[0] for lg, _, _ in parts) == 0:
+        raise InputError("the inputs contain no rounds", "record some with `dsparkctl generate --trace`")
+    data = CalibrationData(torch.cat([a for a, _, _ in parts]), torch.cat([b for _, b, _ in parts]),
+                           torch.cat([c for _, _, c in parts]))
+    return data, torch.cat(keys), traces
+
+
+def check_settings(holdout: float, bins: int) -> None:
+    """The split and the bin count, before any trace is read."""
+    if not 0.0 < holdout < 1.0:
+        raise UsageError(f"{option('holdout')} must be in (0, 1), got {holdout}", "hold out a fraction such as 0.2")
+    if bins < 2:
+        raise UsageError(f"{option('bins')} must be ≥ 2, got {bins}", "use e.g. 20 bins")
+
+
+def load_inputs(trace_paths: Sequence[str | os.PathLike], bins: int) -> tuple[CalibrationData, torch.Tensor, list[Trace]]:
+    """The pooled rounds (`_load_inputs`), with `bins` bounded by them: at most one bin per recorded
+    round (more bins than rounds only adds empty ones, and each costs memory in the fit and a row
+    in every reliability diagram)."""
+    data, keys, traces = _load_inputs(trace_paths)
+    if bins > data.logits.shape[0]:
+        raise UsageError(f"{option('bins')} {bins} is more than the {data.logits.shape[0]} rounds in the traces",
+                         f"use at most {data.logits.shape[0]} bins (e.g. 20)")
+    return data, keys, traces
+
+
+def calibrate_traces(trace_paths: Sequence[str | os.PathLike], holdout: float = 0.2, bins: int = 20,
+                    seed: int = 0) -> dict[str, Any]:
+    """Read, split by request, fit STS on the training part, measure before/after on the held-out part
+    (in memory; `run_calibrate` also checks and writes the outputs)."""
+    check_settings(holdout, bins)
+    return fit_calibration(trace_paths, load_inputs(trace_paths, bins), holdout, bins, seed)
+
+
+def fit_calibration(trace_paths: Sequence[str | os.PathLike],
+                    inputs: tuple[CalibrationData, torch.Tensor, list[Trace]], holdout: float, bins: int,
+                    seed: int) -> dict[str, Any]:
+    """The calibration document of `inputs` (`load_inputs` of `trace_paths`)."""
+    data, keys, traces = inputs
+    gen = torch.Generator().manual_seed(seed)
+    hold = split_requests(keys, holdout, gen)
+    train, held = data.subset(~hold), data.subset(hold)
+    if train.logits.shape[0] == 0 or held.logits.shape[0] == 0:
+        raise InputError("too few requests to split into training and held-out parts",
+                         f"record more requests or change {option('holdout')}")
+    fit_report: list[dict] = []
+    temps = fit_sts(train, bins=bins, report=fit_report)
+    warnings = [f"position {r['position']}: T = {float(temps[r['position'] - 1]):.3g} is at the edge of the search "
+                "grid [0.05, 20]: no temperature calibrates it (its confidences are off by a bias, not a scale)"
+                if r["status"] == "edge" else
+                f"position {r['position']}: {r['trials']} trials ({r['successes']} accepted) are too few to fit; "
+                "T = 1 kept" for r in fit_report if r["status"] != "fitted"]
+    ones = torch.ones_like(temps)
+    before, after = position_metrics(held, ones, bins), position_metrics(held, temps, bins)
+    train_fit = position_metrics(train, temps, bins)
+    return {
+        "format": CALIBRATION_FORMAT,
+        "block_size": data.gamma,
+        "temperatures": [float(t) for t in temps],
+        "method": "sequential temperature scaling (grid search of T_k minimising survival ECE, left to right)",
+        "fit": fit_report, "warnings": warnings,
+        "draft_fingerprints": sorted({str(t.header["draft_fingerprint"]) for t in traces
+                                      if isinstance(t.header.get("draft_fingerprint"), str)}),
+        "bins": bins, "holdout": holdout, "seed": seed,
+        "rounds": {"train": int(train.logits.shape[0]), "heldout": int(held.logits.shape[0]),
+                   "requests_heldout": int(torch.unique(keys[hold]).numel()),
+                   "requests_train": int(torch.unique(keys[~hold]).numel())},
+        "metrics_heldout": {"before": before, "after": after},
+        "metrics_train_after": [{k: v for k, v in m.items() if k != "diagram"} for m in train_fit],
+        "provenance": provenance(inputs=[str(p) for p in trace_paths],
+                                 trace_headers=[{k: t.header.get(k) for k in
+                                                 ("target", "draft", "dataset", "temperature", "seed", "policy")
+                                                 if k in t.header} for t in traces]),
+    }
+
+
+def confidence_report(rounds: Sequence[Any], calibration: str | os.PathLike | None) -> dict[str, Any] | None:
+    """How well the confidence head predicted the outcomes of `rounds` (trace rows of drafted steps:
+    confidence_logits, verify_length, accepted): per position n, ECE, AUROC and Brier of the survival
+    estimate, raw (T = 1) and with the calibration's temperatures. None for a draft without a head."""
+    rows = [r for r in rounds if r.drafted and r.confidence_logits is not None]
+    if not rows:
+        return None
+    data = CalibrationData(torch.tensor([r.confidence_logits for r in rows], dtype=torch.float64),
+                           torch.tensor([r.verify_length for r in rows]), torch.tensor([r.accepted for r in rows]))
+    ones = torch.ones(data.gamma, dtype=torch.float64)
+    temps = torch.tensor(load_temperatures(calibration, data.gamma), dtype=torch.float64) if calibration else None
+    keep = ("n", "ece", "auroc", "brier", "mean_pred", "survival_rate")
+
+    def metrics(t: torch.Tensor) -> list[dict[str, Any]]:
+        return [finite({k: m[k] for k in keep}) for m in position_metrics(data, t)]
+
+    raw = metrics(ones)
+    cal = metrics(temps) if temps is not None else None
+    return {"calibration": str(calibration) if calibration else None,
+            "temperatures": temps.tolist() if temps is not None else None, "rounds": len(rows),
+            "positions": [{"position": k + 1, "n": raw[k]["n"], "survival_rate": raw[k]["survival_rate"],
+                           "raw": {x: raw[k][x] for x in ("ece", "auroc", "brier", "mean_pred")},
+                           "calibrated": ({x: cal[k][x] for x in ("ece", "auroc", "brier", "mean_pred")}
+                                          if cal is not None else None)} for k in range(data.gamma)]}
