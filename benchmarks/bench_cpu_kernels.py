@@ -22,9 +22,10 @@ import time
 from pathlib import Path
 
 import torch
+from provenance import provenance_of  # benchmarks/provenance.py
 
 from dsparkctl.engine.session import open_session
-from dsparkctl.fsutil import cannot_create, write_json
+from dsparkctl.files.atomic import cannot_create, write_json
 from dsparkctl.math.sampling import SamplingParams
 from dsparkctl.models.target import TargetAdapter
 
@@ -94,7 +95,7 @@ def main() -> None:
         "relative_to_one_token": {k: {str(T): d[T] / d[1] for T in Ts} for k, d in med.items()},
         "packed_over_stock_speed": {str(T): med["stock"][T] / med["packed"][T] for T in Ts},
         "auto_over_best_speed": {str(T): min(med["stock"][T], med["packed"][T]) / med["auto"][T] for T in Ts},
-        "draft_propose_ms_median": draft_ms, "agreement": agree,
+        "draft_propose_ms_median": draft_ms, "agreement": agree, **provenance_of(__file__),
     }
     print(f"target forward after {args.context} cached tokens, medians of {args.repeats} (ms; × one-token cost); "
           f"auto = {sessions['auto'].cpu_kernels}:")

@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from provenance import provenance_of  # benchmarks/provenance.py
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -58,7 +60,8 @@ def main() -> None:
     same = all(one[k][m]["tau"] == two[k][m]["tau"] for k in one for m in ("live", "teacher_forced"))
     med = {r: statistics.median(v) for r, v in walls.items()}
     res = {"prompts": a.limit, "max_new_tokens": a.max_new_tokens, "repeats": a.repeats,
-           "wall_s": walls, "median_wall_s": med, "speedup_two_ranks": med[1] / med[2], "identical_results": same}
+           "wall_s": walls, "median_wall_s": med, "speedup_two_ranks": med[1] / med[2], "identical_results": same,
+           **provenance_of(__file__)}
     print(f"median wall: 1 process × 2 threads {med[1]:.1f} s, 2 ranks × 1 thread {med[2]:.1f} s "
           f"(ratio {med[1] / med[2]:.2f}×); merged results identical: {same}")
     a.out.write_text(json.dumps(res, indent=2) + "\n")

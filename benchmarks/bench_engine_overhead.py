@@ -20,15 +20,16 @@ import time
 from pathlib import Path
 
 import torch
+from provenance import provenance_of  # benchmarks/provenance.py
 
 from dsparkctl.data.prompts import encode_prompts, load_prompts
 from dsparkctl.engine.clock import sync
 from dsparkctl.engine.session import open_session
 from dsparkctl.engine.speculative import SpeculativeEngine
 from dsparkctl.math import draft_sampling
-from dsparkctl.math.policies import parse_policy
+from dsparkctl.math.policy_spec import parse_policy
 from dsparkctl.math.sampling import SamplingParams
-from dsparkctl.models import draft as draft_mod
+from dsparkctl.models import draft_inference as draft_mod
 
 
 class Spans:
@@ -105,6 +106,7 @@ def main() -> None:
     sess = open_session(None, args.draft, args.device, args.dtype, log=lambda m: None)
     res = {"draft": sess.draft_name, "device": str(sess.device), "dtype": args.dtype,
            "threads": torch.get_num_threads(), "results": [run(b, args, sess) for b in (1, 8)]}
+    res.update(provenance_of(__file__))
     for r in res["results"]:
         print(f"batch {r['batch']}: {r['rounds']} rounds, round median {r['round_ms_median']:.1f} ms "
               f"(draft {r['draft_ms_median']:.1f}, verify {r['verify_ms_median']:.1f}, markov "

@@ -22,9 +22,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from provenance import provenance_of  # benchmarks/provenance.py
+
 from dsparkctl.checkpoint.source import open_local
-from dsparkctl.fsutil import write_json
-from dsparkctl.provenance import provenance
+from dsparkctl.files.atomic import write_json
 
 EXTRACT = ("import sys; from pathlib import Path; from dsparkctl.checkpoint.source import open_local; "
            "from dsparkctl.checkpoint.extract import extract; "
@@ -193,7 +194,7 @@ def main() -> None:
             "children_max_rss_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
             "dequantize_bf16": deq,
             "cpus": os.cpu_count(),
-            "provenance": provenance(script="benchmarks/bench_extract.py"),
+            **provenance_of(__file__),
         }
     finally:
         shutil.rmtree(work, ignore_errors=True)

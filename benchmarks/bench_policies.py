@@ -19,7 +19,7 @@ the per-group ratios to plain with a 95% bootstrap interval over groups, the mea
 length ℓ (skipped steps count as 0), the share of steps that ran the draft, the draft's share of
 step time, and greedy identity with plain decoding. The static:γ runs' rounds (full
 verification) are pooled over all batch sizes into a replay pool, and `sweep-scheduler`'s
-batch replay (`dsparkctl.sweep.replay_batches`: batches of B requests of --max-new-tokens each,
+batch replay (`dsparkctl.tuning.sweep.replay_batches`: batches of B requests of --max-new-tokens each,
 run to the end, as this benchmark runs them) predicts each cell's decode tokens/s from that pool
 and the same SPS table: the error of the prediction is reported beside the measurement, with
 the predicted and measured rank of every policy at each batch size.
@@ -41,18 +41,18 @@ import time
 from pathlib import Path
 
 import torch
+from provenance import provenance_of  # benchmarks/provenance.py
 
-from dsparkctl.calibrate import load_survival_prior, load_temperatures
 from dsparkctl.data.prompts import encode_prompts, load_prompts
 from dsparkctl.engine.session import open_session
 from dsparkctl.engine.speculative import SpeculativeEngine, plain_generate
-from dsparkctl.fsutil import cannot_create, write_json
-from dsparkctl.math.policies import parse_policy
+from dsparkctl.files.atomic import cannot_create, write_json
+from dsparkctl.formats.calibration import load_survival_prior, load_temperatures
+from dsparkctl.formats.sps import load_sps_table
+from dsparkctl.math.policy_spec import parse_policy
 from dsparkctl.math.sampling import SamplingParams
-from dsparkctl.sps_io import load_sps_table
 from dsparkctl.strict_json import loads
-from dsparkctl.sweep import replay_batches
-
+from dsparkctl.tuning.sweep import replay_batches
 
 QUIET = 0.15  # a run during which another core was busier than this is contaminated (a 1-thread
 # run slows by up to 2x when the other core of these 2-core VMs is loaded)
@@ -132,6 +132,7 @@ def main() -> None:
         cal = doc["calibration"]
         gamma = doc["replay_pool"]["gamma"]
         predict(doc, sps, load_temperatures(cal, gamma) if cal else None, load_survival_prior(cal, gamma) if cal else None)
+        doc["prediction_provenance"] = provenance_of(__file__)["provenance"]  # the decoding keeps its own
         finish(doc, args)
         return
     sizes = [int(x) for x in args.batch_sizes.split(",")]
@@ -231,7 +232,8 @@ def main() -> None:
                "temperatures": temps, "threads": torch.get_num_threads(), "cpu_kernels": sess.cpu_kernels,
                "batch_sizes_done": sizes[: sizes.index(B) + 1], "cells": cells, "seconds": time.time() - t_start,
                "quiet_threshold": QUIET, "groups_discarded_for_load": discarded,
-               "replay_pool": {"gamma": gamma, "confidence_logits": pool_logits, "accepted": pool_acc}}
+               "replay_pool": {"gamma": gamma, "confidence_logits": pool_logits, "accepted": pool_acc},
+               **provenance_of(__file__)}
         write_json(args.out, doc)  # after every batch size: a crash loses at most one
     predict(doc, sps, temps, prior)
     finish(doc, args)
@@ -308,7 +310,7 @@ def plot(cells, sizes, names, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from dsparkctl.fsutil import atomic_open
+    from dsparkctl.files.atomic import atomic_open
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name in names:

@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import platform
 import statistics
 import time
 
 import torch
+from provenance import provenance_of  # benchmarks/provenance.py
 
-from dsparkctl.fsutil import write_json
-from dsparkctl.math.policies import expected_throughput, parse_policy, survival_from_logits
+from dsparkctl.files.atomic import write_json
+from dsparkctl.math.admission import expected_throughput, survival_from_logits
+from dsparkctl.math.policy_spec import parse_policy
 from dsparkctl.math.sps import SPSTable
-from dsparkctl.provenance import provenance
 
 
 def decision_time(spec: str, R: int, gamma: int, sps: SPSTable, reps: int = 200) -> dict:
@@ -83,7 +83,7 @@ def main() -> None:
           f"max {opt['staircase_gap_max']:.2%}, {opt['staircase_cases_below_optimum']}/{opt['cases']} cases below optimum")
     write_json(args.out, {"decision_time": rows, "optimality": opt, "torch_threads": torch.get_num_threads(),
                           "cpu": platform.processor() or platform.machine(),
-                          "provenance": provenance(benchmark="bench_scheduler.py")})
+                          **provenance_of(__file__)})
 
 
 if __name__ == "__main__":

@@ -30,18 +30,17 @@ import time
 from pathlib import Path
 
 import torch
+from provenance import provenance_of  # benchmarks/provenance.py
 
 from dsparkctl.data.prompts import encode_prompts, load_prompts
+from dsparkctl.engine.policy_choice import load_policy
 from dsparkctl.engine.session import open_session
-from dsparkctl.fsutil import cannot_create, write_json
 from dsparkctl.engine.speculative import SpeculativeEngine, plain_generate
-from dsparkctl.engine.generate import load_policy
+from dsparkctl.files.atomic import cannot_create, write_json
+from dsparkctl.formats.sps import load_sps_table
 from dsparkctl.math.sampling import SamplingParams
 from dsparkctl.models.loading import load_target
 from dsparkctl.models.target import TargetAdapter
-from dsparkctl.sps_io import load_sps_table
-
-from provenance import provenance_of  # benchmarks/provenance.py
 
 
 def median_interval(xs: list[float], level: float = 0.95) -> list[float]:

@@ -1,8 +1,8 @@
-"""Sweep wall time: 7 policies × 11 concurrency levels × 20k request-rounds per cell.
+"""Sweep wall time: the default policies (8) × 11 concurrency levels × 20k request-rounds per cell.
 
 Run: .venv/bin/python benchmarks/bench_sweep.py
 Writes a synthetic full-verification trace (known acceptance model, 20k rounds), a CPU-like
-staircase SPS table, then times `run_sweep` (reading the files included) and draws the frontier.
+staircase SPS table, then times `sweep_traces` (reading the files included) and draws the frontier.
 """
 
 from __future__ import annotations
@@ -11,14 +11,15 @@ import argparse
 import time
 from pathlib import Path
 
-from dsparkctl.fsutil import write_json
+from provenance import provenance_of  # benchmarks/provenance.py
+
+from dsparkctl.files.atomic import write_json
+from dsparkctl.formats.sps import save_sps_table
+from dsparkctl.formats.trace import write_synthetic_trace
 from dsparkctl.math.sps import SPSTable
 from dsparkctl.math.synthetic import SyntheticModel
-from dsparkctl.sps_io import save_sps_table
 from dsparkctl.plots import frontier_plot
-from dsparkctl.provenance import provenance
-from dsparkctl.sweep import DEFAULT_CONCURRENCY, DEFAULT_POLICIES, run_sweep
-from dsparkctl.trace import write_synthetic_trace
+from dsparkctl.tuning.sweep import DEFAULT_CONCURRENCY, DEFAULT_POLICIES, sweep_traces
 
 
 def main() -> None:
@@ -34,13 +35,13 @@ def main() -> None:
                             meta={"device": "synthetic CPU-like staircase: step = 20 ms + 0.02 ms/token, +8 ms from B=4"}),
                    sps_path)
     t0 = time.perf_counter()
-    res = run_sweep([trace], sps_path, DEFAULT_POLICIES, DEFAULT_CONCURRENCY, rounds=args.rounds, seed=0)
+    res = sweep_traces([trace], sps_path, DEFAULT_POLICIES, DEFAULT_CONCURRENCY, rounds=args.rounds, seed=0)
     wall = time.perf_counter() - t0
     frontier_plot(res["rows"], d / "sweep_frontier.png")
     print(f"{len(DEFAULT_POLICIES)} policies × {len(DEFAULT_CONCURRENCY)} concurrency levels × "
           f"{args.rounds} request-rounds per cell: {wall:.2f} s")
     res["wall_s"] = wall
-    res["provenance"] = provenance(benchmark="bench_sweep.py", **res["provenance"])
+    res.update(provenance_of(__file__, **res["provenance"]))  # the sweep's own block (inputs, seed) kept
     write_json(d / "sweep.json", res)
     trace.unlink()  # regenerated on every run; keep the results small
 

@@ -19,10 +19,11 @@ import time
 from pathlib import Path
 
 import torch
+from provenance import provenance_of  # benchmarks/provenance.py
 
 from dsparkctl.data.prompts import encode_prompts, load_prompts
+from dsparkctl.evaluation.acceptance import DraftUnderTest, evaluate_dataset
 from dsparkctl.evaluation.live import target_continuations
-from dsparkctl.evaluation.run import DraftUnderTest, evaluate_dataset
 from dsparkctl.math.sampling import SamplingParams
 from dsparkctl.models.draft_io import load_draft
 from dsparkctl.models.loading import default_draft_dir, load_target, stop_token_ids
@@ -70,6 +71,7 @@ def main() -> None:
         "teacher_forced_from_scratch_ms_per_position": round(tf_scratch_ms, 4),
         "speedup_per_position": round(live["ms_per_position"] / tf["ms_per_position"], 2),
         "speedup_per_position_from_scratch": round(live["ms_per_position"] / tf_scratch_ms, 2),
+        **provenance_of(__file__),
     }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(report, indent=2) + "\n")

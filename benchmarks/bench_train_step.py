@@ -21,15 +21,15 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from provenance import provenance_of  # benchmarks/provenance.py
 from torch.utils.flop_counter import FlopCounterMode
 
-from dsparkctl.fsutil import write_json
+from dsparkctl.files.atomic import write_json
 from dsparkctl.models.draft_io import load_draft
 from dsparkctl.models.loading import load_target
 from dsparkctl.models.target import TargetAdapter
-from dsparkctl.train.trainer import Batch, batch_loss, trainable
-
-from provenance import provenance_of  # benchmarks/provenance.py
+from dsparkctl.train.batches import Batch
+from dsparkctl.train.trainer import batch_loss, trainable
 
 
 def random_batch(draft, B: int, N: int, S: int, k: int, gen: torch.Generator) -> Batch:

@@ -11,6 +11,8 @@ LIMIT=${1:-20}
 R=benchmarks/results
 D=.venv/bin/dsparkctl
 mkdir -p "$R"
+# the files the CLI writes below carry no git revision: this sidecar does
+.venv/bin/python benchmarks/provenance.py benchmarks/cpu_check.sh --out "$R/cpu_check.provenance.json"
 s=$(date +%s.%N)
 $D profile-sps --out "$R/sps_smollm2_cpu.json" --json > "$R/profile_sps.json"
 e=$(date +%s.%N)

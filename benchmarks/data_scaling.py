@@ -25,10 +25,9 @@ import time
 from pathlib import Path
 
 import torch
-
-from dsparkctl.fsutil import write_json
-
 from provenance import provenance_of  # benchmarks/provenance.py
+
+from dsparkctl.files.atomic import write_json
 
 
 def train_point(recipe: Path, answers: int, steps: int, log: Path) -> dict:
@@ -57,8 +56,8 @@ def reference_tau(recipe_path: Path, draft: str) -> dict:
     from dsparkctl.models.draft_io import load_draft
     from dsparkctl.models.target import TargetAdapter
     from dsparkctl.train.data import build_dataset
+    from dsparkctl.train.job import default_cache_dir, heldout_stats, split
     from dsparkctl.train.recipe import load_recipe
-    from dsparkctl.train.run import default_cache_dir, heldout_stats, split
 
     rec = load_recipe(recipe_path, ["data.extra_responses=0"])
     sess = open_target(rec.target.model, "cpu", rec.target.dtype, log=lambda m: None)

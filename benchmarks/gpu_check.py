@@ -31,9 +31,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from provenance import provenance_of  # noqa: E402 - benchmarks/provenance.py (this script's folder)
+
 from dsparkctl.engine.profile import profile_sps, profile_whole_step, table_from_points  # noqa: E402
 from dsparkctl.engine.speculative import SpeculativeEngine, plain_generate  # noqa: E402
-from dsparkctl.math.policies import parse_policy  # noqa: E402
+from dsparkctl.math.policy_spec import parse_policy  # noqa: E402
 from dsparkctl.math.sampling import SamplingParams  # noqa: E402
 from dsparkctl.models.draft_io import random_draft  # noqa: E402
 from dsparkctl.models.target import TargetAdapter  # noqa: E402
@@ -43,7 +45,7 @@ DEV = torch.device("cpu" if DRY else "cuda")
 OUT = Path(os.environ.get("OUT", ROOT / "gpu-out"))
 OUT.mkdir(parents=True, exist_ok=True)
 LINES: list[str] = []
-RESULTS: dict = {"device": str(DEV), "dry_run": DRY, "steps": {}}
+RESULTS: dict = {"device": str(DEV), "dry_run": DRY, "steps": {}, **provenance_of(__file__)}
 
 
 def say(line: str) -> None:
@@ -193,7 +195,8 @@ def speed(name: str, gamma: int, layers: int):
         say(f"  {name} SPS {label}: " + ", ".join(f"B={b}:{s:.0f}" for b, s in zip(bt, sps)))
     (OUT / f"sps_{name}.json").write_text(json.dumps({"whole_step": {"batch_tokens": whole[0], "steps_per_sec": whole[1]},
                                                       "target_forward": {"batch_tokens": tf[0], "steps_per_sec": tf[1]},
-                                                      "context_len": ctx, "gamma": gamma}, indent=1) + "\n")
+                                                      "context_len": ctx, "gamma": gamma, **provenance_of(__file__)},
+                                                     indent=1) + "\n")
     try:
         import matplotlib
         matplotlib.use("Agg")

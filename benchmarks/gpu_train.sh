@@ -26,6 +26,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   export PYTHONPATH="$PYTHONPATH:/tmp/dsparkctl-site"
 fi
 D="$PY -m dsparkctl"
+"$PY" benchmarks/provenance.py benchmarks/gpu_train.sh --out "$OUT/provenance.json" || true  # no .git here: set DSPARKCTL_GIT_REVISION
 timeout 900 $D train recipes/smollm2-135m-dspark-gpu.toml --device cuda --out "$OUT/draft" --json \
   > "$OUT/train.json" 2> "$OUT/train.log" || { tail -20 "$OUT/train.log"; exit 1; }
 timeout 600 $D eval-acceptance --draft "$OUT/draft" --device cuda --dtype fp32 --dataset mt-bench --dataset humaneval \

@@ -67,6 +67,7 @@ build_sglang
 [ -x .venv/bin/dsparkctl ] || make setup >&2
 D=.venv/bin/dsparkctl
 PY=.venv/bin/python
+$PY benchmarks/provenance.py benchmarks/interop_check.sh --line | sed 's/^/     /' || true  # revision, machine
 OUT=$INTEROP_DIR/outputs
 rm -rf "$OUT"
 mkdir -p "$OUT"

@@ -112,8 +112,7 @@ def server_args(argv: list[str], block_size: int) -> str:
 
 
 def sps(path: str) -> str:
-    from sglang.srt.speculative.dspark_components.dspark_sps import (is_uninitialized_sps_table,
-                                                                       load_sps_table_from_path)
+    from sglang.srt.speculative.dspark_components.dspark_sps import is_uninitialized_sps_table, load_sps_table_from_path
 
     t = load_sps_table_from_path(path)
     assert not is_uninitialized_sps_table(t), "SGLang counts the table uninitialised (it would verify every draft)"
@@ -129,9 +128,9 @@ def sts(path: str, block_size: int) -> str:
 
 
 def draft_config(folder: str) -> str:
-    from transformers import AutoConfig
     from sglang.srt.speculative.dflash_utils import parse_dflash_draft_config
     from sglang.srt.speculative.dspark_components.dspark_config import parse_dspark_draft_config
+    from transformers import AutoConfig
 
     hf = AutoConfig.from_pretrained(folder)
     ds = parse_dspark_draft_config(draft_hf_config=hf)

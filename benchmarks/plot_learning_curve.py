@@ -14,7 +14,9 @@ import argparse
 import json
 from pathlib import Path
 
-from dsparkctl.fsutil import write_json
+from provenance import provenance_of  # benchmarks/provenance.py
+
+from dsparkctl.files.atomic import write_json
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -94,7 +96,8 @@ def main() -> None:
     curve = chain(args.runs)
     plot(curve, args.out, args.title)
     if args.json:
-        write_json(args.json, {**curve, "steps": curve["steps"][:: max(1, len(curve["steps"]) // 2000)]})
+        write_json(args.json, {**curve, "steps": curve["steps"][:: max(1, len(curve["steps"]) // 2000)],
+                               **provenance_of(__file__)})
     for e in curve["evals"]:
         print(f"stage {e['stage'] + 1} step {e['step']}: {e['minutes']:.0f} min, {e['blocks']:.0f} blocks, τ {e['tau']:.3f}")
 

@@ -36,16 +36,16 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from provenance import provenance_of
 
 import dsparkctl.engine.speculative as spec_mod
-import dsparkctl.models.draft as draft_mod
+import dsparkctl.models.draft_inference as draft_mod
 from dsparkctl.data.prompts import encode_prompts, load_prompts
 from dsparkctl.engine.profile import DraftEvery
 from dsparkctl.engine.session import open_session
 from dsparkctl.engine.speculative import SpeculativeEngine
-from dsparkctl.fsutil import cannot_create, write_json
+from dsparkctl.files.atomic import cannot_create, write_json
 from dsparkctl.math.sampling import SamplingParams
-from provenance import provenance_of
 
 # (stage, label): the rows of the table, in round order
 STAGES = [

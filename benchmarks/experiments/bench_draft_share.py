@@ -5,7 +5,7 @@ head, `DSparkDraft.propose`) and of the target's verify forward over [anchor, γ
 batch 1 after a real prompt's context; share = draft / (draft + verify). Repeats interleave the
 drafts so a shared machine's drift hits all alike.
 
-    .venv/bin/python benchmarks/bench_draft_share.py --draft A --draft B [--repeats 30] [--out share.json]
+    .venv/bin/python benchmarks/experiments/bench_draft_share.py --draft A --draft B [--repeats 30] [--out share.json]
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -21,9 +22,12 @@ import torch
 from dsparkctl.data.prompts import encode_prompts, load_prompts
 from dsparkctl.engine.session import open_target
 from dsparkctl.engine.speculative import SpeculativeEngine
-from dsparkctl.math.policies import parse_policy
+from dsparkctl.math.policy_spec import parse_policy
 from dsparkctl.math.sampling import SamplingParams
 from dsparkctl.models.target import TargetAdapter
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: provenance.py
+from provenance import provenance_of  # noqa: E402
 
 
 def main() -> None:
@@ -63,8 +67,8 @@ def main() -> None:
         print(f"{name}: draft {dr:.1f} ms, verify {vr:.1f} ms, draft share of a round {100 * dr / (dr + vr):.1f}% "
               f"(head over {d.cfg.output_vocab_size} ids)")
     if args.out:
-        args.out.write_text(json.dumps({"threads": torch.get_num_threads(), "repeats": args.repeats, "rows": rows},
-                                       indent=2) + "\n")
+        args.out.write_text(json.dumps({"threads": torch.get_num_threads(), "repeats": args.repeats, "rows": rows,
+                                        **provenance_of(__file__)}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

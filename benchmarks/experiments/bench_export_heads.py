@@ -9,7 +9,7 @@ Per draft step (one block of γ tokens for every row) it times, medians over int
   step       the whole `DSparkDraft.propose` (backbone + head + confidence head)
 This is our engine on CPU, not vLLM's; it shows what the vocabulary size costs, one run.
 
-    .venv/bin/python benchmarks/bench_export_heads.py --draft DIR_A --draft DIR_B [--repeats 20] [--out f.json]
+    .venv/bin/python benchmarks/experiments/bench_export_heads.py --draft DIR_A --draft DIR_B [--repeats 20] [--out f.json]
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -26,9 +27,12 @@ from dsparkctl.data.prompts import encode_prompts, load_prompts
 from dsparkctl.engine.session import open_target
 from dsparkctl.engine.speculative import SpeculativeEngine
 from dsparkctl.math.draft_sampling import sample_block
-from dsparkctl.math.policies import parse_policy
+from dsparkctl.math.policy_spec import parse_policy
 from dsparkctl.math.sampling import SamplingParams
 from dsparkctl.models.target import TargetAdapter
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: provenance.py
+from provenance import provenance_of  # noqa: E402
 
 
 def main() -> None:
@@ -73,8 +77,8 @@ def main() -> None:
             print(f"batch {batch}, head over {d.cfg.output_vocab_size:>6} ids ({Path(spec).name}): "
                   f"head {med['head']:.2f} ms, backbone {med['backbone']:.2f} ms, draft step {med['step']:.2f} ms")
     if args.out:
-        args.out.write_text(json.dumps({"threads": torch.get_num_threads(), "repeats": args.repeats, "rows": rows},
-                                       indent=2) + "\n")
+        args.out.write_text(json.dumps({"threads": torch.get_num_threads(), "repeats": args.repeats, "rows": rows,
+                                        **provenance_of(__file__)}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """What profile-sps measures, and why it matters to the scheduler (issue 9).
 
-Run: .venv/bin/python benchmarks/compare_sps_measures.py [--draft DIR] [--limit 16]
+Run: .venv/bin/python benchmarks/experiments/compare_sps_measures.py [--draft DIR] [--limit 16]
 
 1. `dsparkctl profile-sps` twice on the same pair: the whole speculative step (draft + schedule +
    verify + context update; the default, what SGLang's table holds) and the target's forward
@@ -20,8 +20,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "dsparkctl"]
+sys.path.insert(0, str(ROOT / "benchmarks"))  # provenance.py
+from provenance import provenance_of  # noqa: E402
 
 
 def run(*args: str) -> None:
@@ -67,7 +69,7 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from dsparkctl.fsutil import save_figure
+    from dsparkctl.plots import save_figure
 
     fig, ax = plt.subplots(figsize=(6.4, 4))
     for measure, t in tables.items():
@@ -91,7 +93,8 @@ def main() -> None:
             lines.append(f"| {c} | {measure} | {ds['mean_verify']:.2f} | {ds['tokens_per_step']:.3f} | "
                          f"{ds['throughput_tok_s']:.1f} | {best['throughput_tok_s']:.1f} ({best['policy']}) |")
     text = "\n".join(lines)
-    (d / "sps_compare.md").write_text(text + "\n")
+    prov = json.dumps(provenance_of(__file__)["provenance"])
+    (d / "sps_compare.md").write_text(text + f"\n\n<!-- provenance: {prov} -->\n")
     print(text)
     trace.unlink()
 

@@ -11,7 +11,7 @@
    previous recipe paid (its target distribution was recomputed from the cached final hidden
    state every step: one more vocabulary-wide projection).
 
-    .venv/bin/python benchmarks/diagnose_draft.py recipes/smollm2-135m-dspark.toml \\
+    .venv/bin/python benchmarks/experiments/diagnose_draft.py recipes/smollm2-135m-dspark.toml \\
         --draft dsparkctl/assets/drafts/smollm2-135m-dspark --dataset mt-bench --dataset humaneval \\
         --limit 40 --out benchmarks/results/diagnosis.json
 """
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -33,10 +34,14 @@ from dsparkctl.evaluation.teacher_forced import evaluate_sequences
 from dsparkctl.math.sampling import SamplingParams
 from dsparkctl.models.draft_io import load_draft
 from dsparkctl.models.loading import load_target, stop_token_ids
+from dsparkctl.train.batches import make_batch
+from dsparkctl.train.job import default_cache_dir, prepare
 from dsparkctl.train.loss import dspark_loss
 from dsparkctl.train.recipe import load_recipe
-from dsparkctl.train.run import default_cache_dir, prepare
-from dsparkctl.train.trainer import Trainer, make_batch
+from dsparkctl.train.trainer import Trainer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: provenance.py
+from provenance import provenance_of  # noqa: E402
 
 
 def summary(stats) -> dict:
@@ -108,7 +113,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--steps", type=int, default=5, help="training steps to profile (0: skip)")
     ap.add_argument("--cache-dir", type=Path, default=default_cache_dir())
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "diagnosis.json")
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results" / "diagnosis.json")
     args = ap.parse_args()
     rec = load_recipe(args.recipe, args.overrides)
     if rec.optim.threads:
@@ -145,6 +150,7 @@ def main() -> None:
         result["step_profile"] = step_profile(rec, draft, train, scale, args.steps)
         m = result["step_profile"]["median_seconds"]
         print("step profile (median s): " + "  ".join(f"{k} {v:.3f}" for k, v in m.items()))
+    result.update(provenance_of(__file__))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # Issue 29's speed figures on the final tree: one thread pinned to core 0, nothing else running
 # (the other core idle: the target's forward is memory-bound and a busy neighbour slows it).
-#   bash benchmarks/issue29_check.sh            (about 35 minutes on a 2-core VM)
+#   bash benchmarks/experiments/issue29_check.sh            (about 35 minutes on a 2-core VM)
 # Writes benchmarks/results/{sps_issue29*, speedup_issue29_*.json, policies_issue29.json|png,
 # round_profile*.json, train_step*.json}. The most important figures come first.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=1
 run() { echo "+ $*" >&2; taskset -c 0 "$@"; }
 R=benchmarks/results
 ROOT=$PWD
+# the files the CLI writes (sps_issue29*) carry no git revision: this sidecar does
+.venv/bin/python benchmarks/provenance.py benchmarks/experiments/issue29_check.sh --out $R/issue29_check.provenance.json
 # this machine's step costs at 1..32 requests (what generate profiles for itself, wider)
 run .venv/bin/dsparkctl profile-sps --requests 1,4,8,16,32 --out $R/sps_issue29.json
 # batch 1, greedy, 128 tokens, 8 prompts x 2 repeats: dspark (the default policy, with the draft's
@@ -33,7 +35,7 @@ run .venv/bin/python benchmarks/profile_round.py --positions 16 --out $R/round_p
 run .venv/bin/python benchmarks/bench_train_step.py --threads 1 --anchors 32 --out $R/train_step.json
 OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_train_step.py --threads 2 --anchors 32 --out $R/train_step_2threads.json
 # another task family, tuned on by nothing: WritingBench's English instructions under 700 characters
-# (PyPI inspect-evals==0.28.0, fetched once into $TMPDIR; MACHINE.md lists it among the real sets)
+# (PyPI inspect-evals==0.28.0, fetched once into $TMPDIR)
 wb=${TMPDIR:-/tmp}/writingbench_en.jsonl
 if [ ! -s "$wb" ]; then
   d=$(mktemp -d)

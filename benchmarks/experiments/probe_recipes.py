@@ -5,7 +5,7 @@ training time (constant learning rate after warm-up, so stopping early is fair),
 the same held-out split (the recipe's first `eval.holdout` sequences, teacher-forced, exact
 greedy β from the cached target top-1) every `--every` minutes. Evaluation time is not counted.
 
-    .venv/bin/python benchmarks/probe_recipes.py recipes/smollm2-135m-dspark.toml --minutes 8 \\
+    .venv/bin/python benchmarks/experiments/probe_recipes.py recipes/smollm2-135m-dspark.toml --minutes 8 \\
         --probe "current:vocab_size=0,init=random,tap_norm=false" --probe "vocab8k:vocab_size=8192" ...
 
 Writes OUT.json (every curve point), OUT.md (the table) and OUT.png (τ against minutes and
@@ -16,15 +16,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from dsparkctl.models.loading import load_target, stop_token_ids
+from dsparkctl.train.draft_init import vocab_coverage
+from dsparkctl.train.job import default_cache_dir, heldout_stats, prepare
 from dsparkctl.train.recipe import load_recipe
-from dsparkctl.train.run import default_cache_dir, heldout_stats, prepare, vocab_coverage
 from dsparkctl.train.trainer import Trainer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: provenance.py
+from provenance import provenance_of  # noqa: E402
 
 
 def run_probe(name: str, overrides: list[str], args, lt, stops, held: list) -> dict:
@@ -111,7 +116,7 @@ def main() -> None:
     ap.add_argument("--every-blocks", type=int, default=10_000)
     ap.add_argument("--curve-sequences", type=int, default=16, help="held-out sequences for intermediate points")
     ap.add_argument("--cache-dir", type=Path, default=default_cache_dir())
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "probes")
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results" / "probes")
     args = ap.parse_args()
     lt = load_target(None, torch.device("cpu"), torch.float32, log=lambda s: None)
     stops = stop_token_ids(lt.tokenizer, lt.model)
@@ -125,7 +130,8 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.with_suffix(".json").write_text(json.dumps({"recipe": str(args.recipe), "base": args.base,
                                                               "minutes": args.minutes, "heldout_sequences": len(held),
-                                                              "probes": results}, indent=2) + "\n")
+                                                              "probes": results, **provenance_of(__file__)},
+                                                             indent=2) + "\n")
     lines = ["| probe | overrides | steps | blocks | s/step | held-out τ | c1 | c5 |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
         c = r["final_conditional"]

@@ -4,17 +4,29 @@ commit 0); now it times the engine's own round (also the commit and stop bookkee
 it (`SpeculativeEngine.mark`). Both, alternated repeat by repeat in one process on the embedded
 pair (fp32, stock kernels, context 128), 10 timed repeats after 4 warm-up: medians and new/old.
 
-    OMP_NUM_THREADS=1 taskset -c 0 .venv/bin/python benchmarks/profile_round_ab.py
+    OMP_NUM_THREADS=1 taskset -c 0 .venv/bin/python benchmarks/experiments/profile_round_ab.py
 """
 
-import statistics as st, time, torch
+import json
+import statistics as st
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dsparkctl.engine.clock import Clock
+from dsparkctl.engine.profile import DraftEvery
 from dsparkctl.engine.session import open_session
 from dsparkctl.engine.speculative import SpeculativeEngine
-from dsparkctl.engine.profile import DraftEvery
-from dsparkctl.engine.clock import Clock
-from dsparkctl.math.policies import parse_policy
+from dsparkctl.math.policy_spec import parse_policy
 from dsparkctl.math.sampling import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: provenance.py
+from provenance import provenance_of  # noqa: E402
+
 torch.set_num_threads(1)
+print(json.dumps(provenance_of(__file__)), flush=True)  # the printed result says where it came from
 sess = open_session(None, None, "cpu", "fp32", None, log=lambda m: None)
 gamma = sess.draft.block_size
 eng = SpeculativeEngine(sess.adapter, sess.draft, parse_policy(f"static:{gamma}"), SamplingParams(0.0), stop_token_ids=sess.stop_ids)

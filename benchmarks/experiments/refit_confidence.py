@@ -7,13 +7,14 @@ Teacher-forced features and labels come from `dsparkctl.train.confidence`; promp
 of the conditional label are reported per slot before and after. With --out the refitted draft
 is written there (the rest of the draft bit for bit as it was).
 
-    .venv/bin/python benchmarks/refit_confidence.py --prompts 192 --out drafts/refit \
+    .venv/bin/python benchmarks/experiments/refit_confidence.py --prompts 192 --out drafts/refit \
         --report benchmarks/results/confidence_refit.json
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -22,11 +23,14 @@ import torch
 from dsparkctl.data.prompts import encode_prompts, load_prompts
 from dsparkctl.engine.session import open_session
 from dsparkctl.evaluation.continuations import cached_continuations
-from dsparkctl.fsutil import cannot_create, write_json
+from dsparkctl.files.atomic import cannot_create, write_json
 from dsparkctl.math.calibration import auroc, brier
 from dsparkctl.math.sampling import SamplingParams
 from dsparkctl.models.draft_io import save_draft
 from dsparkctl.train.confidence import confidence_examples, fit_confidence_head
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: provenance.py
+from provenance import provenance_of  # noqa: E402
 
 
 def metrics(logits: torch.Tensor, y: torch.Tensor, slot: torch.Tensor, gamma: int) -> list[dict]:
@@ -47,7 +51,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--l2", type=float, default=1e-3)
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--report", type=Path, default=Path(__file__).parent / "results" / "confidence_refit.json")
+    ap.add_argument("--report", type=Path,
+                    default=Path(__file__).resolve().parents[1] / "results" / "confidence_refit.json")
     args = ap.parse_args()
     for p in (args.report,):
         if why := cannot_create(p):
@@ -78,7 +83,7 @@ def main() -> None:
     report = {"prompts": len(seqs), "start": args.start, "max_new_tokens": args.max_new_tokens, "l2": args.l2,
               "examples_fit": int((~held).sum()), "examples_heldout": int(held.sum()),
               "label": "greedy: draft argmax at slot k == the target's token (teacher forced)",
-              "heldout_before": before, "heldout_after": after}
+              "heldout_before": before, "heldout_after": after, **provenance_of(__file__)}
     if args.out:
         with torch.no_grad():
             head.weight.copy_(w.to(head.weight.dtype))

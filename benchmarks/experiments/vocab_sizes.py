@@ -8,7 +8,7 @@ median seconds of steps 3..N of a fresh trainer on the same data (same threads);
 median ms of the draft's proposal at batch 1 after an MT-Bench prompt (the target's verify
 forward is the same for every K and is printed once).
 
-    .venv/bin/python benchmarks/vocab_sizes.py [--k 2048,4096,8192,16384,0] [--steps 12]
+    .venv/bin/python benchmarks/experiments/vocab_sizes.py [--k 2048,4096,8192,16384,0] [--steps 12]
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,13 +27,17 @@ import torch
 from dsparkctl.data.prompts import encode_prompts, load_prompts
 from dsparkctl.engine.session import open_target
 from dsparkctl.engine.speculative import SpeculativeEngine
-from dsparkctl.math.policies import parse_policy
+from dsparkctl.math.policy_spec import parse_policy
 from dsparkctl.math.sampling import SamplingParams
+from dsparkctl.train.draft_init import vocab_coverage
+from dsparkctl.train.job import default_cache_dir, prepare
 from dsparkctl.train.recipe import load_recipe
-from dsparkctl.train.run import default_cache_dir, prepare, vocab_coverage
 from dsparkctl.train.trainer import Trainer
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: provenance.py
+from provenance import provenance_of  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def main() -> None:
@@ -82,7 +87,8 @@ def main() -> None:
         print(f"K {row['k']:>6}: held-out coverage {100 * coverage:.2f}%  train step {step_s:.3f} s  "
               f"draft {row['draft_ms_per_round']:.1f} ms/round (verify {row['verify_ms_per_round']:.1f} ms)",
               flush=True)
-    args.out.write_text(json.dumps({"recipe": args.recipe, "threads": args.threads, "rows": rows}, indent=2) + "\n")
+    args.out.write_text(json.dumps({"recipe": args.recipe, "threads": args.threads, "rows": rows,
+                                     **provenance_of(__file__)}, indent=2) + "\n")
     print(f"wrote {args.out}")
 
 
