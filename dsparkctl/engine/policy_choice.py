@@ -11,7 +11,7 @@ from pathlib import Path
 from dsparkctl.engine.session import Session
 from dsparkctl.formats.calibration import calibration_draft_notes, load_survival_prior, load_temperatures
 from dsparkctl.formats.sps import check_block_size, condition_notes, load_sps_table
-from dsparkctl.math.policies import Policy
+from dsparkctl.math.policies import Policy, check_table_for
 from dsparkctl.math.policy_spec import check_spec_fits, parse_policy, parse_spec
 from dsparkctl.math.sps import SPSTable
 
@@ -57,6 +57,8 @@ def plan_policy(spec: str | None, block_size: int, sps_table: Path | None, calib
     sps = load_sps_table(sps_table) if sps_table is not None else None
     if sps is not None:
         check_block_size(sps, block_size)
+        if parse_spec(spec)[0].needs_sps:
+            check_table_for(spec, sps)
     return PolicyPlan(spec, block_size, temps, prior, sps)
 
 

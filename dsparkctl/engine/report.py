@@ -66,6 +66,7 @@ def generate_report(sess: Session, prompt_ids: Sequence[Sequence[int]], opts: Ge
         report["scheduler_note"] = why
     if opts.trace:
         report["trace"] = str(opts.trace)
+    report |= _per_step(spec)
     if plain is not None:
         report["baseline"] = {"generated_tokens": plain.generated, "wall_s": plain.wall_s,
                               "tokens_per_s": statistics.median(plain_tps), "tokens_per_s_runs": plain_tps}
@@ -114,7 +115,7 @@ def _settings(sess: Session, pol: Policy, prompt_ids: Sequence[Sequence[int]], o
 
 
 def _acceptance(spec: PromptsResult, spec_tps: list[float], opts: GenerateOptions) -> dict[str, Any]:
-    """The speculative run's counts, acceptance and timing (per engine step and the draft's share)."""
+    """The speculative run's counts, acceptance and timing."""
     stats = spec.stats
     out: dict[str, Any] = {
         "generated_tokens": spec.generated, "wall_s": spec.wall_s, "repeats": opts.repeats,
@@ -122,10 +123,14 @@ def _acceptance(spec: PromptsResult, spec_tps: list[float], opts: GenerateOption
         "acceptance": stats.to_json(), "conditional_interval": stats.conditional_interval(),
         "survival_interval": stats.survival_interval(), "timing_ms": spec.times_ms, "engine_steps": spec.rounds,
         "drafted_steps": spec.drafted_steps}
-    if spec.rounds:
-        per = {k: v / spec.rounds for k, v in spec.times_ms.items() if k in ("draft", "verify", "schedule", "accept")}
-        per["overhead"] = per.get("schedule", 0.0) + per.get("accept", 0.0)
-        out["per_step_ms"] = per
-        round_ms = per.get("draft", 0.0) + per.get("verify", 0.0) + per["overhead"]
-        out["draft_share_of_round"] = per.get("draft", 0.0) / round_ms if round_ms > 0 else None
     return out
+
+
+def _per_step(spec: PromptsResult) -> dict[str, Any]:
+    """Time per engine step by stage, and the draft's share of a round (none without steps)."""
+    if not spec.rounds:
+        return {}
+    per = {k: v / spec.rounds for k, v in spec.times_ms.items() if k in ("draft", "verify", "schedule", "accept")}
+    per["overhead"] = per.get("schedule", 0.0) + per.get("accept", 0.0)
+    round_ms = per.get("draft", 0.0) + per.get("verify", 0.0) + per["overhead"]
+    return {"per_step_ms": per, "draft_share_of_round": per.get("draft", 0.0) / round_ms if round_ms > 0 else None}

@@ -86,9 +86,8 @@ class Policy:
         self.state = self.new_state()
         if self.needs_sps and sps is None:
             raise UsageError(f"policy {spec!r} needs an SPS table", "give it the engine's steps-per-second table")
-        if self.needs_sps and len(sps.batch_tokens) < 2:
-            raise UsageError(f"policy {spec!r}: the SPS table has one probe, which SGLang treats as uninitialised "
-                             "(it then verifies every draft)", "profile at least two batch-token counts")
+        if self.needs_sps:
+            check_table_for(spec, sps)
 
     def new_state(self) -> PolicyState | None:
         return None
@@ -364,3 +363,10 @@ class DSparkAsync(_Gated):
             state.pending = (prior + own.tolist())[-2:]
         return lengths(cap)
 
+
+def check_table_for(spec: str, sps: SPSTable) -> None:
+    """Refuse a one-probe table for a policy that plans with step costs (before the policy is built,
+    too: `engine/policy_choice.plan_policy`)."""
+    if len(sps.batch_tokens) < 2:
+        raise UsageError(f"policy {spec!r}: the SPS table has one probe, which SGLang treats as uninitialised "
+                         "(it then verifies every draft)", "profile at least two batch-token counts")
