@@ -6,16 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dsparkctl.plots import save_figure
+from dsparkctl.plots import pyplot, save_figure
 
 
 def plot_acceptance(results: dict[str, Any], path: str | Path, title: str | None = None) -> Path:
     """results: {"datasets": {name: {"drafts": {label: {"teacher_forced": {...}, "live": {...}}}}}}."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     datasets = list(results["datasets"])
     fig, axes = plt.subplots(2, len(datasets), figsize=(4.8 * len(datasets), 7), squeeze=False, sharey="row")
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
