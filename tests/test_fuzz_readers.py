@@ -235,3 +235,58 @@ def test_json_nested_past_the_parser_is_a_strict_json_error():
 
     with pytest.raises(StrictJSONError, match="nested too deeply"):
         loads("[" * 100_000 + "]" * 100_000)
+
+
+# --------------------------------------------------------------------------- served acceptance
+def _served_valid(kind: str) -> bytes:
+    """A valid source of each kind `dsparkctl served` reads (see tests/test_served.py)."""
+    from tests.test_served import VllmServer, rounds, sglang_responses, vllm_responses
+
+    import tempfile
+    steps = rounds(200, lengths=(5, 3), seed=7)
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / "x"
+        if kind == "scrape":
+            VllmServer(engines=2).feed(steps).scrape(p)
+        elif kind == "vllm":
+            vllm_responses(p, steps, per_request=40)
+        else:
+            sglang_responses(p, steps, per_request=40)
+        return p.read_bytes()
+
+
+def _mutate_lines(raw: bytes, rng: random.Random) -> bytes:
+    lines = raw.split(b"\n")
+    i = rng.randrange(max(1, len(lines) - 1))
+    try:
+        doc = json.loads(lines[i])
+    except ValueError:  # a scrape line: swap one number or label for a palette value
+        words = lines[i].split(b" ")
+        words[-1] = str(rng.choice(PALETTE + RAW_VALUES)).encode()
+        lines[i] = b" ".join(words)
+        return b"\n".join(lines)
+    lines[i] = json.dumps(_mutate_json(doc, rng)).encode()
+    return b"\n".join(lines)
+
+
+def _check_served(path: Path) -> None:
+    from dsparkctl.serving.served import read_sources, served_report
+
+    doc = served_report(read_sources([str(path)]), [str(path)])
+    json.dumps(doc, allow_nan=False)  # strict JSON
+    D = doc["drafts"]
+    assert D and D > 0 and doc["tau"] >= 1.0
+    prev = D
+    for p in doc["per_position"]:
+        assert 0 <= p["accepted"] <= prev
+        lo, hi = p["tested_bounds"]
+        assert p["accepted"] <= lo <= hi <= prev
+        if p["conditional"] is not None:
+            assert 0.0 <= p["conditional"] <= 1.0
+        prev = p["accepted"]
+
+
+@pytest.mark.parametrize("kind", ["scrape", "vllm", "sglang"])
+def test_served_readers(kind: str, tmp_path: Path):
+    n = _fuzz(3, _served_valid(kind), tmp_path / "source", _mutate_lines, _check_served)
+    assert n >= 50, f"only {n} cases in {BUDGET_S} s"

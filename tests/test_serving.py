@@ -82,7 +82,9 @@ def test_length_table_note_names_the_sweeps_real_range(files):
     r = json.loads(res.stdout)
     assert r["vllm"]["speculative_config"]["num_speculative_tokens_per_batch_size"] == [[1, 3, 4], [4, 1024, 3]]
     notes = [n for n in r["notes"] if "length table" in n]
-    assert notes == ["vLLM's length table: the sweep covered concurrency 1..8; batch sizes 9..1024 reuse the length "
+    assert notes == ["vLLM's length table: planned from a sweep that does not name its acceptance source (an older "
+                     "dsparkctl)",
+                     "vLLM's length table: the sweep covered concurrency 1..8; batch sizes 9..1024 reuse the length "
                      "at 8 (3); sweep higher loads to measure them"]
 
 
@@ -288,8 +290,10 @@ def test_sweep_notes_name_the_right_range_and_another_block_size(rows, swept, no
     from dsparkctl.serving.engines import k_table_from_sweep, sweep_notes
 
     sweep = {"format": "dsparkctl-sweep/1", "block_size": swept,
+             "acceptance_source": {"kind": "traces", "files": ["t.jsonl"]},
              "rows": [{"policy": f"static:{k}", "concurrency": c, "throughput_tok_s": 1.0} for c, k in rows]}
     got = sweep_notes(sweep, 4, k_table_from_sweep(sweep, 4))
+    notes = ["vLLM's length table: planned from recorded traces (t.jsonl)", *notes]  # the source first, always
     assert len(got) == len(notes) and all(n in g for n, g in zip(notes, got)), got
 
 

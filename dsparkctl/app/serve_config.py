@@ -25,6 +25,7 @@ from dsparkctl.serving.shell import (SCRIPT_HEADER, check_script_destination, ch
                                      refuse_control_characters, shell_line)
 from dsparkctl.serving.vocab import expand_vocabulary
 from dsparkctl.strict_json import read
+from dsparkctl.tuning.sweep import DEFAULT_CONCURRENCY, sweep_traces
 
 
 def _same_draft(a: str, b: str) -> bool:
@@ -43,13 +44,16 @@ class ServeInputs:
     sweep: Any = None  # the parsed sweep document
 
 
-def read_serve_inputs(sps_table: Path | None, calibration: Path | None, sweep: Path | None) -> ServeInputs:
+def read_serve_inputs(sps_table: Path | None, calibration: Path | None, sweep: Path | None,
+                      served: Path | None = None) -> ServeInputs:
 
     sps_file = sglang_file(sps_table, "sps") if sps_table else None
     if sps_file:
         check_sglang_sps(sps_file)
     sps_draft = check_our_sps(sps_table) if sps_table and sps_file != sps_table else None
     swept = read(sweep, "sweep result", "write one with `dsparkctl sweep-scheduler --out`") if sweep else None
+    if served is not None:  # the length table re-derived from what the engine served: static:0..γ per load
+        swept = sweep_traces((), sps_table, None, DEFAULT_CONCURRENCY, served=served)
     if swept is not None:  # its rows, before anything is exported (the block size is checked with the draft)
         k_table_from_sweep(swept, block_size=None)
     return ServeInputs(sps_file=sps_file, sps_draft=sps_draft,
@@ -172,6 +176,7 @@ class ServeSpec:
     sps_table: Path | None = None  # profile-sps output (ours, or the .sglang.json beside it)
     calibration: Path | None = None  # calibrate output (ours, or the .sglang-sts.json); None: the draft's own
     sweep: Path | None = None  # sweep-scheduler --out result: vLLM's length per batch size
+    served: Path | None = None  # or `dsparkctl served --out`: the lengths re-derived from served acceptance
     export_full_vocab: Path | None = None  # a reduced-vocabulary draft's full-vocabulary copy (SGLang) goes here
     export_vllm: Path | None = None  # and vLLM's reduced form here (needs export_full_vocab)
     out: Path | None = None  # also write a shell script with both commands
@@ -186,7 +191,13 @@ def check_serve_spec(spec: ServeSpec) -> None:
                                if spec.export_full_vocab else None,
                                Output(spec.export_vllm, option("export_vllm"), "folder") if spec.export_vllm else None)
                    if o is not None],
-                  local_inputs(spec.sps_table, spec.calibration, spec.sweep, target=spec.target, drafts=[spec.draft]))
+                  local_inputs(spec.sps_table, spec.calibration, spec.sweep, spec.served, target=spec.target,
+                               drafts=[spec.draft]))
+    if spec.served is not None and (spec.sweep is not None or spec.sps_table is None):
+        raise UsageError(f"{option('served')} re-derives vLLM's length table in place of {option('sweep')}, and "
+                         f"prices each length with {option('sps_table')}",
+                         f"drop {option('sweep')}" if spec.sweep is not None else f"add {option('sps_table')} FILE "
+                         "(`dsparkctl profile-sps --out`)")
     if spec.draft == RANDOM_DRAFT:
         raise UsageError(f"{option('draft')} random is an untrained draft: there is nothing to serve",
                          f"pass a trained draft folder or hub id (or omit {option('draft')} for the shipped one)")
@@ -223,7 +234,7 @@ def run_serve_config(spec: ServeSpec, *, log: Callable[[str], None] = lambda s: 
     import dataclasses
 
     check_serve_spec(spec)
-    files = read_serve_inputs(spec.sps_table, spec.calibration, spec.sweep)  # before the models load
+    files = read_serve_inputs(spec.sps_table, spec.calibration, spec.sweep, spec.served)  # before the models load
     sess = open_session(spec.target, spec.draft, "cpu", "fp32", spec.revision, log=log)
     cal_notes: list[str] = []
     if spec.calibration is not None:

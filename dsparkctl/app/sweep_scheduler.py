@@ -12,15 +12,16 @@ from dsparkctl.app.preflight import Output, check_outputs
 from dsparkctl.errors import option
 from dsparkctl.files.atomic import staged, write_json
 from dsparkctl.plots import frontier_plot
-from dsparkctl.tuning.sweep import DEFAULT_CONCURRENCY, DEFAULT_POLICIES, sweep_traces
+from dsparkctl.tuning.sweep import DEFAULT_CONCURRENCY, sweep_traces
 
 
 @dataclass(frozen=True)
 class SweepSpec:
     """Everything `sweep-scheduler` runs, as the user gave it (`run_sweep_scheduler` checks it)."""
-    traces: tuple[Path, ...]  # full-verification traces
+    traces: tuple[Path, ...]  # full-verification traces (or none, with `served`)
     sps_table: Path  # ours or SGLang's
-    policies: tuple[str, ...] = DEFAULT_POLICIES
+    policies: tuple[str, ...] | None = None  # None: DEFAULT_POLICIES, or static:0..γ with `served`
+    served: Path | None = None  # `dsparkctl served --out` document, in place of traces
     concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY
     calibration: Path | None = None  # our calibration JSON or SGLang's STS file
     rounds: int = 20_000  # request-rounds replayed per cell
@@ -35,11 +36,12 @@ def run_sweep_scheduler(spec: SweepSpec, *, log: Callable[[str], None] = lambda 
     replay every cell (`sweep_traces`), then write the figure and the JSON together (both appear, or neither). Returns
     the sweep document; `log` is told what was written."""
 
-    inputs = [Path(p) for p in (*spec.traces, spec.sps_table, *([spec.calibration] if spec.calibration else []))]
+    inputs = [Path(p) for p in (*spec.traces, spec.sps_table, *([spec.calibration] if spec.calibration else []),
+                                *([spec.served] if spec.served else []))]
     check_outputs([Output(p, option(field), kind) for p, field, kind in
                    ((spec.plot, "plot", "figure"), (spec.out, "out", "file")) if p is not None], inputs=inputs)
     result = sweep_traces(spec.traces, spec.sps_table, spec.policies, spec.concurrency, spec.calibration, spec.rounds,
-                       spec.seed, max_new_tokens=spec.max_new_tokens)
+                       spec.seed, max_new_tokens=spec.max_new_tokens, served=spec.served)
     with staged() as stage:
         if spec.plot:
 

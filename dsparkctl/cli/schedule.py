@@ -69,10 +69,14 @@ def calibration_table(result: dict[str, Any]) -> Table:
 
 @guarded
 def sweep_scheduler(
-    trace: Annotated[list[Path], typer.Option("--trace", help="Full-verification trace(s); repeat the option.")],
     sps_table: Annotated[Path, typer.Option("--sps-table", help="SPS table (ours or SGLang's).")],
-    policies: Annotated[str, typer.Option("--policies", help="Comma-separated. " + POLICY_HELP)] =
-        ",".join(DEFAULT_POLICIES),
+    trace: Annotated[list[Path] | None, typer.Option("--trace", help="Full-verification trace(s); repeat the "
+                                                     "option.")] = None,
+    served: Annotated[Path | None, typer.Option("--served", help="Served acceptance (`dsparkctl served --out`) in "
+                                                "place of traces: static:K policies only.")] = None,
+    policies: Annotated[str | None, typer.Option("--policies", help="Comma-separated (default: "
+                                                 f"{','.join(DEFAULT_POLICIES)}; with --served static:0..γ). "
+                                                 + POLICY_HELP)] = None,
     concurrency: Annotated[str, typer.Option("--concurrency", help="Comma-separated load levels.")] =
         ",".join(map(str, DEFAULT_CONCURRENCY)),
     calibration: Annotated[Path | None, typer.Option("--calibration", help="calib.json or SGLang STS file.")] = None,
@@ -88,7 +92,8 @@ def sweep_scheduler(
     """Replay recorded rounds under each policy and concurrency; report tokens/step, Θ and per-user speed."""
     from dsparkctl.app.sweep_scheduler import run_sweep_scheduler
 
-    spec = SweepSpec(traces=tuple(trace), sps_table=sps_table, policies=tuple(_policy_specs(policies)),
+    spec = SweepSpec(traces=tuple(trace or ()), sps_table=sps_table, served=served,
+                     policies=tuple(_policy_specs(policies)) if policies is not None else None,
                      concurrency=tuple(int_list(concurrency, "--concurrency")), calibration=calibration,
                      rounds=rounds, max_new_tokens=max_new_tokens, plot=plot, out=out_path, seed=seed)
     result = run_sweep_scheduler(spec, log=lambda m: err.print(m, highlight=False))
@@ -100,7 +105,10 @@ def sweep_scheduler(
 
 def sweep_table(result: dict[str, Any]) -> Table:
     """The human view of a sweep: one row per (policy, concurrency) cell."""
-    t = Table(title=f"Scheduler sweep: {result['pooled_rounds']} recorded rounds, γ={result['block_size']}, "
+    src = result.get("acceptance_source", {})
+    what = (f"rounds from served acceptance ({src.get('engine')} {src.get('from')}, {src.get('drafts')} drafted steps)"
+            if src.get("kind") == "served" else "recorded rounds")
+    t = Table(title=f"Scheduler sweep: {result['pooled_rounds']} {what}, γ={result['block_size']}, "
                     f"{result['rounds_per_cell']} request-rounds per cell (τ includes the bonus token)")
     rows = [(r["policy"], str(r["concurrency"]), f"{r['tokens_per_step']:.3f}", f"{r['mean_verify']:.2f}",
              f"{r['mean_batch_tokens']:.1f}", f"{100 * r['drafted_share']:.0f}%", f"{r['throughput_tok_s']:.1f}",

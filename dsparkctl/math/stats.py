@@ -35,8 +35,8 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["AcceptanceStats", "conditional_acceptance", "survival_from_conditional", "survival_full",
-           "tau_full", "wilson_interval"]
+__all__ = ["AcceptanceStats", "conditional_acceptance", "mean_interval", "reached_bounds", "survival_from_conditional",
+           "survival_full", "tau_full", "wilson_interval"]
 
 FORMAT = "dsparkctl-acceptance/1"
 
@@ -92,6 +92,40 @@ def tau_full(survival: Sequence[float | None]) -> float | None:
     drafts, Σ_j 1[first j accepted], plus one token); None when a_1 is undefined. With any verify
     lengths τ is counted directly, as `AcceptanceStats.tau` = tokens / rounds."""
     return None if survival[0] is None else 1.0 + float(sum(survival))
+
+
+def mean_interval(histogram: Sequence[int], offset: float = 1.0, z: float = 1.96) -> tuple[float, float] | None:
+    """Normal interval of the mean of `offset + j` over rounds, `histogram[j]` of which accepted j
+    drafts (τ with offset 1); None without rounds. Rounds are counted as independent."""
+    n = float(sum(histogram))
+    if n <= 0:
+        return None
+    mean = sum((offset + j) * c for j, c in enumerate(histogram)) / n
+    var = sum(c * (offset + j - mean) ** 2 for j, c in enumerate(histogram)) / max(n - 1.0, 1.0)
+    half = z * math.sqrt(var / n)
+    return (mean - half, mean + half)
+
+
+def reached_bounds(accepted_at: Sequence[int], rounds: int, length_at_least: Sequence[int | None] | None,
+                   verified: int | None) -> list[tuple[int, int]]:
+    """Bounds on reached[j] when an engine reports totals, not rounds. A round tests position j
+    iff it verified ≥ j drafts and accepted the first j-1: with L_j = rounds verifying ≥ j,
+    max(accepted_at[j], accepted_at[j-1] - (rounds - L_j)) ≤ reached[j] ≤ min(accepted_at[j-1], L_j)
+    (accepted_at[0] = rounds). Where L_j is unknown, rounds - L_j is at most the slots the
+    verified total leaves empty, γ·rounds - verified (unbounded when `verified` is None too).
+    Under full verification both bounds equal accepted_at[j-1], the exact count."""
+    g = len(accepted_at)
+    slack = None if verified is None else g * rounds - verified
+    prev = rounds
+    out = []
+    for j in range(g):
+        L = length_at_least[j] if length_at_least is not None and j < len(length_at_least) else None
+        missing = (rounds - L) if L is not None else slack
+        lo = accepted_at[j] if missing is None else max(accepted_at[j], prev - missing)
+        hi = min(prev, L) if L is not None else prev
+        out.append((int(lo), int(max(hi, lo))))
+        prev = accepted_at[j]
+    return out
 
 
 def _as_int_array(values) -> np.ndarray:

@@ -104,7 +104,15 @@ def sweep_notes(sweep: Any, block_size: int, k_table: list[list[int]]) -> list[s
     """What a user must know about a length table from `sweep`: a sweep of another block size (its
     pooled rounds measured another draft), and the batch sizes above the largest swept
     concurrency, which reuse its length."""
-    notes = []
+    src = sweep.get("acceptance_source") if isinstance(sweep, dict) else None
+    if isinstance(src, dict) and src.get("kind") == "served":
+        notes = [f"vLLM's length table: planned from served acceptance ({src.get('engine')} {src.get('from')}, "
+                 f"{src.get('drafts')} drafted steps, {src.get('file')})"]
+    elif isinstance(src, dict) and src.get("kind") == "traces":
+        notes = [f"vLLM's length table: planned from recorded traces ({', '.join(map(str, src.get('files') or []))})"]
+    else:
+        notes = ["vLLM's length table: planned from a sweep that does not name its acceptance source (an older "
+                 "dsparkctl)"]
     swept = sweep.get("block_size") if isinstance(sweep, dict) else None
     if type(swept) is int and swept != block_size:
         notes.append(f"the sweep was run for block size {swept}, this draft's is {block_size}; its lengths were "

@@ -49,6 +49,10 @@ from dsparkctl.math.admission import survival_from_logits
 from dsparkctl.math.policy_spec import parse_policy
 from dsparkctl.math.sps import SPSTable
 from dsparkctl.provenance import provenance
+from dsparkctl.strict_json import read
+
+SERVED_FORMAT = "dsparkctl-served/1"
+SERVED_POOL = 100_000  # rounds in a pool built from served acceptance (exact proportions, no sampling)
 
 SWEEP_FORMAT = "dsparkctl-sweep/1"
 DEFAULT_POLICIES = ("static:0", "static:1", "static:3", "threshold:0.5", "survival:0.4", "budget:256", "dspark",
@@ -79,6 +83,46 @@ def load_replay_rounds(trace_paths: Sequence[str | os.PathLike]) -> dict[str, An
     logits = table.logits[keep]
     return {"logits": logits, "accepted": table.accepted[keep], "gamma": table.gamma,
             "has_confidence": not bool(torch.isnan(logits).any()), "skipped": skipped}
+
+
+def served_pool(path: str | os.PathLike) -> dict[str, Any]:
+    """A replay pool from served acceptance (`dsparkctl served --out`): rounds whose accepted count
+    under full verification follows the served survival a_k = Π c_i exactly. Without confidences
+    only static:K policies can replay it; mixed-length counts that merely bound a conditional are
+    refused."""
+    doc = read(path, "served acceptance", "write one with `dsparkctl served SOURCE --out FILE`")
+    rows = doc.get("per_position") if isinstance(doc, dict) and doc.get("format") == SERVED_FORMAT else None
+    if not isinstance(rows, list) or not rows:
+        raise InputError(f"{path} is not a served-acceptance document with per-position counts",
+                         "write one with `dsparkctl served SOURCE --out FILE` from a source with per-position counts")
+    surv, s = [], 1.0
+    for r in rows:
+        if not isinstance(r, dict) or not isinstance(r.get("identified"), bool):
+            raise InputError(f"{path}: malformed per-position row {str(r)[:60]}", "write it again with dsparkctl served")
+        c = r.get("conditional")
+        if not r["identified"]:
+            b = r.get("conditional_bounds") or [None, None]
+            bounds = "..".join("?" if x is None else f"{x:.3f}" for x in b)
+            raise InputError(f"{path}: position {r.get('position')}'s conditional acceptance is only bounded "
+                             f"({bounds}: drafts of different lengths are mixed), too loose to plan with",
+                             "serve with vLLM's --per-request-spec-decode-metrics detailed and pass the responses, "
+                             "or scrape a window where every draft had full length")
+        if c is None:
+            c = 0.0  # never tested: no draft survived to it
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 <= c <= 1.0:
+            raise InputError(f"{path}: position {r.get('position')} has conditional {c!r}", "write it again")
+        s *= float(c)
+        surv.append(s)
+    gamma = len(surv)
+    shares = [1.0 - surv[0]] + [surv[j - 1] - surv[j] for j in range(1, gamma)] + [surv[-1]]
+    counts = [round(SERVED_POOL * x) for x in shares]
+    counts[0] += SERVED_POOL - sum(counts)
+    accepted = torch.repeat_interleave(torch.arange(gamma + 1), torch.tensor(counts))
+    src = doc.get("source") if isinstance(doc.get("source"), dict) else {}
+    return {"logits": torch.full((SERVED_POOL, gamma), math.nan, dtype=torch.float64), "accepted": accepted,
+            "gamma": gamma, "has_confidence": False, "skipped": 0,
+            "source": {"kind": "served", "file": str(path), "engine": doc.get("engine"), "from": src.get("kind"),
+                       "drafts": doc.get("drafts"), "lengths": doc.get("lengths")}}
 
 
 def _full_hint(header: dict[str, Any], gamma: int) -> str:
@@ -181,7 +225,9 @@ def _policies_and_survivals(pool, policy_specs, sps, temperatures, prior):
     policies = [parse_policy(s, sps=sps, temperatures=temperatures, prior=prior) for s in policy_specs]
     need_conf = [p.spec for p in policies if p.requires_confidence]
     if need_conf and not pool["has_confidence"]:
-        raise InputError(f"policies {', '.join(need_conf)} need confidence logits but the traces have none",
+        raise InputError(f"policies {', '.join(need_conf)} need confidence logits but the "
+                         + ("served counts have none" if pool.get("source", {}).get("kind") == "served"
+                            else "traces have none"),
                          "use static:K policies, or record traces with a DSpark draft")
     logits = pool["logits"]
     return policies, (survival_from_logits(logits, temperatures) if need_conf else torch.zeros_like(logits))
@@ -205,24 +251,31 @@ def check_max_new_tokens(max_new_tokens: int | None, rounds: int) -> None:
 
 def sweep_traces(trace_paths, sps_path, policy_specs=DEFAULT_POLICIES, concurrency=DEFAULT_CONCURRENCY,
               calibration=None, rounds: int = 20_000, seed: int = 0,
-              max_new_tokens: int | None = None) -> dict[str, Any]:
-    """Read the traces, the SPS table and the calibration, replay every cell, return the sweep document.
-    `max_new_tokens`: replay finite batches (`replay_batches`) instead of the steady state."""
+              max_new_tokens: int | None = None, served: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Read the traces (or the served acceptance), the SPS table and the calibration, replay every
+    cell, return the sweep document. `max_new_tokens`: replay finite batches (`replay_batches`)
+    instead of the steady state. `policy_specs` None: the defaults, or static:0..γ for `served`."""
 
     check_max_new_tokens(max_new_tokens, rounds)
     if rounds < 1:
         raise UsageError(f"{option('rounds')} must be ≥ 1, got {rounds}")
-    if not policy_specs or not concurrency:
+    if (trace_paths and served) or not (trace_paths or served):
+        raise UsageError(f"give {option('trace')} files or {option('served')}, not both" if served else
+                         f"give {option('trace')} files (full-verification rounds) or {option('served')} "
+                         "(served acceptance)", "recorded rounds and served counts are two sources of one thing")
+    if (policy_specs is not None and not policy_specs) or not concurrency:
         raise UsageError("nothing to sweep: no policies or no load levels",
                          "give at least one policy and one load level")
     if max(concurrency) > rounds:  # a cell replays ≈ rounds request-rounds, and at least one step of C
         raise UsageError(f"{option('concurrency')} {max(concurrency)} is more than {option('rounds')} {rounds}: one "
                          "step of it replays more request-rounds than a whole cell may",
                          f"raise {option('rounds')} or lower {option('concurrency')}")
-    for s in policy_specs:  # unknown names fail before any file is read
+    for s in policy_specs or ():  # unknown names fail before any file is read
         parse_policy(s, sps=SPSTable([1, 2], [1.0, 1.0]))  # a placeholder table: names are checked, not costs
     sps = load_sps_table(sps_path)
-    pool = load_replay_rounds(trace_paths)
+    pool = served_pool(served) if served else load_replay_rounds(trace_paths)
+    if policy_specs is None:
+        policy_specs = [f"static:{k}" for k in range(pool["gamma"] + 1)] if served else list(DEFAULT_POLICIES)
     if rounds * pool["gamma"] > MAX_CANDIDATES:  # a cell is replayed in one batch of [steps, C, γ]
         raise UsageError(f"{option('rounds')} {rounds} × block size {pool['gamma']} is more than the "
                          f"{MAX_CANDIDATES:,} candidates one cell may hold in memory",
@@ -238,5 +291,6 @@ def sweep_traces(trace_paths, sps_path, policy_specs=DEFAULT_POLICIES, concurren
             "verify_layout": "padded" if sps.padded else "ragged",
             "budget_capped_rounds_skipped": pool["skipped"], "rounds_per_cell": rounds, "temperatures": temps,
             "policies": list(policy_specs), "concurrency": list(concurrency), "rows": rows,
-            "provenance": provenance(inputs=[str(p) for p in trace_paths], sps_table=str(sps_path),
+            "acceptance_source": pool.get("source") or {"kind": "traces", "files": [str(p) for p in trace_paths]},
+            "provenance": provenance(inputs=[str(p) for p in (trace_paths or [served])], sps_table=str(sps_path),
                                      calibration=str(calibration) if calibration else None, seed=seed)}

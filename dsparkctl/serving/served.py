@@ -1,0 +1,228 @@
+"""`served`: read what a running engine reports about speculation and say what each number is.
+
+Sources (formats/served.py): a saved Prometheus scrape (one: the totals since the server started;
+two, earlier first: the window between them), a metrics URL, or files of response bodies (JSON
+lines: vLLM's per-request metrics or SGLang's meta_info), recognised by content.
+
+The report (`served_report`) gives τ (exact: 1 + accepted / drafted steps) with an interval where
+the source carries the histogram of accepted counts, and per position k:
+    accepted_share     accepted at k / all drafted steps: vLLM's documented "per-position
+                       acceptance rate"; under full-length drafts it is the survival a_k
+    conditional        P(k accepted | 1..k-1 accepted, k proposed): exact where the source says
+                       how many steps tested k (per-step data, or every draft of full length);
+                       otherwise only bounded (`conditional_bounds`), never called conditional
+    survival           Π of the conditionals (exact or bounded alike)
+"""
+
+from __future__ import annotations
+
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+from dsparkctl.errors import InputError, UsageError
+from dsparkctl.formats.served import RESPONSES_HINT, SCRAPE_HINT, ServedCounts
+from dsparkctl.formats.served_responses import parse_responses
+from dsparkctl.formats.served_scrape import parse_scrape, scrape_window
+from dsparkctl.math.stats import AcceptanceStats, mean_interval, reached_bounds, wilson_interval
+from dsparkctl.provenance import provenance
+from dsparkctl.strict_json import StrictJSONError, loads
+
+FORMAT = "dsparkctl-served/1"
+MAX_SCRAPE_BYTES = 64 << 20
+URL_TIMEOUT_S = 10.0
+QUANTITIES = {
+    "tau": "mean tokens per drafted verify step, the bonus token included (1 + accepted / drafted steps)",
+    "accepted_share": "drafted steps that accepted position k / all drafted steps (vLLM's documented per-position "
+                      "rate); the survival a_k only when every draft had full length",
+    "conditional": "P(position k accepted | positions 1..k-1 accepted and k proposed): exact, or null with "
+                   "conditional_bounds when drafts of different lengths are mixed",
+    "survival": "P(first k drafts accepted) for a draft of length ≥ k: the product of the conditionals",
+}
+
+
+def is_url(source: str) -> bool:
+    return source.startswith(("http://", "https://"))
+
+
+def check_sources(sources: Sequence[str]) -> None:
+    """Before anything is read: the count and the local files exist."""
+    if not sources:
+        raise UsageError("no source given", "pass a scrape file, a metrics URL or a responses file")
+    for s in sources:
+        if is_url(s):
+            continue
+        p = Path(s).expanduser()
+        if not p.exists():
+            raise InputError(f"{s} does not exist", "pass a saved scrape, a metrics URL (http://HOST:PORT/metrics) "
+                             "or a responses file")
+        if not p.is_file():
+            raise InputError(f"{s} is not a regular file", "pass a saved scrape or a responses file")
+
+
+def fetch_url(url: str, timeout: float = URL_TIMEOUT_S) -> str:
+    """GET a metrics page; one line on any failure."""
+    req = urllib.request.Request(url, headers={"Accept": "text/plain"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 (http(s) only, checked by is_url)
+            body = resp.read(MAX_SCRAPE_BYTES + 1)
+    except urllib.error.HTTPError as exc:
+        raise InputError(f"{url} answered HTTP {exc.code}", "check the URL (vLLM: http://HOST:PORT/metrics)") from None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise InputError(f"{url} did not answer ({str(reason)[:80]})", "check that the server runs and the port "
+                         "is right") from None
+    if len(body) > MAX_SCRAPE_BYTES:
+        raise InputError(f"{url} sent more than {MAX_SCRAPE_BYTES >> 20} MB", "point at the /metrics page")
+    try:
+        return body.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InputError(f"{url} did not send UTF-8 text", SCRAPE_HINT) from None
+
+
+def _is_json_lines(path: Path) -> bool:
+    with open(path, "rb") as fh:
+        head = fh.read(4096).lstrip()
+    return head[:1] in (b"{", b"[")
+
+
+def _json_lines(path: Path) -> Iterator[tuple[str, Any]]:
+    """(where, object) per non-empty line, strict JSON; a file holding one JSON array is read whole."""
+    with open(path, "rb") as fh:
+        first = fh.read(4096).lstrip()[:1]
+    if first == b"[":
+        try:
+            arr = loads(path.read_bytes())
+        except (StrictJSONError, ValueError) as exc:
+            raise InputError(f"{path}: not valid JSON ({str(exc)[:80]})", RESPONSES_HINT) from None
+        if not isinstance(arr, list):
+            raise InputError(f"{path}: expected a list of responses", RESPONSES_HINT)
+        yield from ((f"{path}: item {i + 1}", o) for i, o in enumerate(arr))
+        return
+    with open(path, "rb") as fh:
+        for n, raw in enumerate(fh, start=1):
+            if not raw.strip():
+                continue
+            try:
+                yield f"{path}:{n}", loads(raw)
+            except (StrictJSONError, ValueError) as exc:
+                raise InputError(f"{path}:{n}: not valid JSON ({str(exc)[:80]})", RESPONSES_HINT) from None
+
+
+def read_sources(sources: Sequence[str], model: str | None = None,
+                 fetch: Callable[[str], str] = fetch_url) -> ServedCounts:
+    """Every source read and pooled: scrapes (one, or two as a window) or response files."""
+    check_sources(sources)
+    scrapes, responses = [], []
+    for s in sources:
+        if is_url(s):
+            scrapes.append((s, fetch(s)))
+            continue
+        p = Path(s).expanduser()
+        if _is_json_lines(p):
+            responses.append(p)
+            continue
+        if p.stat().st_size > MAX_SCRAPE_BYTES:
+            raise InputError(f"{s} is {p.stat().st_size >> 20} MB, too large for a scrape", SCRAPE_HINT)
+        try:
+            scrapes.append((s, p.read_text(encoding="utf-8")))
+        except UnicodeDecodeError:
+            raise InputError(f"{s}: not UTF-8 text", SCRAPE_HINT) from None
+    if scrapes and responses:
+        raise UsageError("scrapes and response files cannot be pooled: they may count the same steps twice",
+                         "pass either one or two scrapes, or response files")
+    if responses:
+        return parse_responses((item for p in responses for item in _json_lines(p)), model)
+    if len(scrapes) > 2:
+        raise UsageError(f"{len(scrapes)} scrapes: pass one (totals) or two (the window between them, earlier first)",
+                         "counters are cumulative; more scrapes add nothing")
+    counts = [parse_scrape(text, where, model) for where, text in scrapes]
+    for c, (where, _) in zip(counts, scrapes):
+        c.check(where)
+    if len(counts) == 1:
+        return counts[0]
+    window = scrape_window(counts[0], counts[1], f"{scrapes[0][0]} → {scrapes[1][0]}")
+    window.check(f"the window {scrapes[0][0]} → {scrapes[1][0]}")
+    return window
+
+
+def lengths_kind(c: ServedCounts) -> str:
+    """per-step (exact), fixed (every draft of K tokens), mixed (bounded) or unknown (gauges)."""
+    if c.kind == "gauges":
+        return "unknown"
+    if c.reached is not None:
+        return "per-step"
+    if c.length_at_least is not None and all(v == c.drafts for v in c.length_at_least):
+        return "fixed"
+    if c.draft_tokens is not None and c.draft_tokens == c.positions * c.drafts:
+        return "fixed"
+    return "mixed"
+
+
+def _per_position(c: ServedCounts, kind: str) -> list[dict[str, Any]]:
+    if c.accepted_at is None:
+        return []
+    K, D, acc = c.positions, c.drafts, c.accepted_at
+    if kind == "per-step":
+        bounds = [(n, n) for n in c.reached or []]
+    elif kind == "fixed":
+        bounds = [(n, n) for n in [D, *acc[:-1]]]
+    else:
+        bounds = reached_bounds(acc, D, c.length_at_least, c.draft_tokens)
+    exact = None
+    if all(lo == hi for lo, hi in bounds):
+        exact = AcceptanceStats(block_size=K, rounds=D, tokens=D + c.accepted_tokens, verified=c.draft_tokens or 0,
+                                histogram=c.histogram or [0] * (K + 1), reached=[lo for lo, _ in bounds],
+                                accepted_at=list(acc))
+    rows: list[dict[str, Any]] = []
+    surv_lo = surv_hi = 1.0
+    for k in range(K):
+        lo, hi = bounds[k]
+        a = acc[k]
+        b_lo, b_hi = (a / hi if hi else None), (a / lo if lo else 1.0)  # none surely tested: up to 1
+        if b_lo is not None and b_hi is not None and surv_lo is not None and surv_hi is not None:
+            surv_lo, surv_hi = surv_lo * b_lo, surv_hi * b_hi
+        else:
+            surv_lo = surv_hi = None
+        identified = lo == hi
+        ci = None
+        if hi:
+            ci = [wilson_interval(a, hi)[0], wilson_interval(a, lo)[1] if lo else 1.0]
+        row = {"position": k + 1, "accepted": a, "accepted_share": a / D if D else None,
+               "tested": lo if identified else None, "tested_bounds": [lo, hi],
+               "conditional": b_lo if identified else None, "conditional_bounds": [b_lo, b_hi] if hi else None,
+               "conditional_interval": ci, "identified": identified,
+               "survival": surv_lo if (identified and surv_lo == surv_hi) else None,
+               "survival_bounds": [surv_lo, surv_hi] if surv_lo is not None else None}
+        if exact is not None:
+            s_ci = exact.survival_interval()[k]
+            row["survival_interval"] = list(s_ci) if s_ci else None
+        rows.append(row)
+    return rows
+
+
+def served_report(c: ServedCounts, sources: Sequence[str]) -> dict[str, Any]:
+    """The served document: τ, the acceptance rate and the per-position figures, each named."""
+    kind = lengths_kind(c)
+    notes = list(c.notes)
+    if kind == "mixed":
+        notes.append("drafts of different lengths are mixed (a per-batch-size length table, confidence-scheduled "
+                     "verification, or requests ending): the engine does not say how many steps tested each "
+                     "position past the first, so those conditionals are bounded, not measured; vLLM's "
+                     "--per-request-spec-decode-metrics detailed gives them exactly")
+    if c.kind == "gauges":
+        tau, tau_ci = c.gauge_tau, None
+    else:
+        tau = 1.0 + c.accepted_tokens / c.drafts
+        tau_ci = list(mean_interval(c.histogram)) if c.histogram else None
+    return {
+        "format": FORMAT, "engine": c.engine, "source": {"kind": c.kind, "paths": list(sources)}, "model": c.model,
+        "positions": c.positions or None, "lengths": kind, "drafts": c.drafts or None,
+        "draft_tokens": c.draft_tokens, "accepted_tokens": c.accepted_tokens if c.kind != "gauges" else None,
+        "requests": c.requests, "histogram": c.histogram,
+        "tau": tau, "tau_interval": tau_ci,
+        "draft_acceptance_rate": (c.accepted_tokens / c.draft_tokens) if c.draft_tokens else None,
+        "per_position": _per_position(c, kind), "quantities": QUANTITIES, "notes": notes,
+        "provenance": provenance(inputs=list(sources)),
+    }
