@@ -6,7 +6,8 @@
 # Checks, one line each: `dsparkctl served` reads the two scrapes around the requests (the window)
 # and the responses; the window's counts equal the sums of the per-request metrics (drafted steps,
 # draft tokens, accepted tokens, accepted per position), and τ agrees.
-# Usage: bash benchmarks/served_real_vllm.sh [REQUESTS]   (default 8; a few minutes on 2 cores)
+# Usage: bash benchmarks/served_real_vllm.sh [REQUESTS]   (default 8; about 5 min on one core)
+# Its console output from the last run: benchmarks/results/served_real_vllm.txt
 set -euo pipefail
 cd "$(dirname "$0")/.."
 INTEROP_DIR=${INTEROP_DIR:-/tmp/interop}
@@ -14,10 +15,12 @@ VENV=$INTEROP_DIR/vllm-venv
 W=${SERVED_REAL_DIR:-/tmp/served_real}
 N=${1:-8}
 PORT=${PORT:-18431}
-[ -x "$VENV/bin/vllm" ] || { echo "no vLLM side venv at $INTEROP_DIR: run bash benchmarks/interop_check.sh --build-only"; exit 1; }
+[ -x "$VENV/bin/python" ] || { echo "no vLLM side venv at $INTEROP_DIR: run bash benchmarks/interop_check.sh --build-only"; exit 1; }
 TARGET=$(.venv/bin/python -c "from dsparkctl.models.embedded import embedded_target_dir; print(embedded_target_dir(log=lambda m: None))")
 rm -rf "$W"; mkdir -p "$W"
-VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2} timeout 1500 "$VENV/bin/vllm" serve "$TARGET" \
+# the API server module directly: vllm-cpu's `vllm` CLI asks importlib.metadata for a "vllm" distribution
+VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2} timeout 1500 "$VENV/bin/python" -m vllm.entrypoints.openai.api_server \
+    --model "$TARGET" \
     --served-model-name smollm2 --host 127.0.0.1 --port "$PORT" --max-model-len 1024 --dtype float32 \
     --speculative-config '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}' \
     --per-request-spec-decode-metrics detailed > "$W/server.log" 2>&1 &

@@ -198,6 +198,12 @@ def test_two_scrapes_give_the_window_between_them(tmp_path):
     doc = served(str(a), str(b))
     assert doc["source"]["kind"] == "prometheus-window" and doc["drafts"] == 2000
     assert_exact(doc, truth(late))
+    # a window may start before the first request (counters at zero), but not end there
+    fresh = VllmServer()
+    zero = fresh.scrape(tmp_path / "zero.txt")
+    assert served(str(zero), str(fresh.feed(early).scrape(tmp_path / "c.txt")))["drafts"] == 1000
+    r = runner.invoke(app, ["served", str(zero)])
+    assert r.exit_code != 0 and "no drafted steps" in r.stderr
 
 
 def test_metrics_url_on_loopback(tmp_path):

@@ -66,10 +66,11 @@ class ServedCounts:
     notes: list[str] = field(default_factory=list)
     created: dict[str, dict[str, float]] = field(default_factory=dict)  # scrapes: counter -> engine -> creation time
 
-    def check(self, where: str) -> None:
-        """The counts must be those of real drafts: every identity the engines guarantee."""
+    def check(self, where: str, allow_empty: bool = False) -> None:
+        """The counts must be those of real drafts: every identity the engines guarantee.
+        `allow_empty`: zero drafted steps is fine (the earlier scrape of a window)."""
         K, D = self.positions, self.drafts
-        if self.kind == "gauges":
+        if self.kind == "gauges" or (allow_empty and D == 0):
             return
         if D == 0:
             raise InputError(f"{where}: no drafted steps (the counters are zero): speculation has not run yet, or "

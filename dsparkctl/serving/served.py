@@ -138,8 +138,8 @@ def read_sources(sources: Sequence[str], model: str | None = None,
         raise UsageError(f"{len(scrapes)} scrapes: pass one (totals) or two (the window between them, earlier first)",
                          "counters are cumulative; more scrapes add nothing")
     counts = [parse_scrape(text, where, model) for where, text in scrapes]
-    for c, (where, _) in zip(counts, scrapes):
-        c.check(where)
+    for i, (c, (where, _)) in enumerate(zip(counts, scrapes)):
+        c.check(where, allow_empty=len(counts) == 2 and i == 0)  # a window may start before any request
     if len(counts) == 1:
         return counts[0]
     window = scrape_window(counts[0], counts[1], f"{scrapes[0][0]} → {scrapes[1][0]}")
