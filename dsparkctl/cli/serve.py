@@ -112,7 +112,7 @@ def _ci(ci: list[float] | None) -> str:
 
 def _print_served(doc: dict) -> None:
     src = doc["source"]["kind"]
-    head = (f"{doc['engine']} {src}: {doc['drafts'] or '?'} drafted steps"
+    head = (f"{doc['engine']} {src}: " + (f"{doc['drafts']} drafted steps" if doc["drafts"] else "no counts")
             + (f", {doc['requests']} requests" if doc["requests"] else "")
             + (f", model {doc['model']}" if doc["model"] else "") + f"; draft lengths {doc['lengths']}")
     out.print(head, highlight=False)
