@@ -21,7 +21,7 @@ from typing import Any
 
 from dsparkctl.errors import InputError, UsageError, option
 from dsparkctl.formats.trace import TRACE_FORMAT, read_trace
-from dsparkctl.math.stats import AcceptanceStats
+from dsparkctl.math.stats import AcceptanceStats, mean_interval
 from dsparkctl.strict_json import read
 
 EVAL_FORMAT = "dsparkctl-eval-acceptance/1"
@@ -95,8 +95,6 @@ def _live_stats(m: dict[str, Any], path: Path) -> dict[str, Any]:
 
 
 def _stats_fields(s: AcceptanceStats) -> dict[str, Any]:
-    from dsparkctl.math.stats import mean_interval
-
     ci = mean_interval(s.histogram)
     return {"tau": s.tau, "tau_interval": list(ci) if ci else None, "conditional": s.conditional(),
             "conditional_interval": [list(x) if x else None for x in s.conditional_interval()], "rounds": s.rounds}
