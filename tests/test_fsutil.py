@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,6 +36,8 @@ def _one_line(monkeypatch):
 
 
 def _make(path: Path, kind: str, tmp: Path) -> None:
+    from dsparkctl.files import commit
+
     if kind == "user json":
         path.write_text('{"my": "settings"}\n')
     elif kind == "user json with a format":
@@ -43,8 +46,30 @@ def _make(path: Path, kind: str, tmp: Path) -> None:
         path.write_bytes(b"\x89PNG\r\n\x1a\n my holiday photo")
     elif kind == "user text":
         path.write_text("notes\n")
+    elif kind == "user file in our format":  # looks exactly like ours: still the user's
+        path.write_text(json.dumps({"format": "dsparkctl-calibration/1", "provenance": {"tool": "dsparkctl"}}))
+    elif kind == "user sglang sts":  # SGLang's format, which we also write
+        path.write_text(json.dumps({"temperatures": [1.0], "dataset": "t", "num_samples": 1, "ece_before": [0.0],
+                                    "ece_after": [0.0]}))
+    elif kind == "copy of ours":
+        write_json(tmp / "elsewhere.json", {"format": "dsparkctl-calibration/1", "x": 1})
+        shutil.copy(tmp / "elsewhere.json", path)
+    elif kind == "ours edited by hand":
+        write_json(path, {"format": "dsparkctl-calibration/1", "x": 1})
+        time.sleep(0.01)
+        with open(path, "a") as fh:
+            fh.write(" ")
+    elif kind == "ours, ledger deleted":
+        write_json(path, {"format": "dsparkctl-calibration/1", "x": 1})
+        (path.parent / ".dsparkctl-owned.json").unlink()
+    elif kind == "another command's":
+        commit.set_command("train")
+        try:
+            write_json(path, {"format": "dsparkctl-calibration/1", "x": 1})
+        finally:
+            commit.set_command(None)
     elif kind == "symlink to ours":
-        (tmp / "ours.json").write_text(json.dumps({"format": "dsparkctl-calibration/1"}))
+        write_json(tmp / "ours.json", {"format": "dsparkctl-calibration/1"})
         path.symlink_to(tmp / "ours.json")
     elif kind == "dangling symlink":
         path.symlink_to(tmp / "nowhere")
@@ -52,27 +77,33 @@ def _make(path: Path, kind: str, tmp: Path) -> None:
         os.mkfifo(path)
     elif kind == "ours json":
         write_json(path, {"format": "dsparkctl-calibration/1", "x": 1})
-    elif kind == "ours provenance":
-        write_json(path, {"provenance": {"tool": "dsparkctl"}})
-    elif kind == "sglang sts":
-        write_json(path, {"temperatures": [1.0], "dataset": "t", "num_samples": 1, "ece_before": [0.0],
-                          "ece_after": [0.0]})
+    elif kind == "ours, any content":
+        write_json(path, {"temperatures": [1.0]})
+
+
+NO_RECORD = "exists and dsparkctl has no record of writing it there"
 
 
 @pytest.mark.parametrize("kind,refusal", [
-    ("user json", "exists and was not written by dsparkctl"),
-    ("user json with a format", "exists and was not written by dsparkctl"),
-    ("user png", "exists and was not written by dsparkctl"),
-    ("user text", "exists and was not written by dsparkctl"),
+    ("user json", NO_RECORD),
+    ("user json with a format", NO_RECORD),
+    ("user png", NO_RECORD),
+    ("user text", NO_RECORD),
+    ("user file in our format", NO_RECORD),
+    ("user sglang sts", NO_RECORD),
+    ("copy of ours", NO_RECORD),
+    ("ours edited by hand", NO_RECORD),
+    ("ours, ledger deleted", NO_RECORD),
+    ("another command's", "was written by `dsparkctl train`, not by this command"),
     ("symlink to ours", "is a symbolic link"),
     ("dangling symlink", "is a symbolic link"),
     ("fifo", "is not a regular file (a FIFO, socket or device)"),
     ("ours json", None),
-    ("ours provenance", None),
-    ("sglang sts", None),
+    ("ours, any content", None),
     ("nothing", None),
 ])
 def test_replace_refusal(tmp_path, kind, refusal):
+    """Ownership is what the ledger recorded for this command, never what the file looks like."""
     p = tmp_path / "x.json"
     _make(p, kind, tmp_path)
     assert replace_refusal(p) == refusal
@@ -91,12 +122,15 @@ def trace(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("kind,where,code,message", [
-    ("user json", "out", 2, "--out {p} exists and was not written by dsparkctl; refusing to replace it"),
+    ("user json", "out", 2, "--out {p} " + NO_RECORD + "; refusing to replace it"),
+    ("user file in our format", "out", 2, "--out {p} " + NO_RECORD),
     ("symlink to ours", "out", 2, "--out {p} is a symbolic link; refusing to replace it"),
     ("fifo", "out", 2, "--out {p} is not a regular file"),
-    ("user json", "sglang", 2, "--sglang-out {p} exists and was not written by dsparkctl"),
-    ("user png", "png", 2, "{p} exists and was not written by dsparkctl; refusing to replace it"),
-    ("ours json", "out", 0, None),
+    ("user json", "sglang", 2, "--sglang-out {p} " + NO_RECORD),
+    ("user sglang sts", "sglang", 2, "--sglang-out {p} " + NO_RECORD),
+    ("user png", "png", 2, "{p} " + NO_RECORD + "; refusing to replace it"),
+    ("another command's", "out", 2, "--out {p} was written by `dsparkctl train`, not by this command"),
+    ("nothing", "out", 0, None),
 ])
 def test_calibrate_replaces_only_what_it_wrote(tmp_path, trace, kind, where, code, message):
     out = tmp_path / "calib.json"
@@ -142,7 +176,8 @@ def test_staged_outputs_appear_together_or_not_at_all(tmp_path):
     with staged() as stage:
         write_json(stage(tmp_path / "a.json"), {})
         write_json(stage(tmp_path / "new" / "b.json"), {})
-    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == ["a.json", "new", "new/b.json"]
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == [
+        ".dsparkctl-owned.json", "a.json", "new", "new/.dsparkctl-owned.json", "new/b.json"]  # and who wrote them
 
 
 @pytest.mark.parametrize("exc,words", [
@@ -361,7 +396,7 @@ def test_writers_write_on_rank_zero_alone(tmp_path, monkeypatch):
     write_json(tmp_path / "mine.json", {"x": 1}, each_rank=True)
     with atomic_dir(tmp_path / "own", each_rank=True) as tmp:
         (tmp / "f").write_text("own")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.json", "own"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".dsparkctl-owned.json", "mine.json", "own"]
     monkeypatch.setattr(distributed, "_WORLD", distributed.World(rank=0, size=2))
     write_json(tmp_path / "a.json", {"x": 1})
     assert json.loads((tmp_path / "a.json").read_text()) == {"x": 1}

@@ -89,6 +89,9 @@ def guarded(fn: F | None = None, *, fields: Mapping[str, str] | None = None) -> 
             err.print(*a, **k)
         label = f"rank {w.rank} error:" if w.distributed else "error:"
         STATE["names"] = names
+        from dsparkctl.files.commit import set_command
+
+        set_command(fn.__name__.removesuffix("_cmd").replace("_", "-"))  # what the ledger records as the writer of its outputs
         try:
             if isinstance(kwargs.get("seed"), int):
                 from dsparkctl.checks import check_seed
@@ -106,7 +109,7 @@ def guarded(fn: F | None = None, *, fields: Mapping[str, str] | None = None) -> 
             from dsparkctl.files.atomic import WRITTEN
 
             who = f"rank {w.rank} " if w.distributed else ""
-            done = sorted({str(p) for p in WRITTEN if ".staged-" not in p.name})
+            done = sorted({str(p) for p in WRITTEN})
             said = (f"; {len(done)} file(s) were complete before it, e.g. {done[-1]}; nothing partial was left"
                     if done else "; nothing was written" + (" by this rank" if w.distributed else ""))
             say(styled((f"{who}interrupted", "red"), said))

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import IO, Any, Callable, Iterator
 
 from dsparkctl.distributed import world
+from dsparkctl.files import commit, ledger
 from dsparkctl.signals import deferred
 from dsparkctl.strict_json import finite
 
@@ -45,13 +46,6 @@ def cannot_create(path: str | os.PathLike) -> str | None:
     return None
 
 
-def temp_dir(parent: str | os.PathLike, name: str, suffix: str = ".partial") -> Path:
-    """A hidden temporary folder beside `parent/name`, with the umask's mode."""
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=suffix, dir=parent))
-    honour_umask(tmp, directory=True)
-    return tmp
-
-
 WRITTEN: list[Path] = []  # every file or folder this process put in place, so an interruption can say so
 
 
@@ -67,14 +61,24 @@ def _writes(each_rank: bool = False) -> bool:
 def atomic_open(path: str | os.PathLike, mode: str = "w", each_rank: bool = False) -> Iterator[IO[Any]]:
     """Open a temporary file next to `path`; on success fsync and rename it over `path`.
 
-    On any exception the temporary file is removed and `path` is left untouched. Under torchrun
-    only rank 0 writes, unless `each_rank` (see the module's docstring).
+    Inside a command's transaction (`files.commit.transaction`) the file is staged and appears
+    with the command's other outputs at its commit point. On any exception the temporary file is
+    removed and `path` is left untouched. Under torchrun only rank 0 writes, unless `each_rank`
+    (see the module's docstring). The folder's ledger records the file as this command's.
     """
     if not _writes(each_rank):
         with open(os.devnull, mode) as fh:
             yield fh
         return
-    path = Path(path)
+    tx = None if each_rank else commit.current()
+    if tx is not None:
+        target = Path(path) if tx.staged_name(path) else tx.file(path)
+        with open(target, mode) as fh:
+            yield fh
+            fh.flush()
+            os.fsync(fh.fileno())
+        return
+    path = Path(os.path.abspath(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -85,8 +89,10 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", each_rank: bool = Fals
             yield fh
             fh.flush()
             os.fsync(fh.fileno())
-        with deferred():  # in place and counted as written, or neither
+        with deferred(), ledger.folder_lock(path.parent):  # in place, recorded and counted, or none of it
+            ledger.record(path.parent, {path.name: (commit.command(), ledger.fingerprint(tmp))}, keep_old=True)
             os.replace(tmp, path)
+            ledger.record(path.parent, {path.name: (commit.command(), ledger.fingerprint(path))}, keep_old=False)
             WRITTEN.append(path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -153,44 +159,12 @@ def write_json(path: str | os.PathLike, obj: Any, each_rank: bool = False) -> No
 @contextlib.contextmanager
 def staged(folder_hint: str | os.PathLike | None = None) -> Iterator[Callable[[str | os.PathLike], Path]]:
     """Several outputs that appear together or not at all: `stage(final)` gives a hidden name
-    beside `final` to write to (with the atomic writers above); when the block ends without an
-    error every staged file is renamed onto its final name (renames in one folder need no space,
-    so a full disk fails while writing, before any output appears), and folders created for
-    them stay; on an error every staged file, and every folder created for them, is removed.
-    Under torchrun on rank 0 alone (the writers above write nothing elsewhere)."""
-    pairs: list[tuple[Path, Path]] = []
-    made: list[Path] = []
-    writes = _writes()
-
-    def stage(final: str | os.PathLike) -> Path:
-        final = Path(final)
-        if not writes:
-            return final.with_name(f".{final.name}.staged-{os.getpid()}")
-        missing = []
-        parent = final.parent
-        while not parent.exists():
-            missing.append(parent)
-            parent = parent.parent
-        final.parent.mkdir(parents=True, exist_ok=True)
-        made.extend(reversed(missing))
-        tmp = final.with_name(f".{final.name}.staged-{os.getpid()}")
-        pairs.append((tmp, final))
-        return tmp
-
-    try:
-        yield stage
-        with deferred():  # every output appears, or (a signal before this) none
-            for tmp, final in pairs:
-                os.replace(tmp, final)
-                WRITTEN.append(final)
-    except BaseException:
-        for tmp, _ in pairs:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-        for d in reversed(made):
-            with contextlib.suppress(OSError):
-                d.rmdir()
-        raise
+    beside `final` to write to (with the atomic writers above, or any writer); they appear at one
+    commit point when the block ends without an error, and survive a kill at any moment as all
+    old or all new (`files.commit`). Joins the command's transaction when one is open. Under
+    torchrun on rank 0 alone (the writers above write nothing elsewhere)."""
+    with commit.transaction() as tx:
+        yield tx.file
 
 
 def append_line(path: str | os.PathLike, line: str) -> None:
@@ -216,23 +190,22 @@ def seal_dir(folder: str | os.PathLike) -> None:
 
 @contextlib.contextmanager
 def atomic_dir(path: str | os.PathLike, each_rank: bool = False) -> Iterator[Path]:
-    """Yield a temporary folder beside `path`; rename it to `path` on success, delete on failure.
-
-    `path` must not exist yet (callers decide about overwriting before calling). Under torchrun
+    """Yield a hidden folder beside `path` to fill; it takes the name `path` when the block ends
+    without an error (replacing a folder this command wrote there, `files.ledger`), or at the
+    commit point of the command's transaction when one is open; on an error it is deleted. A kill
+    leaves nothing the next run does not finish or remove (`files.commit.recover`). Under torchrun
     only rank 0 puts the folder in place (the others' is deleted), unless `each_rank`.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_dir(path.parent, path.name)
-    try:
-        yield tmp
-        if not _writes(each_rank):
+    if not _writes(each_rank):
+        tmp = Path(tempfile.mkdtemp(prefix=".dsparkctl-rank-"))
+        try:
+            yield tmp
+        finally:
             shutil.rmtree(tmp, ignore_errors=True)
-            return
-        seal_dir(tmp)
-        with deferred():  # in place and counted as written, or neither
-            os.replace(tmp, path)
-            WRITTEN.append(path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        return
+    tx = None if each_rank else commit.current()
+    if tx is not None:
+        yield tx.folder(path)
+        return
+    with commit.transaction(join=False, each_rank=each_rank) as tx:
+        yield tx.folder(path)

@@ -69,11 +69,13 @@ def written_by_us(path: str | os.PathLike) -> bool:
     return MARK.encode() in head or MARK.encode() in tail
 
 
-def replace_refusal(path: str | os.PathLike, ours: Callable[[Path], bool] | None = None) -> str | None:
-    """The one rule for every file we write where a user may have put something: None (may write)
-    when nothing is at `path`, or when it is a regular file (not a link) that we wrote (`ours`,
-    default `written_by_us`); otherwise why not, as words to follow the path ("is a symbolic
-    link", "was not written by dsparkctl", ...). Nothing is opened but a regular file."""
+def replace_refusal(path: str | os.PathLike, ours: Callable[[Path], bool] | None = None,
+                   as_folder: bool = False) -> str | None:
+    """The one rule for every output where a user may have put something: None (may write) when
+    nothing is at `path`, or when it is a regular file (a folder, with `as_folder`), not a link,
+    that this very command wrote there (`files.ledger`: what we recorded, never what it looks
+    like; `ours` overrides the rule for a cache of our own); otherwise why not, as words to follow
+    the path ("is a symbolic link", "was written by `dsparkctl train`, not by this command", ...)."""
     try:
         st = os.lstat(path)
     except (FileNotFoundError, NotADirectoryError):  # nothing there (`cannot_create` says why it cannot be)
@@ -82,12 +84,19 @@ def replace_refusal(path: str | os.PathLike, ours: Callable[[Path], bool] | None
         return f"cannot be examined ({e.strerror})"
     if stat.S_ISLNK(st.st_mode):
         return "is a symbolic link"
-    if stat.S_ISDIR(st.st_mode):
-        return "is a folder"
-    if not stat.S_ISREG(st.st_mode):
+    if stat.S_ISDIR(st.st_mode) != as_folder:
+        return "is a folder" if stat.S_ISDIR(st.st_mode) else "is not a folder"
+    if not as_folder and not stat.S_ISREG(st.st_mode):
         return "is not a regular file (a FIFO, socket or device)"
-    if not (ours or written_by_us)(Path(path)):
-        return f"exists and was not written by {MARK}"
+    if ours is not None:
+        return None if ours(Path(path)) else f"exists and was not written by {MARK}"
+    from dsparkctl.files import commit, ledger
+
+    writer = ledger.writer_of(path)
+    if writer is None:
+        return f"exists and {MARK} has no record of writing it there"
+    if writer != commit.command():
+        return f"was written by `{MARK} {writer}`, not by this command"
     return None
 
 

@@ -17,10 +17,10 @@ import torch
 from dsparkctl.checkpoint.hub import TOKENIZER_FILES, check_repo_id, endpoint, hub_errors
 from dsparkctl.checkpoint.source import INDEX, SINGLE, parse_index
 from dsparkctl.errors import CheckpointError, InputError, ModelMismatchError, option
-from dsparkctl.files.atomic import atomic_dir, cannot_create, seal_dir, temp_dir
+from dsparkctl.files.atomic import atomic_dir, cannot_create
+from dsparkctl.files.ownership import replace_refusal
 from dsparkctl.models.draft import DSparkDraft
 from dsparkctl.models.draft_config import DraftConfig
-from dsparkctl.signals import deferred
 from dsparkctl.strict_json import finite
 from dsparkctl.strict_json import loads as strict_loads
 
@@ -212,21 +212,6 @@ def load_draft(source: str | os.PathLike, target: Any | None = None, revision: s
     return draft.to(device=device or "cpu", dtype=dtype or torch.float32).eval()
 
 
-DRAFT_FILES = {"config.json", SINGLE, INDEX}
-
-
-def is_our_draft(folder: Path) -> bool:
-    """A folder dsparkctl wrote as a draft: config.json with our provenance block and nothing
-    but draft files (so replacing it can never delete a user's own files)."""
-    cfg = folder / "config.json"
-    try:
-        ours = isinstance(json.loads(cfg.read_text(encoding="utf-8")).get("dsparkctl"), dict)
-    except (OSError, ValueError, AttributeError):
-        return False
-    names = {p.name for p in folder.iterdir()}
-    return ours and names <= DRAFT_FILES | set(TOKENIZER_FILES) and all((folder / n).is_file() for n in names)
-
-
 def check_draft_destination(out: str | os.PathLike, overwrite: bool) -> Path:
     """Validate an output folder before any work: absent, or (with overwrite) a previous draft of ours."""
     out = Path(out)
@@ -240,9 +225,9 @@ def check_draft_destination(out: str | os.PathLike, overwrite: bool) -> Path:
     if out.exists():
         if not overwrite:
             raise InputError(f"{out} already exists", "choose another folder or remove it")
-        if not is_our_draft(out):
-            raise InputError(f"{out} exists and is not a draft written by dsparkctl; refusing to replace it",
-                             "choose a new folder (nothing was changed)")
+        why = replace_refusal(out, as_folder=True)
+        if why:
+            raise InputError(f"{out} {why}; refusing to replace it", "choose a new folder (nothing was changed)")
     return out
 
 
@@ -251,8 +236,9 @@ def save_draft(draft: DSparkDraft, out: str | os.PathLike, *, dtype: torch.dtype
                overwrite: bool = False) -> Path:
     """Write `draft` as a DeepSpec checkpoint folder, atomically.
 
-    With `overwrite`, an existing folder is replaced only if it is a previous draft of ours
-    (`is_our_draft`), and the swap is atomic: readers see the old draft or the new one."""
+    With `overwrite`, an existing folder is replaced only if this command wrote it there
+    (`files.ledger`), and the swap is atomic: readers see the old draft or the new one, even
+    after a kill (`files.commit`)."""
     out = check_draft_destination(out, overwrite)
     sd = {}
     for k, v in draft.state_dict().items():
@@ -291,28 +277,12 @@ def save_draft_for_vllm(draft: DSparkDraft, out: str | os.PathLike, *, dtype: to
 
 def _write_draft_folder(out: Path, sd: dict[str, torch.Tensor], cfg: dict[str, Any]) -> Path:
     """config.json + model.safetensors into `out` (checked by check_draft_destination), atomically:
-    readers see the old folder or the new one."""
-    import shutil
-
+    readers see the old folder or the new one, and so does the next run after a kill."""
     from safetensors.torch import save_file
 
-    if not out.exists():
-        with atomic_dir(out) as tmp:
-            save_file(sd, str(tmp / SINGLE), metadata={"format": "pt"})
-            (tmp / "config.json").write_text(json.dumps(finite(cfg), indent=2, allow_nan=False) + "\n")
-        return out
-    new, old = temp_dir(out.parent, out.name), temp_dir(out.parent, out.name, ".old")
-    try:
-        save_file(sd, str(new / SINGLE), metadata={"format": "pt"})
-        (new / "config.json").write_text(json.dumps(finite(cfg), indent=2, allow_nan=False) + "\n")
-        seal_dir(new)
-
-        with deferred():  # a signal between the two renames would leave no draft at all
-            os.replace(out, old / "draft")  # the previous draft steps aside, the new one takes its name
-            os.replace(new, out)
-    finally:
-        shutil.rmtree(new, ignore_errors=True)
-        shutil.rmtree(old, ignore_errors=True)
+    with atomic_dir(out) as tmp:
+        save_file(sd, str(tmp / SINGLE), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(finite(cfg), indent=2, allow_nan=False) + "\n")
     return out
 
 
