@@ -17,6 +17,7 @@ from dsparkctl.errors import UsageError, option
 from dsparkctl.evaluation.acceptance import MODES, EvalOptions, drafts_under_test, evaluate_acceptance, trace_paths
 from dsparkctl.evaluation.plot import plot_acceptance
 from dsparkctl.files.atomic import write_json
+from dsparkctl.files.commit import transaction
 from dsparkctl.math.sampling import SamplingParams
 from dsparkctl.models.target import check_positions
 
@@ -81,11 +82,12 @@ def run_eval_acceptance(spec: EvalSpec, *,
                        max_new_tokens=max_new_tokens, seed=spec.seed, batch_size=spec.batch_size,
                        trace=spec.trace if live else None, preset=preset.name if preset else None)
     sess.settle_kernels(log, tuple(d.draft for d in drafts))  # every input is checked: the timing is not wasted
-    results = evaluate_acceptance(lt.model, lt.name, drafts, prompts, opts, sess.stop_ids, log=log, split=sess.split)
-    if spec.plot is not None:  # the writers are rank-aware: under torchrun rank 0 writes
-
-        plot_acceptance(results, spec.plot, title=f"{lt.name}, T={temperature}")
-        results["plot"] = str(spec.plot)
-    if spec.out is not None:
-        write_json(spec.out, results)
+    with transaction():  # traces, figure and JSON appear together, or none (files.commit)
+        results = evaluate_acceptance(lt.model, lt.name, drafts, prompts, opts, sess.stop_ids, log=log,
+                                      split=sess.split)
+        if spec.plot is not None:  # the writers are rank-aware: under torchrun rank 0 writes
+            plot_acceptance(results, spec.plot, title=f"{lt.name}, T={temperature}")
+            results["plot"] = str(spec.plot)
+        if spec.out is not None:
+            write_json(spec.out, results)
     return results

@@ -16,6 +16,7 @@ from dsparkctl.app.preflight import Output, check_outputs, local_inputs
 from dsparkctl.engine.session import open_session
 from dsparkctl.errors import InputError, UsageError, option
 from dsparkctl.files.atomic import atomic_open
+from dsparkctl.files.commit import transaction
 from dsparkctl.formats.calibration import calibration_draft_notes
 from dsparkctl.formats.sglang import check_our_sps, check_sglang_sps, check_sts, sglang_file
 from dsparkctl.models.draft_io import check_draft_destination, save_draft, save_draft_for_vllm
@@ -242,9 +243,10 @@ def run_serve_config(spec: ServeSpec, *, log: Callable[[str], None] = lambda s: 
     elif (own := sess.default_calibration()) is not None:
         files = dataclasses.replace(files, sts_file=sglang_file(own, "sts"))
         cal_notes = [f"the confidences are calibrated with the draft's own {own} (--calibration to override)"]
-    result = plan_serving(sess, spec.draft, spec.target, spec.target_id, files, spec.export_full_vocab,
-                          spec.export_vllm)
-    result["notes"] = cal_notes + result["notes"]
-    if spec.out is not None:
-        write_script(spec.out, result)
+    with transaction():  # both exports and the script appear together, or none (files.commit)
+        result = plan_serving(sess, spec.draft, spec.target, spec.target_id, files, spec.export_full_vocab,
+                              spec.export_vllm)
+        result["notes"] = cal_notes + result["notes"]
+        if spec.out is not None:
+            write_script(spec.out, result)
     return result

@@ -109,19 +109,13 @@ def extract(ckpt: Checkpoint, out: Path, *, dequantize: bool = False, with_head:
     files = [f"model-{i + 1:05d}-of-{n_out:05d}.safetensors" for i in range(n_out)]
     for note in partials.remove_stale(out):
         (log or (lambda m: None))(note)
-    try:
-        with atomic_dir(out) as tmp:
-            with partials.claim(tmp, out):
-                source_sha = _write_draft(ckpt, tmp, files, items, dequantize, with_head, verify, on_bytes)
-            point_of_no_return()  # complete and fsynced: a signal now would only misreport the result
-            for path in [tmp, *tmp.iterdir()]:  # temp files are private; the result is an ordinary folder
-                honour_umask(path, directory=path.is_dir())
-            fsync_dir(tmp)  # the folder's entries; atomic_dir fsyncs each file once more, then renames
-    except OSError as exc:
-        if exc.filename2 is not None and Path(exc.filename2) == out and out.exists():
-            raise UsageError(f"{out} was created by another process while this extract ran; this run's copy "
-                             "was discarded", hint="check that the other run's output is the one you want") from None
-        raise
+    with atomic_dir(out, replace=False) as tmp:  # a kill leaves nothing the next run does not remove
+        with partials.claim(tmp, out):
+            source_sha = _write_draft(ckpt, tmp, files, items, dequantize, with_head, verify, on_bytes)
+        point_of_no_return()  # complete and fsynced: a signal now would only misreport the result
+        for path in [tmp, *tmp.iterdir()]:  # temp files are private; the result is an ordinary folder
+            honour_umask(path, directory=path.is_dir())
+        fsync_dir(tmp)  # the folder's entries; atomic_dir fsyncs each file once more, then renames
     fsync_dir(out.parent)  # the rename itself
     return ExtractResult(out, len(items), sum(p.nbytes for p in items), files, source_sha, verify)
 

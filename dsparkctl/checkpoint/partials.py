@@ -1,25 +1,22 @@
 """Partial outputs of `extract`: claim the one being built, remove stale ones left by killed runs.
 
-`atomic_dir(OUT)` builds OUT in a hidden sibling `.OUT.<8 random chars>.partial` and renames it
-at the end. An interrupted run removes it (SIGINT, SIGTERM and SIGHUP all unwind), but SIGKILL,
-a crash or a power cut cannot, so every run claims its folder with an owner file, `OWNER`,
-created first, `flock`ed for the whole run, and removed last. On start, `remove_stale(OUT)`
-deletes a sibling `.OUT.*.partial` only when it is provably ours and provably stale:
+`atomic_dir(OUT)` builds OUT in a hidden sibling `.OUT.<run>-<n>.new` (`files.commit`) and renames
+it at the end. An interrupted run removes it (SIGINT, SIGTERM and SIGHUP all unwind); what SIGKILL,
+a crash or a power cut leaves, the next run removes, on proof of death: the dead run's lock file
+is free (`files.commit.recover`). The run also writes an owner file, `OWNER`, in its folder.
 
-  ours    a real folder (not a symlink) owned by this user and named exactly as atomic_dir names
+Folders of older versions (`.OUT.<8 random chars>.partial`) follow the older rule: one is removed
+only when it is provably ours and provably stale:
+
+  ours    a real folder (not a symlink) owned by this user and named exactly as atomic_dir named
           the partials of OUT; and
   stale   (a) it holds our owner file (tool dsparkctl, this OUT) and the file's lock is free.
               The kernel drops a flock when its holder dies, however it dies, so a lock we can
               take means no run owns the folder. Where the filesystem has no flock, the owner's
               pid recorded in the file must instead be gone on this host; or
           (b) it is empty and untouched for `STALE_EMPTY_S` seconds: a run killed between creating
-              the folder and its owner file. Removing an empty folder loses nothing, and no live
-              run sits that long between those two steps.
-Anything else that looks like a partial of OUT (a running extract's, another user's, a folder of
-files without our owner file) is left alone and reported.
-
-A failing run empties its folder before it removes the owner file, so a kill during cleanup
-leaves either a claimed folder (a) or an empty one (b), never an unclaimed folder of files.
+              the folder and its owner file.
+Anything else that looks like a partial of OUT is left alone and reported.
 """
 
 from __future__ import annotations
@@ -36,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from dsparkctl.files import commit
 from dsparkctl.locks import pid_alive
 from dsparkctl.strict_json import loads
 
@@ -45,6 +43,11 @@ _NAME = "[a-z0-9_]{8}"  # tempfile.mkdtemp's random part
 
 
 def partial_pattern(out: Path) -> re.Pattern[str]:
+    """A partial of `out`: staged by `files.commit` (`.OUT.<run>-<n>.new`), or by an older version."""
+    return re.compile(rf"\.{re.escape(out.name)}\.({_NAME}\.partial|[0-9a-f]{{12}}-[0-9]+\.new)")
+
+
+def _legacy(out: Path) -> re.Pattern[str]:
     return re.compile(rf"\.{re.escape(out.name)}\.{_NAME}\.partial")
 
 
@@ -85,12 +88,13 @@ def _empty_except(folder: Path, keep: str) -> None:
 def remove_stale(out: Path) -> list[str]:
     """Delete the stale partials of `out` (module doc); one note per partial found, removed or not."""
     parent = out.parent if str(out.parent) else Path(".")
-    pattern = partial_pattern(out)
+    pattern = _legacy(out)
+    mine = partial_pattern(out)
+    notes = [n for n in commit.recover(parent) if mine.fullmatch(Path(n.split(": ", 1)[0].removeprefix("removed ")).name)]
     try:
         names = sorted(n for n in os.listdir(parent) if pattern.fullmatch(n))
     except OSError:  # no parent yet: nothing left behind
-        return []
-    notes = []
+        return notes
     for name in names:
         path = parent / name
         reason = _stale_reason(path, out)

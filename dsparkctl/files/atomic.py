@@ -175,6 +175,26 @@ def append_line(path: str | os.PathLike, line: str) -> None:
             fh.write(line + "\n")
 
 
+def cut_log(path: str | os.PathLike, up_to: int, key: str = "step") -> None:
+    """Before a resumed run appends again: keep only the lines of `path` (JSON lines, each with an
+    integer `key`) at or before `up_to`, dropping those of steps the run will redo and a line torn
+    by a kill. Rewritten atomically; nothing to do when there is no such file."""
+    path = Path(path)
+    if not _writes() or not path.is_file():
+        return
+    kept = []
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and isinstance(row.get(key), int) and row[key] <= up_to and line.endswith("\n"):
+                kept.append(line)
+    with atomic_open(path, "w") as fh:
+        fh.writelines(kept)
+
+
 def seal_dir(folder: str | os.PathLike) -> None:
     """Before a written folder takes its final name: every entry gets the umask's mode (some
     writers, safetensors among them, create files 0600 whatever the umask) and every file is
@@ -189,12 +209,13 @@ def seal_dir(folder: str | os.PathLike) -> None:
 
 
 @contextlib.contextmanager
-def atomic_dir(path: str | os.PathLike, each_rank: bool = False) -> Iterator[Path]:
+def atomic_dir(path: str | os.PathLike, each_rank: bool = False, replace: bool = True) -> Iterator[Path]:
     """Yield a hidden folder beside `path` to fill; it takes the name `path` when the block ends
     without an error (replacing a folder this command wrote there, `files.ledger`), or at the
     commit point of the command's transaction when one is open; on an error it is deleted. A kill
     leaves nothing the next run does not finish or remove (`files.commit.recover`). Under torchrun
-    only rank 0 puts the folder in place (the others' is deleted), unless `each_rank`.
+    only rank 0 puts the folder in place (the others' is deleted), unless `each_rank`. With
+    `replace` False a folder that appeared meanwhile is kept and this one discarded (an error).
     """
     if not _writes(each_rank):
         tmp = Path(tempfile.mkdtemp(prefix=".dsparkctl-rank-"))
@@ -205,7 +226,7 @@ def atomic_dir(path: str | os.PathLike, each_rank: bool = False) -> Iterator[Pat
         return
     tx = None if each_rank else commit.current()
     if tx is not None:
-        yield tx.folder(path)
+        yield tx.folder(path, replace)
         return
     with commit.transaction(join=False, each_rank=each_rank) as tx:
-        yield tx.folder(path)
+        yield tx.folder(path, replace)

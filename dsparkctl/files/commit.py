@@ -145,14 +145,14 @@ def recover(folder: str | os.PathLike) -> list[str]:
             journal = Path(doc["journal"]) if isinstance(doc, dict) and isinstance(doc.get("journal"), str) else None
             if journal is not None and journal.name == _JOURNAL.format(run) and journal.is_file():
                 _roll_forward(journal, run)
-                notes.append(f"finished the commit of an interrupted run in {folder}")
+                notes.append(f"finished the commit of a run that died during it ({journal})")
             else:
                 with ledger.folder_lock(folder):
                     for p in _leftovers(folder, run):
                         if p.name.endswith(".old"):  # only a committed run sets an old version aside
                             continue
                         _remove(p)
-                notes.append(f"removed the unfinished outputs of an interrupted run in {folder}")
+                        notes.append(f"removed {p}: a stale partial of a run that died before its commit")
             with contextlib.suppress(OSError):
                 lock.unlink()
         finally:
@@ -165,6 +165,7 @@ class _Op:
     final: Path
     staged: Path
     folder: bool
+    replace: bool = True  # False: an output that appeared meanwhile wins, this run's copy is discarded
 
     @property
     def old(self) -> Path:
@@ -215,7 +216,7 @@ class Transaction:
     ops: list[_Op] = field(default_factory=list)
     made: list[Path] = field(default_factory=list)  # folders created for the outputs, removed on abort
 
-    def _stage(self, final: str | os.PathLike, is_folder: bool) -> Path:
+    def _stage(self, final: str | os.PathLike, is_folder: bool, replace: bool = True) -> Path:
         final = _abs(final)
         for op in self.ops:
             if op.final == final:
@@ -241,14 +242,14 @@ class Transaction:
             staged.mkdir()
             from dsparkctl.files.atomic import honour_umask
             honour_umask(staged, directory=True)
-        self.ops.append(_Op(final, staged, is_folder))
+        self.ops.append(_Op(final, staged, is_folder, replace))
         return staged
 
     def file(self, final: str | os.PathLike) -> Path:
         return self._stage(final, False)
 
-    def folder(self, final: str | os.PathLike) -> Path:
-        return self._stage(final, True)
+    def folder(self, final: str | os.PathLike, replace: bool = True) -> Path:
+        return self._stage(final, True, replace)
 
     def staged_name(self, path: str | os.PathLike) -> bool:
         p = _abs(path)
@@ -275,6 +276,9 @@ class Transaction:
             for op in ops:  # checked again now: a user's file may have appeared since the command began
                 from dsparkctl.files.ownership import replace_refusal
 
+                if not op.replace and os.path.lexists(op.final):
+                    raise InputError(f"{op.final} was created by another process while this command ran; this "
+                                     "run's copy was discarded", "check that the other run's output is the one you want")
                 why = replace_refusal(op.final, as_folder=op.folder)
                 if why:
                     raise InputError(f"{op.final} {why}; refusing to replace it",

@@ -18,6 +18,7 @@ from dsparkctl.distributed import barrier, world
 from dsparkctl.errors import InputError, option
 from dsparkctl.evaluation.teacher_forced import TeacherForcedStats, anchor_block_logits, beta_from_l1
 from dsparkctl.files.cache import cache_root
+from dsparkctl.files.atomic import cut_log
 from dsparkctl.locks import refuse_if_held, release
 from dsparkctl.math.sampling import SamplingParams, warp_probs
 from dsparkctl.models.draft import DSparkDraft
@@ -173,6 +174,8 @@ def train_draft(recipe: Recipe, *, model: Any, tokenizer: Any, stop_ids: list[in
         coverage = vocab_coverage(held, draft.draft_vocab_ids, adapter.vocab_size)
         trainer = Trainer(recipe, draft, train_seqs, run_dir, feature_scale=scale)
         start = trainer.load_latest() if resume else 0
+        for name in ("log.jsonl", "evals.jsonl"):  # the steps after the checkpoint are redone: logged once
+            cut_log(run_dir / name, start)
         if start:
             log(f"resumed {run_dir.name} at step {start}")
 
