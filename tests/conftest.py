@@ -11,5 +11,6 @@ def _private_continuations_cache(tmp_path_factory):
     mp.setenv("DSPARKCTL_CONTINUATIONS_CACHE", str(tmp_path_factory.mktemp("continuations")))
     mp.setenv("DSPARKCTL_CPU_KERNELS_CACHE", str(tmp_path_factory.mktemp("kernels") / "cpu_kernels.json"))
     mp.setenv("DSPARKCTL_SPS_CACHE", str(tmp_path_factory.mktemp("sps")))
+    mp.setenv("DSPARKCTL_STATE", str(tmp_path_factory.mktemp("state")))  # the ledgers of what tests write
     yield
     mp.undo()

@@ -61,7 +61,8 @@ def _make(path: Path, kind: str, tmp: Path) -> None:
             fh.write(" ")
     elif kind == "ours, ledger deleted":
         write_json(path, {"format": "dsparkctl-calibration/1", "x": 1})
-        (path.parent / ".dsparkctl-owned.json").unlink()
+        from dsparkctl.files.ledger import ledger_path
+        ledger_path(path.parent).unlink()
     elif kind == "another command's":
         commit.set_command("train")
         try:
@@ -176,8 +177,7 @@ def test_staged_outputs_appear_together_or_not_at_all(tmp_path):
     with staged() as stage:
         write_json(stage(tmp_path / "a.json"), {})
         write_json(stage(tmp_path / "new" / "b.json"), {})
-    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == [
-        ".dsparkctl-owned.json", "a.json", "new", "new/.dsparkctl-owned.json", "new/b.json"]  # and who wrote them
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == ["a.json", "new", "new/b.json"]
 
 
 @pytest.mark.parametrize("exc,words", [
@@ -396,7 +396,7 @@ def test_writers_write_on_rank_zero_alone(tmp_path, monkeypatch):
     write_json(tmp_path / "mine.json", {"x": 1}, each_rank=True)
     with atomic_dir(tmp_path / "own", each_rank=True) as tmp:
         (tmp / "f").write_text("own")
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".dsparkctl-owned.json", "mine.json", "own"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.json", "own"]
     monkeypatch.setattr(distributed, "_WORLD", distributed.World(rank=0, size=2))
     write_json(tmp_path / "a.json", {"x": 1})
     assert json.loads((tmp_path / "a.json").read_text()) == {"x": 1}

@@ -18,19 +18,10 @@ from typing import IO, Any, Callable, Iterator
 
 from dsparkctl.distributed import world
 from dsparkctl.files import commit, ledger
+from dsparkctl.files.commit import WRITTEN
+from dsparkctl.files.modes import current_umask, honour_umask, seal_dir  # noqa: F401 - their home for callers
 from dsparkctl.signals import deferred
 from dsparkctl.strict_json import finite
-
-
-def current_umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def honour_umask(path: str | os.PathLike, directory: bool = False) -> None:
-    """Give a temp file/folder (created 0600/0700) the mode a plain open/mkdir would have."""
-    os.chmod(path, (0o777 if directory else 0o666) & ~current_umask())
 
 
 def cannot_create(path: str | os.PathLike) -> str | None:
@@ -46,7 +37,6 @@ def cannot_create(path: str | os.PathLike) -> str | None:
     return None
 
 
-WRITTEN: list[Path] = []  # every file or folder this process put in place, so an interruption can say so
 
 
 def _writes(each_rank: bool = False) -> bool:
@@ -193,19 +183,6 @@ def cut_log(path: str | os.PathLike, up_to: int, key: str = "step") -> None:
                 kept.append(line)
     with atomic_open(path, "w") as fh:
         fh.writelines(kept)
-
-
-def seal_dir(folder: str | os.PathLike) -> None:
-    """Before a written folder takes its final name: every entry gets the umask's mode (some
-    writers, safetensors among them, create files 0600 whatever the umask) and every file is
-    flushed to disk."""
-    for root, dirs, files in os.walk(folder):
-        for name in dirs:
-            honour_umask(os.path.join(root, name), directory=True)
-        for name in files:
-            honour_umask(os.path.join(root, name))
-            with open(os.path.join(root, name), "rb") as fh:
-                os.fsync(fh.fileno())
 
 
 @contextlib.contextmanager

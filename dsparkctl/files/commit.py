@@ -11,8 +11,8 @@ Terms:
             final) pair as absolute paths (they do not depend on the current folder). Putting it in
             place (one rename) is the commit point: before it the transaction never happened;
             after it, it did, even if the process dies during the renames that follow.
-  ledger    who wrote what (`files.ledger`); a replaced output is one the ledger says this command
-            wrote, checked again at commit time under the folder's lock.
+  ledger    who wrote what (`files.ledger`, kept outside the folder); a replaced output is one the
+            ledger says this command wrote, checked again at commit time under the folder's lock.
 
 A commit holds the lock of every folder it touches (in a fixed order) while it records the new
 fingerprints, writes the journal, renames (a folder output being replaced steps aside to
@@ -45,6 +45,9 @@ from typing import Iterator
 
 from dsparkctl.errors import InputError
 from dsparkctl.files import ledger
+from dsparkctl.files.ledger import command, set_command  # noqa: F401 - the writer's identity, set by the CLI
+from dsparkctl.files.modes import honour_umask, seal_dir
+from dsparkctl.files.ownership import replace_refusal
 from dsparkctl.signals import deferred
 from dsparkctl.strict_json import loads
 
@@ -52,18 +55,12 @@ RUN_ID = secrets.token_hex(6)  # this process
 _LOCK = ".dsparkctl-run.{}.lock"
 _JOURNAL = ".dsparkctl-commit.{}.json"
 _LOCK_RE = re.compile(r"\.dsparkctl-run\.([0-9a-f]{12})\.lock")
-_STATE: dict[str, object] = {"command": None, "n": 0}
+_STATE: dict[str, int] = {"n": 0}
 _HELD: dict[Path, int] = {}  # folder -> fd of this run's lock file there
 _OPEN: list["Transaction"] = []
 
 
-def command() -> str:
-    """The command whose outputs are being written (set by the CLI; "library" for Python callers)."""
-    return str(_STATE["command"] or "library")
-
-
-def set_command(name: str) -> None:
-    _STATE["command"] = name
+WRITTEN: list[Path] = []  # every file or folder this process put in place, so an interruption can say so
 
 
 def _abs(p: str | os.PathLike) -> Path:
@@ -102,7 +99,7 @@ def _release(folder: Path) -> None:
 
 
 def _leftovers(folder: Path, run: str) -> list[Path]:
-    pat = re.compile(rf"\..+\.{run}-\d+\.(new|old)")
+    pat = re.compile(rf"\..+\.{run}-\d+\.(new|old)|\.dsparkctl-commit\.{run}\.tmp")
     try:
         return [folder / n for n in os.listdir(folder) if pat.fullmatch(n)]
     except OSError:
@@ -121,9 +118,10 @@ def recover(folder: str | os.PathLike) -> list[str]:
     """Finish or undo what dead runs left in `folder` (module doc); one note per run handled."""
     folder = _abs(folder)
     try:
-        names = [m[1] for n in os.listdir(folder) if (m := _LOCK_RE.fullmatch(n)) and m[1] != RUN_ID]
+        listing = os.listdir(folder)
     except OSError:
         return []
+    names = [m[1] for n in listing if (m := _LOCK_RE.fullmatch(n)) and m[1] != RUN_ID]
     notes = []
     for run in names:
         lock = folder / _LOCK.format(run)
@@ -221,7 +219,7 @@ class Transaction:
         for op in self.ops:
             if op.final == final:
                 return op.staged
-        _STATE["n"] = int(_STATE["n"]) + 1  # type: ignore[call-overload]
+        _STATE["n"] += 1
         if self.private is not None:
             staged = self.private / f"{_STATE['n']}-{final.name}"
             if is_folder:
@@ -240,7 +238,6 @@ class Transaction:
         staged = final.with_name(f".{final.name}.{RUN_ID}-{_STATE['n']}.new")
         if is_folder:
             staged.mkdir()
-            from dsparkctl.files.atomic import honour_umask
             honour_umask(staged, directory=True)
         self.ops.append(_Op(final, staged, is_folder, replace))
         return staged
@@ -258,8 +255,6 @@ class Transaction:
     def commit(self) -> list[Path]:
         if not self.ops or self.private is not None:
             return []
-        from dsparkctl.files.atomic import seal_dir
-
         for op in self.ops:
             if op.folder:
                 seal_dir(op.staged)
@@ -274,8 +269,6 @@ class Transaction:
             for f in folders:
                 stack.enter_context(ledger.folder_lock(f))
             for op in ops:  # checked again now: a user's file may have appeared since the command began
-                from dsparkctl.files.ownership import replace_refusal
-
                 if not op.replace and os.path.lexists(op.final):
                     raise InputError(f"{op.final} was created by another process while this command ran; this "
                                      "run's copy was discarded", "check that the other run's output is the one you want")
@@ -302,8 +295,6 @@ class Transaction:
                 os.replace(tmp, journal)  # the commit point
                 _apply(ops, self.writer)
                 journal.unlink()
-                from dsparkctl.files.atomic import WRITTEN
-
                 WRITTEN.extend(op.final for op in ops)
         self.ops = []
         return [op.final for op in ops]

@@ -1,12 +1,16 @@
 """Whose file is this? What we recorded, never what it looks like.
 
-Every folder we put an output in holds `.dsparkctl-owned.json`: for each name we put there, the
-command that wrote it and the fingerprint of what it wrote — (device, inode, size, mtime) of a file;
-for a folder, its own (device, inode) and the same four numbers of every entry inside. A path is
-ours to replace only when the ledger of its folder names the command now writing and the path
-still matches a recorded fingerprint. A user's file in a format we also write, a copy of one of
-ours, our file edited or replaced by hand, a folder whose ledger was deleted: none match, so none
-is replaced.
+For every folder we put an output in, a ledger records each name we put there: the command that
+wrote it and the fingerprint of what it wrote — (device, inode, size, mtime) of a file; for a
+folder, its own (device, inode) and the same numbers of every entry inside. A path is ours to
+replace only when its folder's ledger names the command now writing and the path still matches a
+recorded fingerprint. A user's file in a format we also write, a copy of one of ours, our file
+edited or replaced by hand, a folder moved or restored from a backup: none match, so none is
+replaced.
+
+The ledgers live outside the folders they describe (`state_root()/owned/<hash of the folder>.json`),
+so a user's folders hold only what they asked for. A ledger that cannot be written (a read-only
+home) only means that what was written is not ours to replace later.
 
 A rename keeps the inode, size and mtime, so a staged output's fingerprint is recorded *before*
 it takes its final name (beside the fingerprint already there) and confirmed after: a kill at
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import stat
@@ -26,12 +31,36 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
+from dsparkctl.files.cache import env_path
 from dsparkctl.strict_json import loads
 
-LEDGER = ".dsparkctl-owned.json"
 FORMAT = "dsparkctl-ownership-1"
 _MAX_LEDGER = 16 * 1024 * 1024
 _MAX_ENTRIES = 100_000  # entries fingerprinted inside a folder output; beyond, the folder is not ours
+
+
+_WRITER: dict[str, str | None] = {"command": None}
+
+
+def command() -> str:
+    """The command whose outputs are being written (set by the CLI; "library" for Python callers)."""
+    return _WRITER["command"] or "library"
+
+
+def set_command(name: str | None) -> None:
+    _WRITER["command"] = name
+
+
+def state_root() -> Path:
+    """Where dsparkctl keeps what it must remember between runs: `$DSPARKCTL_STATE`, else
+    `$XDG_STATE_HOME/dsparkctl`, else ~/.local/state/dsparkctl."""
+    return env_path("DSPARKCTL_STATE") or (env_path("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "dsparkctl"
+
+
+def ledger_path(folder: str | os.PathLike) -> Path:
+    """The ledger of `folder` (an absolute path)."""
+    key = hashlib.sha256(os.fsencode(os.path.abspath(folder))).hexdigest()[:32]
+    return state_root() / "owned" / f"{key}.json"
 
 
 def fingerprint(path: str | os.PathLike) -> list[Any] | None:
@@ -75,7 +104,7 @@ def folder_lock(folder: str | os.PathLike) -> Iterator[None]:
 
 def read(folder: str | os.PathLike) -> dict[str, dict[str, Any]]:
     """The ledger's entries, {} when there is none or it is not ours (then nothing here is ours)."""
-    p = Path(folder) / LEDGER
+    p = ledger_path(folder)
     try:
         st = os.lstat(p)
         if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_LEDGER:
@@ -83,23 +112,45 @@ def read(folder: str | os.PathLike) -> dict[str, dict[str, Any]]:
         doc = loads(p.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError, UnicodeDecodeError):
         return {}
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("entries"), dict):
+    if (not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("folder") != os.path.abspath(folder)
+            or not isinstance(doc.get("entries"), dict)):
         return {}
     return {k: v for k, v in doc["entries"].items()
             if isinstance(v, dict) and isinstance(v.get("command"), str) and isinstance(v.get("fp"), list)}
 
 
-def _write(folder: Path, entries: dict[str, dict[str, Any]]) -> None:
-    from dsparkctl.files.atomic import honour_umask
+def sweep(folder: Path) -> None:
+    """Under `folder_lock(folder)`: remove the temporary files of its ledger. Only a holder of the
+    lock writes one, so any found now was left by a writer that died."""
+    p = ledger_path(folder)
+    with contextlib.suppress(OSError):
+        for name in os.listdir(p.parent):
+            if name.startswith(p.name + ".") and name.endswith(".tmp"):
+                with contextlib.suppress(OSError):
+                    os.unlink(p.parent / name)
 
-    fd, tmp = tempfile.mkstemp(prefix=f"{LEDGER}.", suffix=".tmp", dir=folder)
+
+def _write(folder: Path, entries: dict[str, dict[str, Any]]) -> None:
+    p = ledger_path(folder)
     try:
-        honour_umask(tmp)
+        p.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return  # nowhere to remember: what was written is simply not ours to replace later
+    sweep(folder)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f"{p.name}.", suffix=".tmp", dir=p.parent)
+    except OSError:
+        return
+    try:
         with os.fdopen(fd, "w") as fh:
-            json.dump({"format": FORMAT, "entries": entries}, fh, indent=1, allow_nan=False)
+            json.dump({"format": FORMAT, "folder": os.path.abspath(folder), "entries": entries}, fh,
+                      allow_nan=False)
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, folder / LEDGER)
+        os.replace(tmp, p)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)

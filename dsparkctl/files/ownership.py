@@ -1,6 +1,7 @@
-"""Whose file is this? Files we write carry our marker; a file without it (or a link, a device) is
-a user's and is never replaced. Foreign formats we write (SGLang's tables) are recognised by schema.
-"""
+"""May we replace this path? Only what this command wrote there, as its folder's ledger records
+(`files.ledger`); never a link, a device, a folder where a file goes, or anything unrecorded.
+`written_by_us` / `json_is_ours` say whether a file carries our marks: a hint for readers and
+messages, never a licence to replace."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import stat
 from pathlib import Path
 from typing import Any, Callable
 
+from dsparkctl.files import ledger
 from dsparkctl.strict_json import loads
 
 # ------------------------------------------------------------------ may we replace this path?
@@ -90,12 +92,10 @@ def replace_refusal(path: str | os.PathLike, ours: Callable[[Path], bool] | None
         return "is not a regular file (a FIFO, socket or device)"
     if ours is not None:
         return None if ours(Path(path)) else f"exists and was not written by {MARK}"
-    from dsparkctl.files import commit, ledger
-
     writer = ledger.writer_of(path)
     if writer is None:
         return f"exists and {MARK} has no record of writing it there"
-    if writer != commit.command():
+    if writer != ledger.command():
         return f"was written by `{MARK} {writer}`, not by this command"
     return None
 

@@ -1,0 +1,181 @@
+"""SIGKILL at every step of a command's write, then the next run: every output is its old complete
+version or its new complete one (never a mix), nothing hidden is left, and a rerun works with no
+manual cleanup (files/commit.py, files/ledger.py).
+
+A kill at a random moment rarely lands in the few milliseconds a commit takes, so the killer counts
+the command's file-system calls (rename, replace, unlink, fsync, mkdir, rmdir, ftruncate) and sends
+itself SIGKILL at call K, for every K of the commit and a random sample before it. SIGKILL runs no
+handler and no `finally`: what is on disk is what a real kill leaves. Plus N identical commands at
+once on one output, and a resumed train that logs each step once."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from dsparkctl.files import commit
+from dsparkctl.formats.trace import write_synthetic_trace
+from dsparkctl.math.synthetic import SyntheticModel
+
+ROOT = Path(__file__).resolve().parents[1]
+KILLER = r'''
+import os, signal, sys
+K, LOG = int(sys.argv[1]), sys.argv[2]
+n = [0]
+def counted(name):
+    real = getattr(os, name)
+    def call(*a, **k):
+        n[0] += 1
+        if n[0] == K:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(*a, **k)
+    setattr(os, name, call)
+if sys.argv[3] == "-c":
+    code, sys.argv = sys.argv[4], sys.argv[4:]
+else:
+    from dsparkctl.cli.main import app
+    code, sys.argv = "app()", ["dsparkctl", *sys.argv[3:]]
+for name in ("replace", "rename", "unlink", "fsync", "mkdir", "rmdir", "ftruncate"):
+    counted(name)
+try:
+    exec(code)
+finally:
+    open(LOG, "w").write(str(n[0]))
+'''
+
+
+def _run(k: int, *argv: str, cwd: Path) -> tuple[int, int]:
+    """Run `dsparkctl argv` (or `-c CODE`) killed at counted call k (0: never); (returncode, calls)."""
+    log = cwd / "calls.txt"
+    log.unlink(missing_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "-c", KILLER, str(k), str(log), *argv], cwd=cwd, env=env,
+                       capture_output=True, text=True, timeout=300)
+    calls = int(log.read_text()) if log.exists() else -1
+    assert p.returncode in (0, -signal.SIGKILL), p.stderr
+    return p.returncode, calls
+
+
+def _points(total: int, commit_from: int, seed: int, sample: int = 6) -> list[int]:
+    """Every call from `commit_from` on, and a random sample before it."""
+    rng = random.Random(seed)
+    early = rng.sample(range(1, commit_from), min(sample, commit_from - 1))
+    return sorted(early) + list(range(commit_from, total + 1))
+
+
+def _hidden_leftovers(*folders: Path) -> list[str]:
+    return [p.name for f in folders if f.exists() for p in f.iterdir()
+            if p.name.startswith(".")]
+
+
+# -------- calibrate: JSON + SGLang STS file + one PNG per position, across two folders
+@pytest.mark.slow  # ~30 runs of the command, each killed at another step
+def test_calibrate_killed_at_every_step_leaves_old_or_new(tmp_path):
+    inputs = {}
+    for name, seed in (("a", 1), ("b", 2)):
+        write_synthetic_trace(tmp_path / f"{name}.jsonl", SyntheticModel(), 40, 10, seed=seed)
+    out = tmp_path / "out"
+    files = [out / "calib.json", out / "calib.sglang-sts.json",
+             *[out / "calib_reliability" / f"reliability_pos{k}.png" for k in range(1, 6)]]
+
+    def state() -> tuple[str, dict[str, bytes]]:
+        doc = json.loads(files[0].read_text())
+        sts = json.loads(files[1].read_text())
+        assert sts["temperatures"] == pytest.approx(doc["temperatures"]), "the JSON and the STS file disagree"
+        for png in files[2:]:
+            data = png.read_bytes()
+            assert data.startswith(b"\x89PNG") and data.endswith(b"IEND\xaeB`\x82"), png
+        which = [k for k, t in inputs.items() if t == doc["temperatures"]]
+        assert len(which) == 1
+        return which[0], {str(f): f.read_bytes() for f in files}
+
+    for name in ("a", "b"):  # complete runs: each input's temperatures, and the second replaces the first
+        rc, total = _run(0, "calibrate", f"{name}.jsonl", "--out", "out/calib.json", cwd=tmp_path)
+        inputs[name] = json.loads(files[0].read_text())["temperatures"]
+    assert inputs["a"] != inputs["b"]
+    current, before = state()
+    first_commit_call = total - 22  # the commit: ledger, journal, 7 renames, ledger, cleanup (counted below)
+    hits = 0
+    for k in _points(total, first_commit_call, seed=0):
+        nxt = "a" if current == "b" else "b"
+        rc, _ = _run(k, "calibrate", f"{nxt}.jsonl", "--out", "out/calib.json", cwd=tmp_path)
+        hits += rc == -signal.SIGKILL
+        commit.recover(out)
+        commit.recover(out / "calib_reliability")
+        now, after = state()
+        changed = [f for f in files if after[str(f)] != before[str(f)]]
+        assert changed in ([], files), f"killed at call {k}: only {len(changed)} of {len(files)} outputs changed"
+        assert (now == nxt) == bool(changed)
+        assert _hidden_leftovers(out, out / "calib_reliability") == [], k
+        current, before = now, after
+    assert hits >= 20
+    rc, _ = _run(0, "calibrate", "a.jsonl", "--out", "out/calib.json", cwd=tmp_path)  # no cleanup needed
+    assert rc == 0 and state()[0] == "a"
+
+
+# -------- a draft folder replaced in place (serve-config's exports, train --out)
+SWAP = '''
+import sys
+from dsparkctl.files import commit
+from dsparkctl.models.draft_io import random_draft, save_draft
+from dsparkctl.models.target import TargetAdapter
+from tests.tiny_models import tiny_target
+commit.set_command("serve-config")
+adapter = TargetAdapter(tiny_target("llama", vocab=64, layers=4))
+save_draft(random_draft(adapter, seed=int(sys.argv[1]), num_layers=1, block_size=4), "draft", overwrite=True,
+           extra_config={"which": sys.argv[1]})
+'''
+
+
+@pytest.mark.slow  # ~25 runs, each killed at another step
+def test_draft_swap_killed_at_every_step_leaves_a_whole_draft(tmp_path):
+    from safetensors.torch import load_file
+
+    def which() -> str:
+        cfg = json.loads((tmp_path / "draft" / "config.json").read_text())
+        load_file(str(tmp_path / "draft" / "model.safetensors"))  # whole
+        return cfg["which"]
+
+    rc, total = _run(0, "-c", SWAP, "1", cwd=tmp_path)
+    assert rc == 0 and which() == "1"
+    rc, total = _run(0, "-c", SWAP, "2", cwd=tmp_path)  # replaces the draft it wrote
+    assert rc == 0 and which() == "2"
+    hits = 0
+    for k in _points(total, max(1, total - 14), seed=1):
+        before = which()
+        nxt = "1" if before == "2" else "2"
+        rc, _ = _run(k, "-c", SWAP, nxt, cwd=tmp_path)
+        hits += rc == -signal.SIGKILL
+        commit.recover(tmp_path)
+        assert which() in (before, nxt), k
+        assert _hidden_leftovers(tmp_path) == [], k
+    assert hits >= 10
+    rc, _ = _run(0, "-c", SWAP, "3", cwd=tmp_path)
+    assert rc == 0 and which() == "3"
+
+
+# -------- N identical commands at once on one output
+def test_identical_commands_at_once_give_one_whole_result(tmp_path):
+    write_synthetic_trace(tmp_path / "t.jsonl", SyntheticModel(), 30, 10, seed=3)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, "-m", "dsparkctl", "calibrate", "t.jsonl", "--out", "out/c.json", "--json"]
+
+    def one(_: int) -> subprocess.CompletedProcess:
+        return subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+    with ThreadPoolExecutor(4) as pool:
+        runs = list(pool.map(one, range(4)))
+    assert [r.returncode for r in runs] == [0] * 4, [r.stderr for r in runs]
+    doc = json.loads((tmp_path / "out" / "c.json").read_text())
+    sts = json.loads((tmp_path / "out" / "c.sglang-sts.json").read_text())
+    assert sts["temperatures"] == pytest.approx(doc["temperatures"])
+    assert all(json.loads(r.stdout)["temperatures"] == doc["temperatures"] for r in runs)
+    assert _hidden_leftovers(tmp_path / "out", tmp_path / "out" / "c_reliability") == []
