@@ -228,7 +228,7 @@ def test_losing_one_of_two_simultaneous_extracts_says_so(pristine: Path, tmp_pat
     res = CliRunner().invoke(app, ["extract", str(pristine), str(out)])
     message = res.stderr.strip()
     assert res.exit_code == 2 and len(message.splitlines()) == 1, message
-    assert "was created by another process while this extract ran" in message and "OSError" not in message
+    assert "was created by another process while this command ran" in message and "OSError" not in message
     assert sorted(p.name for p in out.iterdir()) == ["theirs.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["OUT"]  # no partial of ours left
 

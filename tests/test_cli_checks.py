@@ -85,7 +85,7 @@ CASES = [
     ("serve random draft", ["serve-config", "--target", "{t}", "--draft", "random"], "nothing to serve"),
     ("serve target id with a newline", [*SERVE, "--target-id", "a\nb"], "--target-id"),
     ("serve target id empty", [*SERVE, "--target-id", ""], "--target-id"),
-    ("serve --out over the user's notes", [*SERVE, "--out", "{r}/notes.txt"], "notes.txt exists and was not written by dsparkctl; refusing to replace it"),
+    ("serve --out over the user's notes", [*SERVE, "--out", "{r}/notes.txt"], "notes.txt exists and dsparkctl has no record of writing it there; refusing to replace it"),
     # train: the output folder is checked before the target loads
     ("train --out below a file", [*TRAIN, "--out", "{r}/notes.txt/x"], "notes.txt is not a folder"),
     ("train --out a file", [*TRAIN, "--out", "{r}/notes.txt"], "exists and is not a folder"),
