@@ -117,6 +117,17 @@ def init(device: str = "auto") -> World:
     return w
 
 
+def one_process(what: str) -> None:
+    """Refuse to run `what`, a timing of ONE process (its numbers describe a machine running it
+    alone), under torchrun: every rank would time it at once, contending for the same cores or
+    memory bandwidth, and rank 0 would record the contended figure."""
+    w = world() if world().distributed else env_world()
+    if w.distributed:
+        raise UsageError(f"{what} times one process, but this is rank {w.rank} of {w.size} (torchrun): every rank "
+                         "would time it at once and the figures would be the contended ones",
+                         "run it as a plain process, without torchrun (the table describes one process's steps)")
+
+
 def rank_device(device: str) -> str:
     """`auto`/`cuda` become this rank's own GPU under torchrun; anything else is kept."""
     w = world()

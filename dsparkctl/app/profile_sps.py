@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dsparkctl.app.preflight import Output, check_outputs, local_inputs
+from dsparkctl.distributed import one_process
 from dsparkctl.engine.profile import (MEASURES, check_batch_tokens, check_context, check_grid, check_verify_width,
                                       profile_table)
 from dsparkctl.engine.session import ModelSettings, open_session, open_target
@@ -93,6 +94,7 @@ def run_profile_sps(spec: ProfileSpec, *,
 
 def _check_settings(spec: ProfileSpec) -> None:
     """The measure, the device layout and the numbers, before any path or model."""
+    one_process("profile-sps")
     if spec.measure not in MEASURES:
         raise UsageError(f"unknown measure {spec.measure!r}", f"use one of {', '.join(MEASURES)}")
     if spec.target_parallel != "none":

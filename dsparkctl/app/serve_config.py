@@ -21,7 +21,8 @@ from dsparkctl.formats.calibration import calibration_draft_notes
 from dsparkctl.formats.sglang import check_our_sps, check_sglang_sps, check_sts, sglang_file
 from dsparkctl.models.draft_io import check_draft_destination, save_draft, save_draft_for_vllm
 from dsparkctl.models.loading import RANDOM_DRAFT, default_draft_dir, is_default_draft, is_embedded
-from dsparkctl.serving.engines import RAGGED_ENV, k_table_from_sweep, sglang_command, sweep_notes, vllm_config
+from dsparkctl.serving.engines import (RAGGED_ENV, check_sweep_draft, k_table_from_sweep, sglang_command, sweep_notes,
+                                      vllm_config)
 from dsparkctl.serving.shell import (SCRIPT_HEADER, check_script_destination, check_target_id,
                                      refuse_control_characters, shell_line)
 from dsparkctl.serving.vocab import expand_vocabulary
@@ -43,6 +44,7 @@ class ServeInputs:
     sps_draft: str | None = None  # the draft our table was profiled with (None: SGLang's own file)
     sts_file: Path | None = None
     sweep: Any = None  # the parsed sweep document
+    sps_block_size: int | None = None  # the block size our table was profiled with (None: it does not say)
 
 
 def read_serve_inputs(sps_table: Path | None, calibration: Path | None, sweep: Path | None,
@@ -51,13 +53,13 @@ def read_serve_inputs(sps_table: Path | None, calibration: Path | None, sweep: P
     sps_file = sglang_file(sps_table, "sps") if sps_table else None
     if sps_file:
         check_sglang_sps(sps_file)
-    sps_draft = check_our_sps(sps_table) if sps_table and sps_file != sps_table else None
+    sps_draft, sps_gamma = check_our_sps(sps_table) if sps_table and sps_file != sps_table else (None, None)
     swept = read(sweep, "sweep result", "write one with `dsparkctl sweep-scheduler --out`") if sweep else None
     if served is not None:  # the length table re-derived from what the engine served: static:0..γ per load
         swept = sweep_traces((), sps_table, None, DEFAULT_CONCURRENCY, served=served)
     if swept is not None:  # its rows, before anything is exported (the block size is checked with the draft)
         k_table_from_sweep(swept, block_size=None)
-    return ServeInputs(sps_file=sps_file, sps_draft=sps_draft,
+    return ServeInputs(sps_file=sps_file, sps_draft=sps_draft, sps_block_size=sps_gamma,
                        sts_file=sglang_file(calibration, "sts") if calibration else None, sweep=swept)
 
 
@@ -135,6 +137,11 @@ def plan_serving(sess: Any, draft: str | None, target: str | None, target_id: st
     env, argv = sglang_command(tid, sglang_draft, gamma, dspark,
                                str(files.sps_file.resolve()) if files.sps_file else None,
                                str(files.sts_file.resolve()) if files.sts_file else None)
+    if files.sweep is not None:
+        check_sweep_draft(files.sweep, gamma, d.fingerprint())
+    if files.sps_block_size is not None and files.sps_block_size != gamma:
+        raise InputError(f"the SPS table was profiled with a draft of block size {files.sps_block_size}; this "
+                         f"draft's is {gamma}", "profile the draft you serve: `dsparkctl profile-sps --draft ...`")
     k_table = k_table_from_sweep(files.sweep, gamma) if files.sweep is not None else None
     if k_table:
         notes += sweep_notes(files.sweep, gamma, k_table)

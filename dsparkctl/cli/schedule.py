@@ -97,6 +97,8 @@ def sweep_scheduler(
                      concurrency=tuple(int_list(concurrency, "--concurrency")), calibration=calibration,
                      rounds=rounds, max_new_tokens=max_new_tokens, plot=plot, out=out_path, seed=seed)
     result = run_sweep_scheduler(spec, log=lambda m: err.print(m, highlight=False))
+    for n in result["notes"]:
+        err.print(styled(("note:", "yellow"), f" {n}"))
     if json_out:
         print_json(result)
     else:

@@ -85,7 +85,10 @@ def _timed_runs(sess: Session, engine: SpeculativeEngine, prompt_ids: Sequence[S
                 recorded: PromptsResult) -> tuple[list[float], list[float], PromptsResult | None]:
     """Tokens/s of the speculative decoder and of plain decoding (with a baseline), and the first
     plain run. With repeats the recorded run (trace, progress, streaming) is not timed: N clean
-    runs follow, speculative and plain interleaved so drift on a busy machine hits both alike."""
+    runs follow, speculative and plain interleaved so drift on a busy machine hits both alike.
+    Under torchrun both time the whole job (every rank its share at once, the slowest rank's wall:
+    `decode._merge`), so the ratio compares like with like; a one-process figure is profile-sps's,
+    which refuses torchrun (`distributed.one_process`)."""
     gamma = sess.draft.block_size
     spec_tps = [] if opts.repeats > 1 else [recorded.generated / recorded.wall_s]
     plain_tps: list[float] = []

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -83,16 +83,19 @@ def _finite(x: float) -> float:
     return 0.0 if x is None or not math.isfinite(x) else float(x)
 
 
-def calibration_draft_notes(path: str | os.PathLike, fingerprint: str) -> list[str]:
-    """Refuse a calibration fitted on another draft's traces (its fingerprints exclude this one);
-    a file that does not say (SGLang's STS file, older files) gets a note instead."""
+def calibration_draft_notes(path: str | os.PathLike, fingerprint: str | Sequence[str]) -> list[str]:
+    """Refuse a calibration fitted on another draft's traces: its fingerprints exclude this draft's
+    (`fingerprint`), or one of the drafts' whose rounds it will be applied to (a sequence, as the
+    sweep's traces say). A file that does not say (SGLang's STS file, older files) gets a note
+    instead. The one check of a calibration against its draft: every consumer calls it."""
     obj = read(Path(path), "calibration file", "write one with `dsparkctl calibrate`")
     fps = obj.get("draft_fingerprints") if isinstance(obj, dict) else None
     if not isinstance(fps, list) or not fps:
         return [f"{path} does not say which draft it was fitted for; make sure it is this draft's"]
-    if fingerprint not in fps:
+    mine = [fingerprint] if isinstance(fingerprint, str) else list(fingerprint)
+    if other := [f for f in mine if f not in fps]:
         raise InputError(f"{path} was fitted on traces of another draft (fingerprint {', '.join(map(str, fps))}; "
-                         f"this draft's is {fingerprint})",
+                         f"this draft's is {', '.join(other)})",
                          "calibrate this draft's traces: `dsparkctl generate --policy static:γ --trace t.jsonl`, "
                          "then `dsparkctl calibrate t.jsonl`")
     return []

@@ -42,8 +42,9 @@ def check_sts(path: Path, block_size: int) -> dict[str, Any]:
     return d
 
 
-def check_our_sps(path: Path) -> str | None:
-    """Our SPS table, read strictly and against its SGLang twin; returns the draft it was profiled with.
+def check_our_sps(path: Path) -> tuple[str | None, int | None]:
+    """Our SPS table, read strictly and against its SGLang twin; returns the draft and the block
+    size it was profiled with (None where it does not say).
 
     Only a whole-step table is accepted: a target-forward one leaves out the draft and the
     schedule, so it overstates steps/s and the planner would verify too much."""
@@ -59,7 +60,9 @@ def check_our_sps(path: Path) -> str | None:
         raise InputError(f"{path} does not time the whole speculative step (measures: {json.dumps(measures)}); "
                          "SGLang's planner needs whole-step costs (draft + schedule + verify)",
                          "profile with `dsparkctl profile-sps` (whole-step is the default) and the draft you serve")
-    return drafted if isinstance(drafted, str) and drafted else None
+    gamma = d.get("block_size")
+    return (drafted if isinstance(drafted, str) and drafted else None,
+            gamma if isinstance(gamma, int) and not isinstance(gamma, bool) else None)
 
 
 def twin_path(path: Path) -> Path:

@@ -33,6 +33,12 @@ the fit and names the ones that contradict it beyond their spread). Lookups inte
 the last two R probes with a slope ≥ 0). `SPSTable.step_seconds(R, B)` uses the grid when the
 table has one and 1 / SPS(B) otherwise; `SPSTable.plain_seconds(R)` is None without a grid.
 
+Beyond the measured range. A profile measured batches up to its last probe (`measured_tokens`,
+the same in our table and in the SGLang twin written beside it). A step past it is priced by one
+rule for every table, grid or not (`SPSTable.beyond_seconds`: step time extended linearly through
+the last two probes), so the twins of one profile agree where neither measured; the sweep counts
+such steps (`beyond_profile`). The lookup modes above (`sps`, SGLang's own planner) keep "clamp".
+
 Verify layout. dsparkctl's engine verifies a step as one `[R, 1 + max ℓ]` rectangle (a batched
 forward pads the shorter rows), so a step where one request verifies 4 drafts and seven verify
 none costs what 8 × 5 tokens cost, not 8 + 4. A grid records this (`verify: "padded"`, the
@@ -284,12 +290,45 @@ class SPSTable:
         """Whether the table knows what a step WITHOUT a draft costs (grid with plain_ms)."""
         return self.grid is not None and self.grid.plain_ms is not None
 
+    @property
+    def measured_tokens(self) -> int:
+        """The largest batch (tokens) the profile measured: its last probe, the same in our table and
+        its SGLang twin (written from one profile). Beyond it a step is priced by `beyond_seconds`."""
+        return self.batch_tokens[-1]
+
+    @property
+    def _twin_rule(self) -> bool:
+        """Whether steps past the measured range follow `beyond_seconds`: always without a grid; with
+        one when the 1-D probes end where the grid does (a profile-sps table: its twin holds the same
+        probes). A hand-built table whose probes do not describe its grid keeps the grid's own extension."""
+        g = self.grid
+        return g is None or g.requests[-1] * g.tokens[-1] == self.measured_tokens
+
+    def beyond_seconds(self, batch_tokens: torch.Tensor) -> torch.Tensor:
+        """Seconds of drafted steps at `batch_tokens` (any shape) past the measured range: the step
+        time extended linearly through the last two probes (slope ≥ 0; held with one probe). The
+        one rule for every table, so the twins of one profile price a step beyond it alike; never
+        the lookup's "clamp", which would price a batch 100× the last probe at one probe's step.
+        A table that says "extrapolate": "error" refuses."""
+        b = torch.as_tensor(batch_tokens, dtype=torch.float64)
+        x, y = self._x, self._y
+        if self.extrapolate == "error" and b.numel() and float(b.max()) > float(x[-1]):
+            raise InputError(f"{self.source}: batch of {float(b.max()):g} tokens is beyond the table's last "
+                             f"probe ({self.batch_tokens[-1]})",
+                             "profile larger batches, or set \"extrapolate\": \"linear\" in the table file")
+        slope = max(float((1.0 / y[-1] - 1.0 / y[-2]) / (x[-1] - x[-2])), 0.0) if len(x) >= 2 else 0.0
+        return 1.0 / y[-1] + slope * (b - x[-1]).clamp(min=0.0)
+
     def step_seconds(self, requests: int, batch_tokens: torch.Tensor) -> torch.Tensor:
-        """Seconds of a drafted step of `requests` requests at `batch_tokens` (any shape):
-        from the grid when there is one, else 1 / SPS(B)."""
-        if self.grid is not None:
-            return self.grid.drafted_seconds(requests, batch_tokens)
-        return 1.0 / self.sps(batch_tokens)
+        """Seconds of a drafted step of `requests` requests at `batch_tokens` (any shape): from the
+        grid when there is one, else 1 / SPS(B); past the measured range `beyond_seconds`, whichever."""
+        b = torch.as_tensor(batch_tokens, dtype=torch.float64)
+        top = float(self.measured_tokens)
+        inside = (self.grid.drafted_seconds(requests, b) if self.grid is not None
+                  else 1.0 / self.sps(b.clamp(max=top)))
+        if not b.numel() or float(b.max()) <= top or not self._twin_rule:
+            return inside
+        return torch.where(b > top, self.beyond_seconds(b), inside)
 
     @property
     def padded(self) -> bool:
@@ -333,6 +372,8 @@ class SPSTable:
         """Seconds of a step without a draft at `requests` requests; None when the table does not say."""
         if self.grid is None:
             return None
+        if requests > self.measured_tokens and self._twin_rule:  # past the profile: as its twin prices it
+            return float(self.beyond_seconds(torch.tensor(float(requests))))
         key = (int(requests), -1)
         if key not in self._step_cache:
             self._step_cache[key] = self.grid.plain_seconds(requests)

@@ -100,9 +100,24 @@ def sglang_command(target: str, draft: str, block_size: int, dspark: bool, sps_t
     return env, argv + list(extra)
 
 
+def check_sweep_draft(sweep: Any, block_size: int, fingerprint: str) -> None:
+    """Refuse a sweep made for another draft: of another block size (its rounds, its lengths and its
+    SPS table were another draft's), or whose traces name drafts other than this one (a sweep
+    written before the fingerprints were recorded, or from served counts, names none)."""
+    swept = sweep.get("block_size") if isinstance(sweep, dict) else None
+    if type(swept) is int and swept != block_size:
+        raise InputError(f"the sweep was run for block size {swept}, this draft's is {block_size}: its lengths were "
+                         "chosen for another draft", "sweep with this draft's traces (or served counts)")
+    fps = sweep.get("draft_fingerprints") if isinstance(sweep, dict) else None
+    if isinstance(fps, list) and fps and any(f != fingerprint for f in fps):
+        raise InputError(f"the sweep replayed traces of another draft (fingerprint {', '.join(map(str, fps))}; this "
+                         f"draft's is {fingerprint})", "sweep this draft's traces: `dsparkctl generate --policy "
+                         "static:γ --trace t.jsonl`, then `dsparkctl sweep-scheduler --trace t.jsonl`")
+
+
 def sweep_notes(sweep: Any, block_size: int, k_table: list[list[int]]) -> list[str]:
-    """What a user must know about a length table from `sweep`: a sweep of another block size (its
-    pooled rounds measured another draft), and the batch sizes above the largest swept
+    """What a user must know about a length table from `sweep` (`check_sweep_draft` refused one
+    for another draft): its acceptance source, and the batch sizes above the largest swept
     concurrency, which reuse its length."""
     src = sweep.get("acceptance_source") if isinstance(sweep, dict) else None
     if isinstance(src, dict) and src.get("kind") == "served":
@@ -113,10 +128,6 @@ def sweep_notes(sweep: Any, block_size: int, k_table: list[list[int]]) -> list[s
     else:
         notes = ["vLLM's length table: planned from a sweep that does not name its acceptance source (an older "
                  "dsparkctl)"]
-    swept = sweep.get("block_size") if isinstance(sweep, dict) else None
-    if type(swept) is int and swept != block_size:
-        notes.append(f"the sweep was run for block size {swept}, this draft's is {block_size}; its lengths were "
-                     "chosen for another draft: sweep with this one")
     swept_c = swept_concurrencies(sweep)
     end = k_table[-1][1]
     if swept_c and swept_c[-1] < end:

@@ -4,6 +4,7 @@ weights (copied from the target's layers, or another draft), and the draft folde
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch
 
 from dsparkctl.errors import InputError, option
 from dsparkctl.models.draft import DSparkDraft
+from dsparkctl.models.draft_config import DraftConfig
 from dsparkctl.models.draft_io import (check_compatible, init_weights, load_draft, random_draft_config,
                                        read_draft_config, resolve_folder, save_draft)
 from dsparkctl.models.target import TargetAdapter
@@ -62,18 +64,48 @@ def init_draft(recipe: Recipe, adapter: TargetAdapter, mask_token_id: int) -> DS
     backbone and σ(c) = ½.
     """
     d = recipe.draft
-    cfg = random_draft_config(adapter, num_layers=d.num_layers, block_size=d.block_size,
-                              markov_rank=d.markov_rank, markov_head_type=d.markov_head_type,
-                              confidence=d.confidence, layer_ids=list(d.layer_ids),
-                              mask_token_id=mask_token_id, intermediate_size=d.intermediate_size,
-                              draft_vocab_size=d.vocab_size)
-    draft = DSparkDraft(cfg)
+    draft = DSparkDraft(recipe_draft_config(recipe, adapter, mask_token_id))
     init_weights(draft, torch.Generator().manual_seed(recipe.optim.seed), for_training=True)
     if d.init == "target":
         with torch.no_grad():
             copy_target_layers(draft, adapter.model)
     draft.share_target_embeddings(adapter.embed_tokens(), adapter.lm_head())
     return draft.float()
+
+
+def recipe_draft_config(recipe: Recipe, adapter: TargetAdapter, mask_token_id: int) -> DraftConfig:
+    """The config of the draft the recipe's [draft] section describes, for this target."""
+    d = recipe.draft
+    return random_draft_config(adapter, num_layers=d.num_layers, block_size=d.block_size,
+                               markov_rank=d.markov_rank, markov_head_type=d.markov_head_type,
+                               confidence=d.confidence, layer_ids=list(d.layer_ids),
+                               mask_token_id=mask_token_id, intermediate_size=d.intermediate_size,
+                               draft_vocab_size=d.vocab_size)
+
+
+# Every config field that changes what the draft's tensors mean, with the recipe key that sets it
+# (None: the target sets it). Equal shapes are not enough: a block of 5 trained on 4 slots, other
+# taps behind the same fc, another mask token embedded in the slots all load and train silently.
+INIT_FIELDS = {"block_size": "draft.block_size", "target_layer_ids": "draft.layer_ids",
+               "mask_token_id": "draft.mask_token_id", "markov_rank": "draft.markov_rank",
+               "markov_head_type": "draft.markov_head_type", "enable_confidence_head": "draft.confidence",
+               "num_hidden_layers": "draft.num_layers", "intermediate_size": "draft.intermediate_size",
+               "draft_vocab_size": "draft.vocab_size", "vocab_size": None, "hidden_size": None,
+               "num_attention_heads": None, "num_key_value_heads": None, "head_dim": None, "qk_norm": None,
+               "attention_bias": None, "confidence_head_with_markov": None}
+
+
+def check_init_source(have: DraftConfig, want: DraftConfig, source: str, skip: tuple[str, ...] = ()) -> None:
+    """Refuse an init_from draft (`have`) that differs from the recipe's (`want`) on a field that
+    changes what its tensors mean (INIT_FIELDS), shapes aside."""
+    for name, key in INIT_FIELDS.items():
+        a, b = getattr(have, name), getattr(want, name)
+        if name not in skip and a != b:
+            shown = (lambda v: list(v) if isinstance(v, tuple) else v)
+            raise InputError(f"{source}: its {name} is {shown(a)!r}, the recipe's draft has {shown(b)!r}",
+                             f"set {key} = {json.dumps(shown(a))} to continue that draft, or start from one "
+                             f"trained with this [draft] section" if key else
+                             "start from a draft of this target's shape")
 
 
 def copy_target_layers(draft: DSparkDraft, model: Any) -> None:
@@ -97,6 +129,7 @@ def load_init_draft(recipe: Recipe, draft: DSparkDraft, adapter: TargetAdapter,
                     scale: torch.Tensor | None) -> None:
     """Start from a draft folder (`optim.init_from`) of the same shape; fc is unfolded by `scale`."""
     src = load_draft(recipe.optim.init_from, adapter, dtype=torch.float32, device="cpu")
+    check_init_source(src.cfg, draft.cfg, f"optim.init_from {recipe.optim.init_from}")
     mine, theirs = trainable(draft), dict(src.named_parameters())
     for n, p in mine.items():
         if n not in theirs or theirs[n].shape != p.shape:
@@ -163,6 +196,9 @@ def check_against_target(recipe: Recipe, model: Any) -> None:
             raise InputError(f"optim.init_from {src}: has {'a reduced' if cfg.draft_vocab_size else 'the full'} "
                              f"vocabulary, the recipe {'a reduced' if recipe.draft.vocab_size else 'the full'} one",
                              "set draft.vocab_size to match the draft you start from")
+        mask = recipe.draft.mask_token_id  # None: the tokenizer's pad token, checked when the draft is built
+        check_init_source(cfg, recipe_draft_config(recipe, TargetAdapter(model), cfg.mask_token_id if mask is None
+                                                   else mask), f"optim.init_from {src}")
     if recipe.draft.vocab_size > vocab:
         raise InputError(f"draft.vocab_size {recipe.draft.vocab_size} exceeds the target's vocabulary ({vocab})",
                          "use a smaller K, or 0 for the full vocabulary")

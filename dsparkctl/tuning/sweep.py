@@ -42,8 +42,8 @@ from typing import Any, Sequence
 import torch
 
 from dsparkctl.errors import InputError, UsageError, option
-from dsparkctl.formats.calibration import load_survival_prior, load_temperatures
-from dsparkctl.formats.sps import load_sps_table
+from dsparkctl.formats.calibration import calibration_draft_notes, load_survival_prior, load_temperatures
+from dsparkctl.formats.sps import check_block_size, load_sps_table
 from dsparkctl.formats.trace import read_traces, round_table
 from dsparkctl.math.admission import survival_from_logits
 from dsparkctl.math.policy_spec import parse_policy
@@ -82,7 +82,10 @@ def load_replay_rounds(trace_paths: Sequence[str | os.PathLike]) -> dict[str, An
                          "record some with `dsparkctl generate --trace t.jsonl --max-new-tokens N` (a larger N)")
     logits = table.logits[keep]
     return {"logits": logits, "accepted": table.accepted[keep], "gamma": table.gamma,
-            "has_confidence": not bool(torch.isnan(logits).any()), "skipped": skipped}
+            "has_confidence": not bool(torch.isnan(logits).any()), "skipped": skipped,
+            "fingerprints": sorted({str(t.header["draft_fingerprint"]) for t in traces
+                                    if isinstance(t.header.get("draft_fingerprint"), str)}),
+            "unsigned": [str(t.path) for t in traces if not isinstance(t.header.get("draft_fingerprint"), str)]}
 
 
 def served_pool(path: str | os.PathLike) -> dict[str, Any]:
@@ -157,11 +160,12 @@ def replay(pool: dict[str, Any], policy_specs: Sequence[str], concurrency: Seque
             if plain_s is not None:
                 step_s = torch.where(drafted, step_s, torch.full_like(step_s, plain_s))
             thr = float(tokens.sum() / step_s.sum())
+            beyond = float((btok > sps.measured_tokens).double().mean())
             rows.append({"policy": pol.spec, "concurrency": C, "steps": steps, "request_rounds": steps * C,
                          "tokens_per_step": float(tokens.sum()) / (steps * C),
                          "mean_verify": float(ell.double().mean()),
                          "mean_batch_tokens": float(btok.double().mean()),
-                         "drafted_share": float(drafted.double().mean()),
+                         "drafted_share": float(drafted.double().mean()), "beyond_profile": beyond,
                          "throughput_tok_s": thr, "per_user_tok_s": thr / C})
     return rows
 
@@ -183,7 +187,7 @@ def replay_batches(pool: dict[str, Any], policy_specs: Sequence[str], concurrenc
         draws = torch.randint(0, surv_all.shape[0], (batches, N - 1, C), generator=gen)
         for pol in policies:
             tokens = seconds = 0.0
-            steps = drafted_steps = request_rounds = 0
+            steps = drafted_steps = request_rounds = beyond = 0
             ell_sum = btok_sum = 0.0
             for b in range(batches):
                 state = pol.new_state()
@@ -199,11 +203,13 @@ def replay_batches(pool: dict[str, Any], policy_specs: Sequence[str], concurrenc
                     acc = torch.minimum(acc_full[idx], ell)[0]
                     if bool(drafted[0]):
                         seconds += float(sps.lengths_seconds(ell)[0])
-                        btok_sum += float(sps.step_tokens(ell)[0])
+                        btok = float(sps.step_tokens(ell)[0])
                         drafted_steps += 1
                     else:
                         seconds += _plain_seconds(sps, R)
-                        btok_sum += R
+                        btok = R
+                    btok_sum += btok
+                    beyond += btok > sps.measured_tokens
                     tokens += float((1 + acc).sum())
                     ell_sum += float(ell.sum())
                     steps += 1
@@ -215,6 +221,7 @@ def replay_batches(pool: dict[str, Any], policy_specs: Sequence[str], concurrenc
                          "batches": batches, "max_new_tokens": N,
                          "tokens_per_step": tokens / request_rounds, "mean_verify": ell_sum / request_rounds,
                          "mean_batch_tokens": btok_sum / steps, "drafted_share": drafted_steps / steps,
+                         "beyond_profile": beyond / steps,
                          "throughput_tok_s": thr, "per_user_tok_s": thr / C})
     return rows
 
@@ -231,6 +238,22 @@ def _policies_and_survivals(pool, policy_specs, sps, temperatures, prior):
                          "use static:K policies, or record traces with a DSpark draft")
     logits = pool["logits"]
     return policies, (survival_from_logits(logits, temperatures) if need_conf else torch.zeros_like(logits))
+
+
+def _input_notes(pool: dict[str, Any], calibration: str | os.PathLike | None) -> list[str]:
+    """A calibration for the drafts that recorded the pool, or refused (`calibration_draft_notes`, the
+    check generate and serve-config make); what cannot be checked is said."""
+    if calibration is None:
+        return []
+    fps = pool.get("fingerprints") or []
+    if not fps:
+        what = "the served counts" if pool.get("source", {}).get("kind") == "served" else "the traces"
+        return [f"{what} do not say which draft recorded them; make sure {calibration} was fitted for it"]
+    notes = calibration_draft_notes(calibration, fps)
+    if pool.get("unsigned"):
+        notes.append(f"{', '.join(pool['unsigned'])} do not say which draft recorded them; make sure "
+                     f"{calibration} was fitted for it")
+    return notes
 
 
 def _plain_seconds(sps: SPSTable, R: int) -> float:
@@ -280,13 +303,21 @@ def sweep_traces(trace_paths, sps_path, policy_specs=DEFAULT_POLICIES, concurren
         raise UsageError(f"{option('rounds')} {rounds} × block size {pool['gamma']} is more than the "
                          f"{MAX_CANDIDATES:,} candidates one cell may hold in memory",
                          f"use {option('rounds')} ≤ {MAX_CANDIDATES // pool['gamma']:,}; the default 20000 is plenty")
+    check_block_size(sps, pool["gamma"])  # a whole-step table priced another draft's steps
+    notes = _input_notes(pool, calibration)
     temps = load_temperatures(calibration, pool["gamma"]) if calibration else None
     prior = load_survival_prior(calibration, pool["gamma"]) if calibration else None
     if max_new_tokens is None:
         rows = replay(pool, policy_specs, concurrency, sps, temps, rounds, seed, prior=prior)
     else:
         rows = replay_batches(pool, policy_specs, concurrency, sps, max_new_tokens, temps, rounds, seed, prior=prior)
+    if beyond := sorted({r["concurrency"] for r in rows if r["beyond_profile"] > 0}):
+        notes.append(f"steps at concurrency {', '.join(map(str, beyond))} go beyond the {sps.measured_tokens} batch "
+                     f"tokens {sps_path} measured: priced by extending its step time linearly (ours and the SGLang "
+                     "twin alike; each row's beyond_profile says how many steps); profile larger batches to measure "
+                     "them")
     return {"format": SWEEP_FORMAT, "block_size": pool["gamma"], "pooled_rounds": int(pool["accepted"].numel()),
+            "draft_fingerprints": pool.get("fingerprints", []), "notes": notes,
             "mode": "steady" if max_new_tokens is None else "batches", "max_new_tokens": max_new_tokens,
             "verify_layout": "padded" if sps.padded else "ragged",
             "budget_capped_rounds_skipped": pool["skipped"], "rounds_per_cell": rounds, "temperatures": temps,
