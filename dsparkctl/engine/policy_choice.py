@@ -11,7 +11,7 @@ from pathlib import Path
 from dsparkctl.engine.session import Session
 from dsparkctl.formats.calibration import calibration_draft_notes, load_survival_prior, load_temperatures
 from dsparkctl.formats.sps import check_block_size, condition_notes, load_sps_table
-from dsparkctl.formats.trace import RoundCounts, describe_rounds, recording_hint
+from dsparkctl.formats.trace import RoundCounts, describe_rounds, recording_fix, recording_hint
 from dsparkctl.math.policies import Policy, check_table_for
 from dsparkctl.math.policy_spec import check_spec_fits, parse_policy, parse_spec
 from dsparkctl.math.sps import SPSTable
@@ -46,7 +46,7 @@ def trace_note(counts: RoundCounts, header: dict, path: Path) -> str | None:
         return None
     what = describe_rounds(counts, header, path)
     if not counts.verified:
-        return f"{what}; calibrate and sweep-scheduler cannot use it: {recording_hint(header, path)}"
+        return f"{what}; calibrate and sweep-scheduler cannot use it: {recording_fix(counts, header, path)}"
     if not counts.short:
         return f"{what}; calibrate and sweep-scheduler leave the rounds without a draft out"
     return (f"{what}; sweep-scheduler needs every position verified, and calibrate would fit only on the "

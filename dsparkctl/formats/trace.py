@@ -207,8 +207,16 @@ def recording_hint(header: dict[str, Any], path: str | os.PathLike | None) -> st
     """How to record a trace that `calibrate` and `sweep-scheduler` can use: every position verified."""
     gamma = header.get("block_size")
     policy = f"static:{gamma}" if isinstance(gamma, int) and not isinstance(gamma, bool) else "static:γ"
-    return (f"record with `dsparkctl generate --policy {policy} --trace {path or 'FILE'}`, which verifies every "
-            "position (what generate records with when --trace is given without --policy)")
+    return (f"record with `dsparkctl generate --policy {policy} --trace {path or 'FILE'}` (every position "
+            "verified; generate's choice for --trace without --policy)")
+
+
+def recording_fix(counts: RoundCounts, header: dict[str, Any], path: str | os.PathLike | None) -> str:
+    """The fix for a trace described by `describe_rounds`: longer requests for one without rounds, else
+    `recording_hint`."""
+    if not counts.rounds:
+        return f"record with `dsparkctl generate --trace {path or 'FILE'} --max-new-tokens N`, N ≥ 2 (e.g. 128)"
+    return recording_hint(header, path)
 
 
 def describe_rounds(counts: RoundCounts, header: dict[str, Any], path: str | os.PathLike | None) -> str:

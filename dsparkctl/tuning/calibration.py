@@ -13,7 +13,7 @@ import torch
 
 from dsparkctl.errors import InputError, UsageError, option
 from dsparkctl.formats.calibration import CALIBRATION_FORMAT, load_temperatures, read_sglang_shard
-from dsparkctl.formats.trace import RoundCounts, Trace, describe_rounds, read_traces, recording_hint, round_table
+from dsparkctl.formats.trace import RoundCounts, Trace, describe_rounds, read_traces, recording_fix, round_table
 from dsparkctl.math.calibration import CalibrationData, fit_sts, position_metrics, split_requests
 from dsparkctl.provenance import provenance
 from dsparkctl.strict_json import finite
@@ -37,10 +37,11 @@ def no_usable_rounds(traces: Sequence[Trace], shards: int = 0) -> InputError:
     if not traces:
         return InputError(f"the {shards} SGLang shard(s) hold no rounds",
                           "collect some with SGLANG_DSPARK_STS_COLLECT_PATH set while the server decodes")
-    causes = [describe_rounds(RoundCounts().add(t.rounds), t.header, t.path) for t in traces]
+    counts = [RoundCounts().add(t.rounds) for t in traces]
+    causes = [describe_rounds(c, t.header, t.path) for c, t in zip(counts, traces)]
     shown = "; ".join(causes[:3]) + (f"; and {len(causes) - 3} more" if len(causes) > 3 else "")
-    return InputError(f"no drafted round verified a draft, so there is nothing to calibrate: {shown}",
-                      recording_hint(traces[0].header, traces[0].path if len(traces) == 1 else None))
+    return InputError(f"nothing to calibrate (no drafted round verified a draft): {shown}",
+                      recording_fix(counts[0], traces[0].header, traces[0].path if len(traces) == 1 else None))
 
 
 def _load_inputs(paths: Sequence[str | os.PathLike]) -> tuple[CalibrationData, torch.Tensor, list[Trace]]:

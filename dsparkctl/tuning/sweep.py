@@ -44,7 +44,7 @@ import torch
 from dsparkctl.errors import InputError, UsageError, option
 from dsparkctl.formats.calibration import load_survival_prior, load_temperatures
 from dsparkctl.formats.sps import load_sps_table
-from dsparkctl.formats.trace import RoundCounts, describe_rounds, read_traces, recording_hint, round_table
+from dsparkctl.formats.trace import RoundCounts, describe_rounds, read_traces, recording_fix, recording_hint, round_table
 from dsparkctl.math.admission import survival_from_logits
 from dsparkctl.math.policy_spec import parse_policy
 from dsparkctl.math.sps import SPSTable
@@ -77,14 +77,14 @@ def load_replay_rounds(trace_paths: Sequence[str | os.PathLike]) -> dict[str, An
                          _full_hint(header, table.gamma))
     skipped = table.plain_steps + int(table.budget_capped.sum())
     if not bool(keep.any()):
-        causes = [describe_rounds(RoundCounts().add(t.rounds), t.header, t.path) for t in traces]
+        counts = [RoundCounts().add(t.rounds) for t in traces]
+        causes = [describe_rounds(c, t.header, t.path) for c, t in zip(counts, traces)]
         capped_only = table.where and not table.plain_steps  # drafted full rounds, every one cut by the budget
         raise InputError("the traces hold no full-verification round to replay: " + "; ".join(causes[:3])
                          + (f"; and {len(causes) - 3} more" if len(causes) > 3 else ""),
-                         f"record longer requests (a larger --max-new-tokens than {traces[0].header['max_new_tokens']})"
-                         if capped_only and isinstance(traces[0].header.get("max_new_tokens"), int) else
-                         "record longer requests (a larger --max-new-tokens)" if capped_only else
-                         recording_hint(traces[0].header, traces[0].path if len(traces) == 1 else None))
+                         "record longer requests (a larger --max-new-tokens) so that rounds verify all "
+                         f"{table.gamma} drafts before the budget cuts them" if capped_only else
+                         recording_fix(counts[0], traces[0].header, traces[0].path if len(traces) == 1 else None))
     logits = table.logits[keep]
     return {"logits": logits, "accepted": table.accepted[keep], "gamma": table.gamma,
             "has_confidence": not bool(torch.isnan(logits).any()), "skipped": skipped}
