@@ -50,7 +50,7 @@ if [ -L "$INTEROP_DIR" ] || { [ -e "$INTEROP_DIR" ] && [ ! -d "$INTEROP_DIR" ]; 
 fi
 if [ ! -d "$INTEROP_DIR" ] || [ -z "$(ls -A "$INTEROP_DIR")" ]; then
   mkdir -p "$INTEROP_DIR"
-  od -An -tx1 -N16 /dev/urandom | tr -d ' \n' > "$INTEROP_DIR/$MARKER"
+  echo "$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')" > "$INTEROP_DIR/$MARKER"
 elif [ ! -f "$INTEROP_DIR/$MARKER" ] || [ -L "$INTEROP_DIR/$MARKER" ]; then
   refuse "$INTEROP_DIR was not made by interop_check.sh (it holds files and no $MARKER marker); nothing was changed" \
     "point INTEROP_DIR at a new or empty folder (or remove $INTEROP_DIR yourself if an older interop_check.sh made it)"

@@ -48,7 +48,8 @@ def trace_note(counts: RoundCounts, header: dict, path: Path) -> str | None:
     if not counts.verified:
         return f"{what}; calibrate and sweep-scheduler cannot use it: {recording_fix(counts, header, path)}"
     if not counts.short:
-        return f"{what}; calibrate and sweep-scheduler leave the rounds without a draft out"
+        return (f"{what}; calibrate and sweep-scheduler use only its {counts.drafted} drafted rounds, those the "
+                f"policy chose to draft in: {recording_hint(header, path)}")
     return (f"{what}; sweep-scheduler needs every position verified, and calibrate would fit only on the "
             f"positions the policy chose: {recording_hint(header, path)}")
 
