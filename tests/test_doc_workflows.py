@@ -53,11 +53,29 @@ def cli(*args, cwd: Path | None = None):
         os.chdir(old)
 
 
+def _reduced_draft(folder: Path) -> Path:
+    """The shipped draft's shape in miniature, for the docs' commands: γ = 5, a confidence head and a
+    reduced vocabulary (32 of the tiny target's 64 ids), so serve-config's exports apply."""
+    import torch
+
+    from dsparkctl.models.draft_io import random_draft, save_draft
+    from dsparkctl.models.target import TargetAdapter
+    from tests.tiny_models import tiny_target
+
+    tgt = TargetAdapter(tiny_target("qwen3"), [0, 1])
+    d = random_draft(tgt, num_layers=1, layer_ids=[0, 1], markov_rank=8, draft_vocab_size=32, block_size=5)
+    d.set_draft_vocab(torch.arange(0, 64, 2))
+    d.share_target_embeddings(tgt.embed_tokens(), tgt.lm_head())
+    return save_draft(d, folder)
+
+
 @pytest.fixture(scope="module")
 def tiny_pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("pair")
     target = save_tiny_target(root / "target", "qwen3", vocab=64, layers=4)
     draft = write_deepspec_draft(root / "draft", vocab=64, hidden=32, taps=(0, 1), rank=8, block_size=4)
+    draft5 = _reduced_draft(root / "draft5")  # the shipped draft's stand-in
+    own5 = write_deepspec_draft(root / "own5", vocab=64, hidden=32, taps=(0, 1), rank=8, block_size=5)  # DRAFT's
     dflash = write_deepspec_draft(root / "dflash", vocab=64, hidden=32, taps=(0, 1), rank=8, block_size=4,
                                   confidence=False)
     # a step-cost table in which a drafted step costs 1000x a plain one: dspark skips the draft, as the
@@ -67,7 +85,7 @@ def tiny_pair(tmp_path_factory):
         "format": "dsparkctl-sps/2", "batch_tokens": [1, 40], "steps_per_sec": [1.0, 0.9], "max_batch_tokens": 40,
         "grid": {"requests": [1, 2, 4, 8], "tokens_per_request": [1, 5], "step_ms": [[1000.0, 1000.0]] * 4,
                  "verify": "padded", "plain_ms": [1.0] * 4}, "measures": "whole-step", "block_size": 4}))
-    return {"target": target, "draft": draft, "dflash": dflash, "skip": skip, "root": root}
+    return {"target": target, "draft": draft, "draft5": draft5, "own5": own5, "dflash": dflash, "skip": skip, "root": root}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,6 +290,9 @@ EXCLUDED = [
      "a benchmark of the embedded pair under load (tens of minutes)"),
     ("docs/scheduling.md", "python benchmarks/bench_scheduler.py", "a timing benchmark (its figures are this machine's)"),
     ("docs/scheduling.md", "python benchmarks/bench_sweep.py", "a timing benchmark (its figures are this machine's)"),
+    ("docs/serving.md", "dsparkctl serve-config --draft DRAFT --target-id ORG/TARGET",
+     "written for a draft with the full vocabulary, while DRAFT stands for the shipped (reduced) draft here, whose "
+     "§2 files the reduced-vocabulary example after it uses (it runs)"),
     ("docs/serving.md", "bash benchmarks/interop_check.sh", "downloads vLLM and SGLang (~650 MB); its folder "
      "handling is tested below (test_interop_check_removes_only_its_own_folders)"),
     ("docs/train.md", "dsparkctl eval-acceptance --draft <previous>", "a template: <previous> is the draft before "
@@ -337,7 +358,7 @@ def substituted(tiny_pair, tmp_path, monkeypatch):
 
     monkeypatch.setattr(loading, "embedded_target_dir", lambda log=None: tiny_pair["target"])
     for mod in (loading, session, preflight, serve_config):
-        monkeypatch.setattr(mod, "default_draft_dir", lambda: tiny_pair["draft"])
+        monkeypatch.setattr(mod, "default_draft_dir", lambda: tiny_pair["draft5"])
     monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     return tiny_pair
 
@@ -345,8 +366,10 @@ def substituted(tiny_pair, tmp_path, monkeypatch):
 def substitute(args: list[str], pair: dict, work: Path) -> list[str]:
     out = []
     for a in args:
-        if a in ("DRAFT", SHIPPED_DRAFT, SHIPPED_DRAFT + "/") or re.fullmatch(r"drafts/stage\d+", a):
-            a = str(pair["draft"])
+        if re.fullmatch(r"drafts/stage\d+", a):  # a draft the user trained
+            a = str(pair["own5"])
+        elif a in ("DRAFT", SHIPPED_DRAFT, SHIPPED_DRAFT + "/"):  # DRAFT: the shipped draft's stand-in
+            a = str(pair["draft5"])
         elif a.startswith("/tmp/fx"):
             a = str(work / a[len("/tmp/"):])
         elif "/" in a and not a.startswith("-") and (ROOT / a).is_file() and not (work / a).exists():
