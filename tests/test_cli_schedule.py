@@ -178,7 +178,7 @@ CASES = [
     # sweep-scheduler: traces and calibration
     ("sweep the same trace twice", [*_sweep(), "--trace", "{d}/full.jsonl"], "is given twice"),
     ("sweep unmarked shortened rounds", _sweep(trace="unmarked.jsonl"), "not marked budget_capped"),
-    ("sweep only budget-capped rounds", _sweep(trace="allcapped.jsonl"), "(5 budget-capped rounds skipped)"),
+    ("sweep only budget-capped rounds", _sweep(trace="allcapped.jsonl"), "5 budget-capped"),
     ("calibration NaN", _sweep("--calibration", "{d}/calib_nan.json"), "calib_nan.json: NaN is not a JSON number"),
     ("calibration key twice", _sweep("--calibration", "{d}/calib_dup.json"), "duplicate key 'temperatures'"),
     # audit

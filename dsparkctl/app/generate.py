@@ -17,7 +17,8 @@ from dsparkctl.checks import check_positive
 from dsparkctl.data.prompts import apply_preset_wrap, encode_prompts, prompt_texts, with_preset
 from dsparkctl.distributed import from_main
 from dsparkctl.engine.decode import OnTokens
-from dsparkctl.engine.policy_choice import calibration_notes, default_policy, plan_policy, policy_notes
+from dsparkctl.engine.policy_choice import (calibration_notes, default_policy, plan_policy, policy_notes,
+                                            recording_policy)
 from dsparkctl.engine.report import GenerateOptions, generate_report
 from dsparkctl.engine.session import ModelSettings, open_session
 from dsparkctl.engine.sps_cache import machine_sps_table
@@ -90,7 +91,11 @@ def run_generate(spec: GenerateSpec, *,
         sess.notes.append(f"confidences calibrated with {calibration} (the draft's own; a calibration given "
                           "explicitly overrides it)")
         note(sess.notes[-1])
-    policy = spec.policy or default_policy(sess)
+    policy, why = (spec.policy, None) if spec.policy else \
+        recording_policy(sess) if spec.trace is not None else (default_policy(sess), None)
+    if why:
+        sess.notes.append(why)
+        note(why)
     plan = plan_policy(policy, gamma, spec.sps_table, calibration)
     cal_notes = calibration_notes(calibration, sess)
     sess.settle_kernels(say)  # every input is checked: the timing (seconds) is not wasted
@@ -110,7 +115,11 @@ def run_generate(spec: GenerateSpec, *,
                                 device=str(sess.device), dtype=str(sess.dtype).replace("torch.", "")))
     on_tokens = _text_stream(sess.target.tokenizer, on_text or (lambda r, text: None)) if spec.stream else None
     progress = (lambda done, total: on_progress(len(ids) * done // total, len(ids))) if on_progress else None
-    return generate_report(sess, ids, opts, on_tokens=on_tokens, on_batch=progress)
+    report = generate_report(sess, ids, opts, on_tokens=on_tokens, on_batch=progress)
+    if "trace_note" in report:  # a trace calibrate or sweep-scheduler cannot (fully) use: said, and kept in notes
+        sess.notes.append(report["trace_note"])
+        note(report["trace_note"])
+    return report
 
 
 def _text_stream(tokenizer: Any, on_text: Callable[[int, str], None]) -> OnTokens:

@@ -49,7 +49,8 @@ def generate(
     revision: RevisionOpt = None,
     policy: Annotated[Optional[str], typer.Option("--policy", help=f"Verify-length policy: {POLICY_SPECS} (default "
                                                   "dspark, with this machine's SPS table and the draft's own "
-                                                  "calibration; static:γ for a draft without a confidence head; "
+                                                  "calibration; static:γ for a draft without a confidence head or "
+                                                  "with --trace; "
                                                   "static:0 is plain decoding; retrospective is biased: for replay "
                                                   "studies only).")] = None,
     sps_table: Annotated[Optional[Path], typer.Option("--sps-table", help=f"SPS table for {', '.join(NEEDS_SPS)} "
@@ -67,7 +68,10 @@ def generate(
     seed: SeedOpt = 0,
     stream: Annotated[bool, typer.Option("--stream", help="Print text as it is generated (one request at a time).")] = False,
     json_out: JsonOpt = False,
-    trace: Annotated[Optional[Path], typer.Option("--trace", help="Write a per-round trace (JSON lines) for calibrate/sweep-scheduler.")] = None,
+    trace: Annotated[Optional[Path], typer.Option("--trace", help="Write a per-round trace (JSON lines) for calibrate/sweep-scheduler. Without --policy it is "
+                                                 "recorded with static:γ (every position verified, as both need); with "
+                                                 "a policy that skips the draft or verifies fewer positions a note says "
+                                                 "what the trace lacks.")] = None,
     baseline: Annotated[bool, typer.Option("--baseline", help="Also run plain target decoding on the same prompts; report tokens/s of both and the ratio.")] = False,
     repeats: Annotated[int, typer.Option("--repeats", min=1, max=100, help="Time the decoding this many times "
                                          "(with --baseline interleaved: speculative, plain, speculative, ...); "

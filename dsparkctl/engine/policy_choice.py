@@ -11,6 +11,7 @@ from pathlib import Path
 from dsparkctl.engine.session import Session
 from dsparkctl.formats.calibration import calibration_draft_notes, load_survival_prior, load_temperatures
 from dsparkctl.formats.sps import check_block_size, condition_notes, load_sps_table
+from dsparkctl.formats.trace import RoundCounts, describe_rounds, recording_fix, recording_hint
 from dsparkctl.math.policies import Policy, check_table_for
 from dsparkctl.math.policy_spec import check_spec_fits, parse_policy, parse_spec
 from dsparkctl.math.sps import SPSTable
@@ -22,6 +23,35 @@ def default_policy(sess: Session) -> str:
     """The policy `generate` runs without --policy: DEFAULT_POLICY for a draft with a confidence
     head (with this machine's cached SPS table and the draft's calibration), else static:γ."""
     return DEFAULT_POLICY if sess.draft.confidence_head is not None else f"static:{sess.draft.block_size}"
+
+
+def recording_policy(sess: Session) -> tuple[str, str | None]:
+    """The policy `generate --trace` runs without --policy, and what the user is told: static:γ,
+    every position verified, since a trace is read by `calibrate` (per-position acceptance, unbiased
+    only when no policy chose which positions to verify) and `sweep-scheduler` (which replays full
+    verification). The default policy would record plain steps wherever it skips the draft."""
+    full = f"static:{sess.draft.block_size}"
+    default = default_policy(sess)
+    if default == full:
+        return full, None
+    return full, (f"--trace without --policy records with {full} (every position verified, as calibrate and "
+                  f"sweep-scheduler need) instead of the default {default}; pass --policy {default} to record "
+                  f"what {default} runs")
+
+
+def trace_note(counts: RoundCounts, header: dict, path: Path) -> str | None:
+    """What the user must be told about a trace just written that `calibrate` or `sweep-scheduler`
+    cannot (fully) use; None when every round is a drafted round with every position verified."""
+    if counts.rounds and counts.full and counts.drafted == counts.rounds and not counts.short:
+        return None
+    what = describe_rounds(counts, header, path)
+    if not counts.verified:
+        return f"{what}; calibrate and sweep-scheduler cannot use it: {recording_fix(counts, header, path)}"
+    if not counts.short:
+        return (f"{what}; calibrate and sweep-scheduler use only its {counts.drafted} drafted rounds, those the "
+                f"policy chose to draft in: {recording_hint(header, path)}")
+    return (f"{what}; sweep-scheduler needs every position verified, and calibrate would fit only on the "
+            f"positions the policy chose: {recording_hint(header, path)}")
 
 
 @dataclass(frozen=True)

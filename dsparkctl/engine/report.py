@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from dsparkctl.engine.decode import OnTokens, PromptsResult, plain_decoder, run_prompts, speculative_decoder
-from dsparkctl.engine.policy_choice import scheduler_note
+from dsparkctl.engine.policy_choice import scheduler_note, trace_note
 from dsparkctl.engine.session import Session
 from dsparkctl.engine.speculative import SpeculativeEngine, plain_generate
 from dsparkctl.formats.trace import TraceWriter
@@ -52,8 +52,9 @@ def generate_report(sess: Session, prompt_ids: Sequence[Sequence[int]], opts: Ge
     pol = opts.policy or parse_policy(f"static:{gamma}")
     engine = SpeculativeEngine(sess.adapter, sess.draft, pol, opts.sampling, stop_token_ids=sess.stop_ids)
     warm_up(sess, prompt_ids[0], gamma)
-    writer = TraceWriter(opts.trace, {**opts.trace_header, "block_size": gamma, "policy": pol.spec}) \
-        if opts.trace else None  # under torchrun rank 0 alone writes the merged trace (TraceWriter)
+    header = {**opts.trace_header, "block_size": gamma, "policy": pol.spec, "max_new_tokens": opts.max_new_tokens,
+              "batch_size": opts.batch_size}
+    writer = TraceWriter(opts.trace, header) if opts.trace else None  # under torchrun rank 0 alone writes it
     with writer if writer else contextlib.nullcontext():
         spec = run_prompts(speculative_decoder(engine, opts.max_new_tokens), prompt_ids, opts.batch_size, opts.seed,
                            sess.device, block_size=gamma, on_round=writer.write if writer else None,
@@ -64,8 +65,10 @@ def generate_report(sess: Session, prompt_ids: Sequence[Sequence[int]], opts: Ge
     if (why := scheduler_note(pol, spec.drafted_steps, spec.rounds, min(opts.batch_size, len(prompt_ids)),
                               gamma)) is not None:
         report["scheduler_note"] = why
-    if opts.trace:
+    if writer is not None:
         report["trace"] = str(opts.trace)
+        if (why := trace_note(writer.counts, header, opts.trace)) is not None:
+            report["trace_note"] = why
     report |= _per_step(spec)
     if plain is not None:
         report["baseline"] = {"generated_tokens": plain.generated, "wall_s": plain.wall_s,

@@ -177,6 +177,73 @@ def read_trace(path: str | os.PathLike) -> Trace:
     return Trace(header=header, rounds=rounds, path=str(path))
 
 
+@dataclass
+class RoundCounts:
+    """What a trace's rounds can be used for: `calibrate` fits on drafted rounds that verified a draft,
+    `sweep-scheduler` replays drafted rounds that verified all γ drafts (or were cut by the token budget)."""
+    rounds: int = 0
+    drafted: int = 0  # rounds that ran the draft (the rest are plain steps the policy chose)
+    verified: int = 0  # drafted rounds that verified at least one draft
+    full: int = 0  # drafted rounds that verified all γ drafts
+    capped: int = 0  # drafted rounds whose ℓ the token budget cut
+
+    def add(self, rounds: Iterable[TraceRound]) -> "RoundCounts":
+        for r in rounds:
+            self.rounds += 1
+            if r.drafted:
+                self.drafted += 1
+                self.verified += r.verify_length > 0
+                self.full += r.verify_length == r.block_size
+                self.capped += r.budget_capped and r.verify_length < r.block_size
+        return self
+
+    @property
+    def short(self) -> int:
+        """Drafted rounds in which the policy verified fewer than γ drafts (the budget aside)."""
+        return self.drafted - self.full - self.capped
+
+
+def recording_hint(header: dict[str, Any], path: str | os.PathLike | None) -> str:
+    """How to record a trace that `calibrate` and `sweep-scheduler` can use: every position verified."""
+    gamma = header.get("block_size")
+    policy = f"static:{gamma}" if isinstance(gamma, int) and not isinstance(gamma, bool) else "static:γ"
+    return (f"record with `dsparkctl generate --policy {policy} --trace {path or 'FILE'}` (every position "
+            "verified; generate's choice for --trace without --policy)")
+
+
+def recording_fix(counts: RoundCounts, header: dict[str, Any], path: str | os.PathLike | None) -> str:
+    """The fix for a trace described by `describe_rounds`: longer requests for one without rounds, else
+    `recording_hint`."""
+    if not counts.rounds:
+        return f"record with `dsparkctl generate --trace {path or 'FILE'} --max-new-tokens N`, N ≥ 2 (e.g. 128)"
+    return recording_hint(header, path)
+
+
+def describe_rounds(counts: RoundCounts, header: dict[str, Any], path: str | os.PathLike | None) -> str:
+    """Why a trace holds nothing a tuning command can use, in one clause naming the file, its rounds and
+    the policy that recorded them (from the header)."""
+    policy = header.get("policy")
+    by = f"policy {policy}" if isinstance(policy, str) else "a policy its header does not name"
+    if not counts.rounds:
+        why = (": it was recorded with max_new_tokens 1, and a request's first token comes from the prefill"
+               if header.get("max_new_tokens") == 1 else " (every request ended at its first token, which comes "
+               "from the prefill)")
+        return f"{path} holds no rounds{why}"
+    if not counts.drafted:
+        what = "never drafts" if policy == "static:0" else "skipped the draft in every step"
+        return f"{path} holds {counts.rounds} rounds, none drafted: it was recorded with {by}, which {what}"
+    plain = counts.rounds - counts.drafted
+    parts = [f"{counts.drafted} drafted"] + ([f"{plain} without a draft"] if plain else [])
+    if not counts.verified:
+        return (f"{path} holds {counts.rounds} rounds ({', '.join(parts)}) and none verified a draft: it was "
+                f"recorded with {by}")
+    if counts.short:
+        parts.append(f"{counts.short} drafted verifying fewer than {header.get('block_size', 'γ')} drafts")
+    if counts.capped:
+        parts.append(f"{counts.capped} budget-capped (cut short by the token budget)")
+    return f"{path} holds {counts.rounds} rounds ({', '.join(parts)}): it was recorded with {by}"
+
+
 def read_traces(paths: Sequence[str | os.PathLike]) -> list[Trace]:
     """Read several traces; the same file twice would duplicate every round, so it is refused."""
     seen: dict[Path, str] = {}
@@ -243,12 +310,14 @@ class TraceWriter:
     Under torchrun rank 0 alone writes it (`files.atomic.atomic_open`); every rank may call `write`."""
 
     def __init__(self, path: str | os.PathLike, header: dict[str, Any]):
+        self.counts = RoundCounts()  # what the written rounds can be used for
         self._cm = atomic_open(path, "w")
         self._fh = self._cm.__enter__()
         self._fh.write(json.dumps(finite({"format": TRACE_FORMAT, **header})) + "\n")
 
     def write(self, rounds: Iterable[TraceRound]) -> None:
         for r in rounds:  # strict JSON: a NaN logit becomes null (and the reader names the line)
+            self.counts.add([r])
             self._fh.write(json.dumps(finite(r.to_json())) + "\n")
 
     def __enter__(self) -> "TraceWriter":

@@ -13,7 +13,7 @@ import torch
 
 from dsparkctl.errors import InputError, UsageError, option
 from dsparkctl.formats.calibration import CALIBRATION_FORMAT, load_temperatures, read_sglang_shard
-from dsparkctl.formats.trace import Trace, read_traces, round_table
+from dsparkctl.formats.trace import RoundCounts, Trace, describe_rounds, read_traces, recording_fix, round_table
 from dsparkctl.math.calibration import CalibrationData, fit_sts, position_metrics, split_requests
 from dsparkctl.provenance import provenance
 from dsparkctl.strict_json import finite
@@ -28,9 +28,20 @@ def calibration_data(traces: Sequence[Trace]) -> tuple[CalibrationData, torch.Te
         path, request, rnd = missing
         raise InputError(f"{path}: request {request} round {rnd} has no confidence logits",
                          "calibration needs a draft with a confidence head (DSpark, not DFlash)")
-    if not table.where:
-        raise InputError("the traces contain no rounds", "record some with `dsparkctl generate --trace`")
     return CalibrationData(table.logits, table.verify_length, table.accepted), table.request
+
+
+def no_usable_rounds(traces: Sequence[Trace], shards: int = 0) -> InputError:
+    """The error for inputs that hold no drafted round verifying a draft, naming the real cause per
+    trace (none recorded, the policy skipped the draft, verified nothing) and how to record one."""
+    if not traces:
+        return InputError(f"the {shards} SGLang shard(s) hold no rounds",
+                          "collect some with SGLANG_DSPARK_STS_COLLECT_PATH set while the server decodes")
+    counts = [RoundCounts().add(t.rounds) for t in traces]
+    causes = [describe_rounds(c, t.header, t.path) for c, t in zip(counts, traces)]
+    shown = "; ".join(causes[:3]) + (f"; and {len(causes) - 3} more" if len(causes) > 3 else "")
+    return InputError(f"nothing to calibrate (no drafted round verified a draft): {shown}",
+                      recording_fix(counts[0], traces[0].header, traces[0].path if len(traces) == 1 else None))
 
 
 def _load_inputs(paths: Sequence[str | os.PathLike]) -> tuple[CalibrationData, torch.Tensor, list[Trace]]:
@@ -60,8 +71,8 @@ def _load_inputs(paths: Sequence[str | os.PathLike]) -> tuple[CalibrationData, t
     gammas = {lg.shape[1] for lg, _, _ in parts}
     if len(gammas) > 1:
         raise InputError(f"the inputs mix block sizes {sorted(gammas)}", "calibrate one block size at a time")
-    if not parts or sum(lg.shape[0] for lg, _, _ in parts) == 0:
-        raise InputError("the inputs contain no rounds", "record some with `dsparkctl generate --trace`")
+    if not parts or sum(int(ell.sum()) for _, ell, _ in parts) == 0:  # no position was ever tested
+        raise no_usable_rounds(traces, len(shards))
     data = CalibrationData(torch.cat([a for a, _, _ in parts]), torch.cat([b for _, b, _ in parts]),
                            torch.cat([c for _, _, c in parts]))
     return data, torch.cat(keys), traces

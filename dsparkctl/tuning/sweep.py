@@ -44,7 +44,7 @@ import torch
 from dsparkctl.errors import InputError, UsageError, option
 from dsparkctl.formats.calibration import calibration_draft_notes, load_survival_prior, load_temperatures
 from dsparkctl.formats.sps import check_block_size, load_sps_table
-from dsparkctl.formats.trace import read_traces, round_table
+from dsparkctl.formats.trace import RoundCounts, describe_rounds, read_traces, recording_fix, recording_hint, round_table
 from dsparkctl.math.admission import survival_from_logits
 from dsparkctl.math.policy_spec import parse_policy
 from dsparkctl.math.sps import SPSTable
@@ -77,9 +77,14 @@ def load_replay_rounds(trace_paths: Sequence[str | os.PathLike]) -> dict[str, An
                          _full_hint(header, table.gamma))
     skipped = table.plain_steps + int(table.budget_capped.sum())
     if not bool(keep.any()):
-        raise InputError("the traces contain no full-verification rounds"
-                         + (f" ({skipped} budget-capped rounds skipped)" if skipped else ""),
-                         "record some with `dsparkctl generate --trace t.jsonl --max-new-tokens N` (a larger N)")
+        counts = [RoundCounts().add(t.rounds) for t in traces]
+        causes = [describe_rounds(c, t.header, t.path) for c, t in zip(counts, traces)]
+        capped_only = table.where and not table.plain_steps  # drafted full rounds, every one cut by the budget
+        raise InputError("the traces hold no full-verification round to replay: " + "; ".join(causes[:3])
+                         + (f"; and {len(causes) - 3} more" if len(causes) > 3 else ""),
+                         "record longer requests (a larger --max-new-tokens) so that rounds verify all "
+                         f"{table.gamma} drafts before the budget cuts them" if capped_only else
+                         recording_fix(counts[0], traces[0].header, traces[0].path if len(traces) == 1 else None))
     logits = table.logits[keep]
     return {"logits": logits, "accepted": table.accepted[keep], "gamma": table.gamma,
             "has_confidence": not bool(torch.isnan(logits).any()), "skipped": skipped,
@@ -133,7 +138,7 @@ def _full_hint(header: dict[str, Any], gamma: int) -> str:
     if header.get("policy") == f"static:{gamma}":
         return (f"this trace was recorded with static:{gamma} but its shortened rounds are not marked "
                 "budget_capped (an older dsparkctl, or an edited file); record it again with this version")
-    return f"record with `dsparkctl generate --policy static:{gamma} --trace ...`"
+    return recording_hint({**header, "block_size": gamma}, None)
 
 
 def replay(pool: dict[str, Any], policy_specs: Sequence[str], concurrency: Sequence[int], sps: SPSTable,
