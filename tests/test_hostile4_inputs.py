@@ -219,7 +219,11 @@ def test_profile_sps_refuses_to_time_under_several_ranks(tmp_path, monkeypatch, 
 
 
 def test_profile_sps_cli_under_a_joined_world_is_one_line_exit_2(tmp_path, monkeypatch):  # was wrong
+    from dsparkctl.cli import console
+
     monkeypatch.setattr(distributed, "_WORLD", distributed.World(rank=1, size=3, local_rank=1))
+    monkeypatch.setattr(console.out, "_file", console.out._file)  # rank 1 silences stdout: restored after
+    monkeypatch.setattr(console.err, "quiet", console.err.quiet)
     res = CliRunner().invoke(app, ["profile-sps", "--out", str(tmp_path / "sps.json")])
     assert res.exit_code == 2 and "profile-sps times one process, but this is rank 1 of 3" in res.output, res.output
     assert not list(tmp_path.iterdir())
