@@ -179,3 +179,39 @@ def test_identical_commands_at_once_give_one_whole_result(tmp_path):
     assert sts["temperatures"] == pytest.approx(doc["temperatures"])
     assert all(json.loads(r.stdout)["temperatures"] == doc["temperatures"] for r in runs)
     assert _hidden_leftovers(tmp_path / "out", tmp_path / "out" / "c_reliability") == []
+
+
+# -------- a resumed train logs each step once
+def test_a_resumed_log_keeps_the_steps_up_to_its_checkpoint(tmp_path):
+    from dsparkctl.files.atomic import cut_log
+
+    log = tmp_path / "log.jsonl"
+    rows = [json.dumps({"step": s, "loss": 1.0 / s}) for s in range(1, 8)]
+    log.write_text("\n".join(rows) + "\n" + '{"step": 8, "lo')  # steps 6, 7 redone after step 5; 8 torn
+    cut_log(log, 5)
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2, 3, 4, 5]
+    cut_log(tmp_path / "absent.jsonl", 5)  # nothing to cut
+    assert not (tmp_path / "absent.jsonl").exists()
+
+
+# -------- one command's draft is not another's to replace
+def test_serve_config_does_not_replace_a_draft_train_wrote(tmp_path):
+    from dsparkctl.errors import InputError
+    from dsparkctl.models.draft_io import check_draft_destination, random_draft, save_draft
+    from dsparkctl.models.target import TargetAdapter
+    from tests.tiny_models import tiny_target
+
+    draft = random_draft(TargetAdapter(tiny_target("llama", vocab=64, layers=4)), num_layers=1, block_size=4)
+    try:
+        commit.set_command("train")
+        save_draft(draft, tmp_path / "d")
+        assert check_draft_destination(tmp_path / "d", overwrite=True) == tmp_path / "d"  # train's own: replaceable
+        commit.set_command("serve-config")
+        with pytest.raises(InputError, match="was written by `dsparkctl train`, not by this command"):
+            check_draft_destination(tmp_path / "d", overwrite=True)
+        (tmp_path / "mine").mkdir()
+        (tmp_path / "mine" / "config.json").write_text('{"dsparkctl": {"tool": "dsparkctl"}}')  # looks like ours
+        with pytest.raises(InputError, match="no record of writing it"):
+            check_draft_destination(tmp_path / "mine", overwrite=True)
+    finally:
+        commit.set_command(None)
