@@ -363,9 +363,19 @@ def substituted(tiny_pair, tmp_path, monkeypatch):
     return tiny_pair
 
 
+OUTPUT_FLAGS = {"--out", "--plot", "--trace", "--sglang-out", "--plot-dir", "--export-full-vocab", "--export-vllm"}
+
+
 def substitute(args: list[str], pair: dict, work: Path) -> list[str]:
+    """A repository file an argument names is copied into `work` when the command reads it; one it
+    writes (after an output flag) is not: a tracked result is the user's, and refused by the rule
+    that only a command's own earlier output is replaced (docs/generate.md, "Outputs")."""
     out = []
-    for a in args:
+    for prev, a in zip([None, *args], args):
+        if prev in OUTPUT_FLAGS and "/" in a and (ROOT / a).parent.is_dir():
+            (work / a).parent.mkdir(parents=True, exist_ok=True)
+            out.append(a)
+            continue
         if re.fullmatch(r"drafts/stage\d+", a):  # a draft the user trained
             a = str(pair["own5"])
         elif a in ("DRAFT", SHIPPED_DRAFT, SHIPPED_DRAFT + "/"):  # DRAFT: the shipped draft's stand-in
