@@ -13,7 +13,7 @@ from dsparkctl.errors import UsageError, option
 def check_positive(value: int, field: str) -> None:
     """The one rule for counts (tokens, requests, prompts): at least 1, named as `errors.option(field)`."""
     if value < 1:
-        raise UsageError(f"{option(field)} must be >= 1, got {value}")
+        raise UsageError(f"{option(field)} must be >= 1, got {value}", f"give {option(field)} 1 or more")
 
 
 SEED_LIMIT = 2 ** 32  # derived seeds (seed · 1_000_003 + cell) stay inside torch's 64-bit range

@@ -143,7 +143,8 @@ def guarded(fn: F | None = None, *, fields: Mapping[str, str] | None = None) -> 
             if STATE["debug"]:
                 raise
             _environment_error(exc, say, label)
-            say(error_line(label, f"{type(exc).__name__}: {exc}"), highlight=False)
+            say(error_line(label, f"{type(exc).__name__}: {exc} (fix: check that path and its permissions; "
+                                  "--debug shows where it happened)"), highlight=False)
             raise typer.Exit(1) from None
         except Exception as exc:  # noqa: BLE001 - last-resort one-liner
             if STATE["debug"]:

@@ -79,7 +79,8 @@ def _weight_files(folder: Path) -> list[Path]:
         for name in sorted(set(parse_index(index.read_bytes(), str(index)).values())):
             f = (folder / name).resolve()
             if root not in f.parents:  # a symlinked shard may still lead out
-                raise CheckpointError(f"{index}: entry {name!r} points outside the checkpoint folder")
+                raise CheckpointError(f"{index}: entry {name!r} points outside the checkpoint folder",
+                                      "use a checkpoint whose index names only shards in its own folder")
             if not f.is_file():
                 raise CheckpointError(f"{index}: shard {name} is missing or not a regular file",
                                       "re-download the checkpoint")
@@ -159,7 +160,7 @@ def read_draft_config(folder: Path, source: str | None = None) -> DraftConfig:
     try:
         raw = strict_loads(cfg_path.read_bytes())
     except (ValueError, UnicodeDecodeError) as exc:  # StrictJSONError is a ValueError
-        raise CheckpointError(f"{where}: not valid JSON ({exc})") from None
+        raise CheckpointError(f"{where}: not valid JSON ({exc})", "fix or re-download config.json") from None
     return DraftConfig.from_dict(raw, where)
 
 
@@ -177,7 +178,8 @@ def load_draft(source: str | os.PathLike, target: Any | None = None, revision: s
     if "fc.weight" in state and state["fc.weight"].shape[1] != len(cfg.target_layer_ids) * cfg.hidden_size:
         raise CheckpointError(f"{folder}: fc.weight has shape {tuple(state['fc.weight'].shape)}, expected "
                               f"[{cfg.hidden_size}, {len(cfg.target_layer_ids) * cfg.hidden_size}] for "
-                              f"{len(cfg.target_layer_ids)} tapped layers")
+                              f"{len(cfg.target_layer_ids)} tapped layers",
+                              "fix target_layer_ids in config.json to the layers these weights were trained on")
     if "layers.0.self_attn.q_norm.weight" not in state and any(k.startswith("layers.0.") for k in state):
         cfg = cfg.replace(qk_norm=False)
     if target is not None:
@@ -197,7 +199,8 @@ def load_draft(source: str | os.PathLike, target: Any | None = None, revision: s
                                   else "the checkpoint is incomplete")
         if tuple(state[name].shape) != tuple(ref.shape):
             raise CheckpointError(f"{folder}: tensor {name} has shape {tuple(state[name].shape)}, "
-                                  f"expected {tuple(ref.shape)} from config.json")
+                                  f"expected {tuple(ref.shape)} from config.json",
+                                  "use the config.json written with these weights")
     if "draft_vocab_ids" in state:
         check_draft_vocab(state["draft_vocab_ids"], cfg, str(folder))
     missing_ok = [k for k in BORROWED if k not in state]
