@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from dsparkctl.checkpoint.hub import TOKENIZER_FILES, check_repo_id, endpoint, hub_errors
+from dsparkctl.checkpoint.hub import TOKENIZER_FILES, check_repo_id, endpoint, hub_errors, hub_reachable
 from dsparkctl.checkpoint.source import INDEX, SINGLE, parse_index
 from dsparkctl.errors import CheckpointError, InputError, ModelMismatchError, option
 from dsparkctl.files.atomic import atomic_dir, cannot_create, seal_dir, temp_dir
@@ -41,15 +41,18 @@ def resolve_folder(source: str | os.PathLike, revision: str | None = None) -> Pa
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
     check_repo_id(s)  # an invalid id is invalid, not "missing from the cache"
+    online = hub_reachable()  # offline: the cache at once, not retries with backoff
 
     def fetch(name: str, optional: bool = False) -> Path | None:
         try:
-            return Path(huggingface_hub.hf_hub_download(s, name, revision=revision, endpoint=endpoint()))
+            return Path(huggingface_hub.hf_hub_download(s, name, revision=revision, endpoint=endpoint(),
+                                                        local_files_only=not online))
         except LocalEntryNotFoundError:  # no network (or offline) and not cached: not "the repo has no ..."
             if optional:
                 return None
-            raise InputError(f"{s}: cannot reach the hub, and {name} is not in the local hub cache",
-                             "check the network or HF_ENDPOINT, or pass a local folder") from None
+            raise InputError(f"{s}: no such local folder, the hub cannot be reached and {name} is not in the "
+                             "local hub cache", "check the folder's path, or connect (or set HF_ENDPOINT) and run "
+                             "again") from None
         except EntryNotFoundError:
             if optional:
                 return None
