@@ -43,8 +43,8 @@ def wait_limit() -> float:
 
 
 def duration(seconds: float) -> str:
-    """A wait as people say it: "45 s" below a minute, else "12 min"."""
-    return f"{seconds:.0f} s" if seconds < 59.5 else f"{seconds / 60:.0f} min"
+    """A wait as people say it: "0.3 s", "45 s" below a minute, else "12 min"."""
+    return f"{seconds:.1f} s" if seconds < 9.95 else f"{seconds:.0f} s" if seconds < 59.5 else f"{seconds / 60:.0f} min"
 
 
 def _start_ticks(pid: int) -> int | None:

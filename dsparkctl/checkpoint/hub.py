@@ -38,16 +38,20 @@ def endpoint() -> str:
     return os.environ.get("HF_ENDPOINT", "").rstrip("/") or constants.ENDPOINT
 
 
-@functools.lru_cache(maxsize=1)
 def hub_reachable(timeout: float = 3.0) -> bool:
     """Whether the hub's host takes a TCP connection within `timeout` seconds (never under
-    HF_HUB_OFFLINE). Asked once per process before the hub is used: an offline machine reads
-    its cache at once and is told in one line, not after half a minute of retries on stderr."""
+    HF_HUB_OFFLINE). Asked before the hub is used (once per endpoint and process): an offline
+    machine reads its cache at once and is told in one line, not after half a minute of retries."""
     if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE"):
         return False
-    url = urllib.parse.urlsplit(endpoint())
+    return _answers(endpoint(), timeout)
+
+
+@functools.lru_cache(maxsize=8)
+def _answers(url: str, timeout: float) -> bool:
+    parts = urllib.parse.urlsplit(url)
     try:
-        with socket.create_connection((url.hostname or "", url.port or (80 if url.scheme == "http" else 443)),
+        with socket.create_connection((parts.hostname or "", parts.port or (80 if parts.scheme == "http" else 443)),
                                       timeout=timeout):
             return True
     except (OSError, ValueError):

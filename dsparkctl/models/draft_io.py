@@ -7,6 +7,7 @@ target on vocabulary, width and tapped layers.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -71,6 +72,16 @@ def resolve_folder(source: str | os.PathLike, revision: str | None = None) -> Pa
     return config.parent
 
 
+def check_readable(folder: Path) -> None:
+    """Refuse a model folder holding a file we may not read (config, weights, tokenizer): it is there,
+    so it is not "missing", and no download fixes it; its permissions do."""
+    with contextlib.suppress(OSError):
+        for f in sorted(folder.iterdir()):
+            if f.is_file() and not os.access(f, os.R_OK):
+                raise InputError(f"{f} is not readable (permission denied)",
+                                 f"make it readable (chmod u+r {f}) or run as its owner")
+
+
 def _weight_files(folder: Path) -> list[Path]:
     """The draft's safetensors files: the shards its index names (each checked to stay inside the
     folder by the checkpoint readers' own rule, `checkpoint.source.check_shard_name`), or the
@@ -99,11 +110,15 @@ def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError, safe_open
 
     tensors: dict[str, torch.Tensor] = {}
+    check_readable(folder)
     for f in _weight_files(folder):
         try:
             with safe_open(str(f), framework="pt") as fh:
                 for k in fh.keys():
                     tensors[k] = fh.get_tensor(k)
+        except PermissionError:
+            raise InputError(f"{f} is not readable (permission denied)",
+                             f"make it readable (chmod u+r {f}) or run as its owner") from None
         except (SafetensorError, OSError, ValueError) as exc:
             raise CheckpointError(f"{f}: unreadable safetensors file ({str(exc).splitlines()[0]})",
                                   "re-download or re-extract the draft") from None
@@ -171,6 +186,7 @@ def load_draft(source: str | os.PathLike, target: Any | None = None, revision: s
                dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> DSparkDraft:
     """Load a DeepSpec DSpark/DFlash draft; borrow embed/LM head from `target` (a TargetAdapter)."""
     folder = resolve_folder(source, revision)
+    check_readable(folder)  # a file there that we may not read is no missing or damaged file
     cfg = read_draft_config(folder)
     state = read_state_dict(folder)
     if "d2t" in state and "draft_vocab_ids" not in state:  # vLLM's reduced form (save_draft_for_vllm)
