@@ -92,8 +92,8 @@ T, D = ["--target", "{r}/target"], ["--draft", "{r}/draft"]
 GEN = ["generate", *T, *D, "--no-chat", "--max-new-tokens", "4", "--policy", "static:4"]
 TRAIN = ["train", "{r}/recipe.toml", "--cache-dir", "{r}/c"]
 SWEEP = ["sweep-scheduler", "--sps-table", "{r}/sps.json", "--trace", "{r}/trace.jsonl"]
-PROFILE = ["profile-sps", *T, "--out", "{r}/new-sps.json", "--requests", "1", "--tokens-per-request", "1"]
-EVAL = ["eval-acceptance", *T, *D, "--dataset", "{r}/prompts.txt", "--limit", "1", "--max-new-tokens", "4"]
+PROFILE = ["profile-sps", *T, "--out", "{r}/new-sps.json", "--requests", "1", "--tokens-per-request", "1,2"]
+EVAL = ["eval-acceptance", *T, *D, "--dataset", "{r}/prompts.txt", "--limit", "1", "--max-new-tokens", "8"]
 AUDIT = ["audit", "--rounds", "1000", "--random-settings", "0", "--policies", "static:2"]
 EXTRACT = ["extract", "{r}/draft", "{r}/extracted"]
 
@@ -178,8 +178,8 @@ REFUSED = [
     ("generate --policy threshold:０.５", [*GEN[:-2], "--policy", "threshold:０.５", "hi"], "is not a valid float"),
     ("generate --policy threshold:0_5", [*GEN[:-2], "--policy", "threshold:0_5", "hi"], "is not a valid float"),
     ("sweep-scheduler --policies static:٣", [*SWEEP, "--policies", "static:٣"], "is not a valid int"),
-    ("profile-sps --requests ５", [*PROFILE[:-4], "--requests", "５", "--tokens-per-request", "1"], "--requests"),
-    ("profile-sps --requests 1_0", [*PROFILE[:-4], "--requests", "1_0", "--tokens-per-request", "1"], "--requests"),
+    ("profile-sps --requests ５", [*PROFILE[:-4], "--requests", "５", "--tokens-per-request", "1,2"], "--requests"),
+    ("profile-sps --requests 1_0", [*PROFILE[:-4], "--requests", "1_0", "--tokens-per-request", "1,2"], "--requests"),
     ("profile-sps --tokens-per-request '2\\n'", [*PROFILE[:-2], "--tokens-per-request", "2\n"], "--tokens-per-request"),
     ("sweep-scheduler --concurrency ８", [*SWEEP, "--concurrency", "８"], "--concurrency"),
     ("extract --max-shard-size 1", [*EXTRACT, "--max-shard-size", "1"], "below the minimum"),
