@@ -230,7 +230,7 @@ def validate(r: Recipe, source: str) -> None:
         sec, name = key.split(".")
         value = getattr(getattr(r, sec), name)
         if value is not None and value > limit:
-            shown = f"{value:,}" if value < 10 ** 24 else f"(a number of {len(str(int(value)))} digits)"
+            shown = f"(a number of {len(str(value))} digits)" if isinstance(value, int) and value >= 10 ** 24 else f"{value:,}"
             bad(f"{key} {shown} is more than {limit:,}", f"use at most {limit:,}: no draft or run needs more")
     if r.optim.init_from:
         _check_init_from(r.optim.init_from, bad)
