@@ -19,21 +19,32 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from dsparkctl.errors import InputError
+from dsparkctl.checks import ascii_float
+from dsparkctl.errors import InputError, UsageError
 from dsparkctl.files.ownership import regular_file
 from dsparkctl.strict_json import loads
 
 
-def _wait_limit() -> float:
-    """`$DSPARKCTL_LOCK_WAIT_S` (seconds, >= 0), else 30 min: at most this long behind one lock."""
-    try:
-        value = float(os.environ.get("DSPARKCTL_LOCK_WAIT_S", "") or 1800)
-    except ValueError:
-        return 1800.0
-    return value if value >= 0 and value == value else 1800.0
+WAIT_ENV = "DSPARKCTL_LOCK_WAIT_S"
+DEFAULT_WAIT_S = 1800.0
 
 
-WAIT_LIMIT_S = _wait_limit()
+def wait_limit() -> float:
+    """`$DSPARKCTL_LOCK_WAIT_S` (seconds, a finite number >= 0), else 30 min: at most this long behind
+    one lock. A value that is not such a number is refused, not read as the default."""
+    text = os.environ.get(WAIT_ENV)
+    if text is None or not text.strip():
+        return DEFAULT_WAIT_S
+    value = ascii_float(text.strip())
+    if value is None or value < 0:
+        raise UsageError(f"{WAIT_ENV}={text!r} is not a number of seconds >= 0",
+                         f"set it to seconds, e.g. {WAIT_ENV}=600, or unset it for the default of 30 min")
+    return value
+
+
+def duration(seconds: float) -> str:
+    """A wait as people say it: "0.3 s", "45 s" below a minute, else "12 min"."""
+    return f"{seconds:.1f} s" if seconds < 9.95 else f"{seconds:.0f} s" if seconds < 59.5 else f"{seconds / 60:.0f} min"
 
 
 def _start_ticks(pid: int) -> int | None:
@@ -105,8 +116,17 @@ def holder(lock: Path) -> Holder:
     return Holder(owner, owner.get("start") is not None and pid_alive(owner["pid"], owner["start"]))
 
 
+def check_lock_path(lock: Path) -> None:
+    """Refuse a lock path that holds a folder: no process of ours made it, and it can be neither
+    created nor removed as a lock file."""
+    if lock.is_dir() and not lock.is_symlink():
+        raise InputError(f"the lock file {lock} is a folder", f"remove or rename the folder {lock} (dsparkctl "
+                         "creates its lock file there)")
+
+
 def claim(lock: Path) -> bool:
     """Create `lock` naming this process, only if it does not exist (O_EXCL); False when it does."""
+    check_lock_path(lock)
     try:
         fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     except FileExistsError:
@@ -127,8 +147,9 @@ def release(lock: Path) -> None:
 def wait_for(lock: Path, done: Callable[[], bool], what: str, log: Callable[[str], None] = print,
              poll: float = 2.0, limit_s: float | None = None) -> None:
     """Return once `done()` or `lock` is gone or stale (a stale lock is removed, with a note). A
-    live holder is waited for with a message, for at most `limit_s` (WAIT_LIMIT_S), then refused."""
-    limit = WAIT_LIMIT_S if limit_s is None else limit_s
+    live holder is waited for with a message, for at most `limit_s` (`wait_limit()`), then refused."""
+    check_lock_path(lock)
+    limit = wait_limit() if limit_s is None else limit_s
     t0 = time.monotonic()
     said = False
     while os.path.lexists(lock) and not done():
@@ -142,11 +163,11 @@ def wait_for(lock: Path, done: Callable[[], bool], what: str, log: Callable[[str
             return
         waited = time.monotonic() - t0
         if waited >= limit:
-            raise InputError(f"{what} has been locked by {h.describe()} for {waited / 60:.0f} min ({lock})",
+            raise InputError(f"{what} has been locked by {h.describe()} for {duration(waited)} ({lock})",
                              f"if that process no longer runs, delete {lock}")
         if not said:
             log(f"waiting for {h.describe()}, which is building {what} (lock {lock}; at most "
-                f"{limit / 60:.0f} min)")
+                f"{duration(limit)})")
             said = True
         time.sleep(poll)
 

@@ -41,13 +41,21 @@ def _float(text: str) -> float:
     return value
 
 
+def _int(text: str) -> int:
+    if len(text) > 400:  # Python refuses 4300 digits with a bare ValueError; no number of ours has 400
+        raise StrictJSONError(f"{text[:24]}… ({len(text)} digits) is too large a number")
+    return int(text)
+
+
 def loads(raw: str | bytes) -> Any:
-    """`json.loads` refusing duplicate keys, NaN/Infinity and overflowing numbers.
+    """`json.loads` refusing duplicate keys, NaN/Infinity and overflowing numbers (floats beyond
+    1.8e308, integers of hundreds of digits; each reader checks its fields' own ranges).
 
     Raises StrictJSONError (also for nesting deeper than Python's parser recurses), or
     json.JSONDecodeError / UnicodeDecodeError for what is not JSON at all."""
     try:
-        return json.loads(raw, object_pairs_hook=_no_duplicates, parse_constant=_no_constant, parse_float=_float)
+        return json.loads(raw, object_pairs_hook=_no_duplicates, parse_constant=_no_constant, parse_float=_float,
+                          parse_int=_int)
     except RecursionError:
         raise StrictJSONError("nested too deeply to read (thousands of levels)") from None
 

@@ -18,7 +18,7 @@ from tests.tiny_models import tiny_target
 
 
 @pytest.mark.parametrize("exc,message", [
-    (LocalEntryNotFoundError("offline"), "org/name: cannot reach the hub, and config.json is not in the local hub cache"),
+    (LocalEntryNotFoundError("offline"), "org/name: no such local folder, the hub cannot be reached and config.json is not in the local hub cache"),
     (EntryNotFoundError("404"), "org/name: the repo has no config.json"),
 ])
 def test_unreachable_is_not_missing(monkeypatch, tmp_path, exc, message):

@@ -53,7 +53,8 @@ def run_eval_acceptance(spec: EvalSpec, *,
     if spec.mode not in MODES:
         raise UsageError(f"unknown mode {spec.mode!r}", f"use one of {', '.join(MODES)}")
     if spec.labels and len(spec.labels) != len(spec.drafts):
-        raise UsageError(f"{option('labels')} must be given once per {option('drafts')}")
+        raise UsageError(f"{option('labels')} must be given once per {option('drafts')}",
+                         f"give as many {option('labels')} as {option('drafts')}, in the same order, or none")
     live = spec.mode != "teacher-forced"
     sources = spec.drafts or (None,)
     inputs = local_inputs(*spec.datasets, target=spec.target, drafts=sources)

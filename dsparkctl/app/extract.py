@@ -15,6 +15,9 @@ from dsparkctl.checkpoint.source import open_local
 from dsparkctl.errors import UsageError, option
 
 
+MIN_SHARD_SIZE = 100_000  # smaller shards only multiply files: a draft of 1-byte shards is one file per tensor
+
+
 @dataclass(frozen=True)
 class ExtractSpec:
     """Everything `extract` runs (`run_extract` checks it)."""
@@ -38,9 +41,9 @@ def run_extract(spec: ExtractSpec, *, on_bytes: Callable[[int, int], None] | Non
     if spec.dequantize not in (None, "bf16"):
         raise UsageError(f"{option('dequantize')} {spec.dequantize!r} is not supported",
                          hint=f"use {option('dequantize')} bf16")
-    if spec.max_shard_size < 1:
-        raise UsageError(f"{option('max_shard_size')} {spec.max_shard_size} is less than one byte",
-                         hint="give the largest shard in bytes, e.g. 5000000000")
+    if spec.max_shard_size < MIN_SHARD_SIZE:
+        raise UsageError(f"{option('max_shard_size')} {spec.max_shard_size} bytes is below the minimum of "
+                         f"{MIN_SHARD_SIZE:,} bytes (100KB)", hint=f"use e.g. {option('max_shard_size')} 5GB")
     out = spec.out_dir
     if out.exists():
         raise UsageError(f"{out} already exists", hint="choose a new output folder or delete the old one")

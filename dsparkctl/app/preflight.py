@@ -14,6 +14,7 @@ its outputs first and `check_outputs` refuses, before anything runs:
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,10 +35,37 @@ class Output:
 
 
 def figure_formats() -> list[str]:
-    """Suffixes (without the dot) that `plots.save_figure` can write."""
+    """Suffixes (without the dot) that `plots.save_figure` can write on this machine (`can_write_figure`)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    return sorted(FigureCanvasAgg.get_supported_filetypes())
+    return [f for f in sorted(FigureCanvasAgg.get_supported_filetypes()) if can_write_figure(f)]
+
+
+@functools.lru_cache(maxsize=None)
+def can_write_figure(fmt: str) -> bool:
+    """Whether `save_figure` can write format `fmt`: a small figure with text, a legend and our
+    metadata is rendered to memory, as the real one will be. matplotlib lists formats it cannot
+    write without a program or package this machine may lack (pgf needs LaTeX, jpg/webp Pillow)."""
+    import io
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from dsparkctl.plots import FIGURE_MARK, pyplot
+
+    if fmt not in FigureCanvasAgg.get_supported_filetypes():
+        return False
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(1, 1))
+    try:
+        ax.plot([0, 1], [0, 1], label="τ ≤ γ")
+        ax.set_title("β")
+        ax.legend()
+        fig.savefig(io.BytesIO(), format=fmt, dpi=10, bbox_inches="tight", metadata=FIGURE_MARK.get(fmt))
+        return True
+    except Exception:  # noqa: BLE001 - whatever stops the writer (a missing program, package or font)
+        return False
+    finally:
+        plt.close(fig)
 
 
 def check_outputs(outputs: Sequence[Output], inputs: Sequence[Path] = (),
@@ -84,8 +112,8 @@ def _check_one(o: Output) -> None:
             raise UsageError(f"{o.option} {p} is {what}", hint="give a file path, e.g. <folder>/result.json")
     if o.kind == "figure":
         fmt = p.suffix.lower().lstrip(".") or "png"  # save_figure's rule
-        formats = figure_formats()
-        if fmt not in formats:
+        if not can_write_figure(fmt):
+            formats = figure_formats()
             raise UsageError(f"{o.option} {p}: cannot write figures of type {p.suffix!r}",
                              hint=f"use one of {', '.join('.' + f for f in formats)}")
     why = cannot_create(p)

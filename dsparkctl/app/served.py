@@ -38,7 +38,8 @@ def run_served(spec: ServedSpec, *, log: Callable[[str], None] = lambda m: None)
     check_outputs([Output(spec.out, option("out"))] if spec.out else [],
                   inputs=local + ([spec.offline] if spec.offline else []))
     if spec.offline_measure is not None and spec.offline_measure not in MEASURES:
-        raise UsageError(f"{option('offline_measure')} must be live or teacher-forced, got {spec.offline_measure!r}")
+        raise UsageError(f"{option('offline_measure')} must be live or teacher-forced, got {spec.offline_measure!r}",
+                         f"use {option('offline_measure')} live or teacher-forced")
     if spec.offline is None and (spec.offline_dataset or spec.offline_draft or spec.offline_measure
                                  or spec.fail_on_mismatch):
         raise UsageError(f"{option('offline_dataset')}, {option('offline_draft')}, {option('offline_measure')} and "

@@ -12,6 +12,7 @@ from dsparkctl.app.preflight import Output, check_outputs, local_inputs
 from dsparkctl.checks import check_positive
 from dsparkctl.engine.session import open_target
 from dsparkctl.errors import UsageError, option
+from dsparkctl.locks import wait_limit
 from dsparkctl.models.draft_io import check_draft_destination
 from dsparkctl.train.draft_init import check_embeddings_export
 from dsparkctl.train.job import export_checkpoint, train_draft
@@ -47,6 +48,7 @@ def run_train(spec: TrainSpec, *, log: Callable[[str], None] = print,
     `on_start(steps)`: the recipe's step count, once the target is loaded and training begins."""
 
     rec = load_recipe(spec.recipe, spec.overrides)
+    wait_limit()  # a $DSPARKCTL_LOCK_WAIT_S that is no number is refused now, not when a lock is met
     if (spec.with_embeddings or spec.export_step is not None) and spec.out is None:
         raise UsageError(f"{option('with_embeddings')} and {option('export_step')} need {option('out')} FOLDER",
                          f"e.g. {option('out')} my-draft")

@@ -9,8 +9,11 @@ fetches config, index, tokenizer files and only the shards that hold draft tenso
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
+import socket
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -33,6 +36,26 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 def endpoint() -> str:
     """HF_ENDPOINT read now (huggingface_hub freezes it at import), else the library's setting."""
     return os.environ.get("HF_ENDPOINT", "").rstrip("/") or constants.ENDPOINT
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the hub's host takes a TCP connection within `timeout` seconds (never under
+    HF_HUB_OFFLINE). Asked before the hub is used (once per endpoint and process): an offline
+    machine reads its cache at once and is told in one line, not after half a minute of retries."""
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE"):
+        return False
+    return _answers(endpoint(), timeout)
+
+
+@functools.lru_cache(maxsize=8)
+def _answers(url: str, timeout: float) -> bool:
+    parts = urllib.parse.urlsplit(url)
+    try:
+        with socket.create_connection((parts.hostname or "", parts.port or (80 if parts.scheme == "http" else 443)),
+                                      timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def looks_like_repo(source: str) -> bool:
@@ -136,13 +159,15 @@ def _file_size(headers: dict) -> int:
 def open_remote(repo: str, revision: str | None = None, token: str | bool | None = None) -> Checkpoint:
     """A Checkpoint of a hub repo from config + index + shard headers only."""
     check_repo_id(repo)
-    if constants.HF_HUB_OFFLINE:
+    if not hub_reachable():
         with hub_errors(repo):
             try:
                 folder = huggingface_hub.snapshot_download(repo, revision=revision, local_files_only=True)
             except Exception:  # noqa: BLE001 - any cache miss
-                raise CheckpointError(f"{repo}: offline mode and not in the local cache",
-                                      hint="unset HF_HUB_OFFLINE or run `dsparkctl download` first") from None
+                raise CheckpointError(f"{repo}: no such local folder, the hub cannot be reached (offline, or "
+                                      "HF_HUB_OFFLINE) and it is not in the local hub cache",
+                                      hint="check the folder's path, or connect (unset HF_HUB_OFFLINE) and run "
+                                      "again") from None
         return open_local(Path(folder))
     remote = _Remote(repo, revision, token)
     with hub_errors(repo):

@@ -23,11 +23,13 @@ WithHeadOpt = Annotated[bool, typer.Option("--with-head", help="Also take the ta
 
 def parse_size(text: str, option: str = "--max-shard-size") -> int:
     """'5GB' -> 5_000_000_000, '512MiB' -> 536_870_912, '1000' -> 1000."""
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?)[bB]?", text.strip())
+    m = re.fullmatch(r"([0-9]{1,15}(?:\.[0-9]{1,15})?) ?([kKmMgGtT]?)(i?)[bB]?", text)  # ASCII digits only
     if not m:
         raise UsageError(f"{option} {text!r} is not a size", hint="use e.g. 5GB, 500MB or 2GiB")
     base = 1024 if m.group(3) else 1000
     size = int(float(m.group(1)) * base ** "_KMGT".index(m.group(2).upper() or "_"))
+    if size > 2 ** 50:
+        raise UsageError(f"{option} {text!r} is more than a petabyte", hint="use e.g. 5GB, 500MB or 2GiB")
     if size < 1:
         raise UsageError(f"{option} {text!r} is less than one byte", hint="use e.g. 5GB, 500MB or 2GiB")
     return size

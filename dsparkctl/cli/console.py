@@ -14,6 +14,16 @@ from typing import Any, Callable, Iterator
 from rich.console import Console
 from rich.text import Text
 
+def robust_streams() -> None:
+    """Printing never fails: on a stdout/stderr that cannot encode a character (PYTHONIOENCODING=ascii,
+    a latin-1 terminal) the character is written as an escape (`\\xe9`) instead of raising after the
+    work is done. Called once, by the entry point."""
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            with contextlib.suppress(ValueError, OSError):
+                stream.reconfigure(errors="backslashreplace")
+
+
 # Markup is off on both consoles: user text (paths, prompts, config values) is never parsed as
 # rich markup. Our own styling goes through `styled`, which builds Text objects.
 out = Console(soft_wrap=True, markup=False)  # results

@@ -9,6 +9,7 @@ module's `register(app)`; the JSON flag is always the parameter `json_out: JsonO
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Any, Callable, Mapping, TypeVar
 
 import typer
@@ -66,6 +67,32 @@ def option_names(fn: Callable[..., Any], fields: Mapping[str, str] | None = None
     return by_flag | names | {field: names.get(param, param) for field, param in (fields or {}).items()}
 
 
+# Options that take a local folder or a hub id as a string: a leading "~" is a home folder, as for Path options
+PATH_OR_ID = frozenset({"target", "draft", "dataset", "model", "offline_dataset", "offline_draft", "sources", "repo"})
+
+
+def _home(value: Any, path_or_id: bool) -> Any:
+    """`value` with a leading "~" expanded: the shell leaves it in `--out=~/x` (and in quotes)."""
+    if isinstance(value, Path) and (str(value) == "~" or str(value).startswith("~/")):
+        return value.expanduser()
+    if path_or_id and isinstance(value, str) and (value == "~" or value.startswith("~/")):
+        return str(Path(value).expanduser())
+    if isinstance(value, (list, tuple)):
+        return type(value)(_home(v, path_or_id) for v in value)
+    return value
+
+
+def prepared(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A command's arguments as its body takes them: every number in range (an int that fits int64,
+    a finite float; `checks.check_number_range`) and every path with its "~" expanded."""
+    from dsparkctl.checks import check_number_range
+
+    for name, value in kwargs.items():
+        for v in value if isinstance(value, (list, tuple)) else (value,):
+            check_number_range(v, name)
+    return {name: _home(v, name in PATH_OR_ID) for name, v in kwargs.items()}
+
+
 def guarded(fn: F | None = None, *, fields: Mapping[str, str] | None = None) -> Any:
     """Run a command; map library errors to a one-line message and a non-zero exit. Messages name
     the library's fields (`errors.option`) as this command's flags (`option_names(fn, fields)`)."""
@@ -93,6 +120,7 @@ def guarded(fn: F | None = None, *, fields: Mapping[str, str] | None = None) -> 
 
         set_command(fn.__name__.removesuffix("_cmd").replace("_", "-"))  # what the ledger records as the writer of its outputs
         try:
+            kwargs = prepared(kwargs)
             if isinstance(kwargs.get("seed"), int):
                 from dsparkctl.checks import check_seed
                 check_seed(kwargs["seed"])
@@ -118,7 +146,8 @@ def guarded(fn: F | None = None, *, fields: Mapping[str, str] | None = None) -> 
             if STATE["debug"]:
                 raise
             _environment_error(exc, say, label)
-            say(error_line(label, f"{type(exc).__name__}: {exc}"), highlight=False)
+            say(error_line(label, f"{type(exc).__name__}: {exc} (fix: check that path and its permissions; "
+                                  "--debug shows where it happened)"), highlight=False)
             raise typer.Exit(1) from None
         except Exception as exc:  # noqa: BLE001 - last-resort one-liner
             if STATE["debug"]:

@@ -90,6 +90,9 @@ def main() -> None:
     """Run the app; a command-line mistake (unknown option, bad value) is one line on stderr, exit 2."""
     import sys
 
+    from dsparkctl.cli.console import robust_streams
+
+    robust_streams()
     no_args, usage, aborted = _click_exceptions()
     try:
         code = app(standalone_mode=False)

@@ -10,6 +10,7 @@ from typing import Annotated, Any, Sequence
 
 import typer
 
+from dsparkctl.checks import ascii_int
 from dsparkctl.engine.session import CPU_KERNELS
 from dsparkctl.errors import UsageError
 from dsparkctl.models.loading import DTYPES
@@ -101,10 +102,9 @@ def int_list(text: str, option: str, maximum: int = INT_LIST_MAX) -> list[int]:
     """A comma-separated list of positive integers up to `maximum` given to `option` (e.g.
     "--requests 1,2,4"): a typo such as 99999999999 is refused here, not by an allocation of
     terabytes later."""
-    try:
-        vals = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise UsageError(f"{option} must be comma-separated integers, got {text!r}", f"e.g. {option} 1,2,4") from None
+    vals = [ascii_int(x.strip(" ")) for x in text.split(",") if x.strip(" ")]  # not "５", "1_0" or a newline
+    if any(v is None for v in vals):
+        raise UsageError(f"{option} must be comma-separated integers, got {text!r}", f"e.g. {option} 1,2,4")
     if not vals or any(v < 1 for v in vals):
         raise UsageError(f"{option} must be positive integers, got {text!r}", f"e.g. {option} 1,2,4")
     big = [v for v in vals if v > maximum]

@@ -41,6 +41,7 @@ def _package_file(pkg: str, rel: str, pip_name: str) -> Path:
 
 
 _UTF8_HINT = "save the prompt file as UTF-8"
+_JSON_HINT = "fix the JSON at that line (one object per line in .jsonl)"
 
 
 def read_text(path: Path) -> str:
@@ -64,9 +65,17 @@ def read_text(path: Path) -> str:
         raise InputError(f"{path}: not UTF-8 (byte {raw[exc.start]:#04x} at offset {exc.start})", _UTF8_HINT) from None
 
 
+MAX_PROMPT_CHARS = 1_000_000  # ~250k tokens: past every target's context; tokenizing 100 MB took 12 GB and minutes
+
+
 def check_text(text: str, where: str) -> str:
     """A prompt as text a tokenizer can take: no lone surrogates (bytes that were not UTF-8, or a
-    JSON \\udcxx escape) and no NUL."""
+    JSON \\udcxx escape), no NUL, and at most MAX_PROMPT_CHARS characters (refused before any
+    tokenizer sees it)."""
+    if len(text) > MAX_PROMPT_CHARS:
+        raise InputError(f"{where}: the prompt is {len(text):,} characters long; prompts longer than "
+                         f"{MAX_PROMPT_CHARS:,} characters (about {MAX_PROMPT_CHARS // 4:,} tokens, more than a "
+                         "target's context) are refused", "shorten the prompt, or split it into several")
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
@@ -81,9 +90,10 @@ def _json(text: str, where: str) -> Any:
     try:
         return loads(text)
     except json.JSONDecodeError as exc:
-        raise InputError(f"{where}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        raise InputError(f"{where}: not valid JSON ({exc.msg} at line {exc.lineno})", _JSON_HINT) from None
     except (ValueError, RecursionError) as exc:
-        raise InputError(f"{where}: not valid JSON ({str(exc).splitlines()[0] if str(exc) else 'too deeply nested'})") from None
+        raise InputError(f"{where}: not valid JSON ({str(exc).splitlines()[0] if str(exc) else 'too deeply nested'})",
+                         _JSON_HINT) from None
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -136,17 +146,17 @@ def load_conversations(dataset: str, field: str | None = None,
                          f"with {option('response_field')}", f"set {option('response_field')}, or use data.source = \"regenerate\"")
     rows = _read_jsonl(path) if path.suffix in (".jsonl", ".gz") else _json(read_text(path), str(path))
     if not isinstance(rows, list):
-        raise InputError(f"{path}: expected a list of objects")
+        raise InputError(f"{path}: expected a list of objects", 'e.g. [{"prompt": "...", "response": "..."}]')
     out = []
     for i, row in enumerate(rows):
         where = f"{path} row {i + 1}"
         if not isinstance(row, dict):
-            raise InputError(f"{where}: expected an object")
+            raise InputError(f"{where}: expected an object", 'e.g. {"prompt": "...", "response": "..."}')
         p, r = _field_value(row, field, where), _field_value(row, response_field, where, "response_field")
         if p.strip() and r.strip():
             out.append((p, r))
     if not out:
-        raise InputError(f"{path}: no row has both a prompt and a response")
+        raise InputError(f"{path}: no row has both a prompt and a response", 'give rows such as {"prompt": "...", "response": "..."}')
     return out
 
 
@@ -206,7 +216,7 @@ def load_prompts(dataset: str, field: str | None = None, limit: int | None = Non
             return prompts[:limit] if limit else prompts
         rows = _file_rows(path, suffix)
     elif path.exists():
-        raise InputError(f"{path} is not a file")
+        raise InputError(f"{path} is not a file", "point at a prompt file (.txt, .json, .jsonl or .parquet)")
     elif "/" in dataset and not dataset.startswith((".", "/", "~")):
         rows = _hub_rows(dataset, split)
     else:
@@ -277,7 +287,8 @@ def _row_prompts(rows: Sequence[Any], dataset: str, field: str | None, limit: in
         elif isinstance(row, dict):
             v = _field_value(row, field, where)
         else:
-            raise InputError(f"{where}: expected an object or a string, got {type(row).__name__}")
+            raise InputError(f"{where}: expected an object or a string, got {type(row).__name__}",
+                             'each row is a string or an object such as {"prompt": "..."}')
         if not v.strip():
             raise InputError(f"{where}: empty prompt", "remove empty rows from the prompt set")
         prompts.append(v)
@@ -341,14 +352,16 @@ def prompt_texts(args: Sequence[str] | None, prompts_file: str | Path | None, da
     """The prompts a command runs on: its arguments, a file, or a named set (one source at most)."""
     sources = sum(x is not None and x != [] for x in (args, prompts_file, dataset))
     if sources > 1:
-        raise UsageError(f"give prompts as arguments, {option('prompts_file')} or {option('dataset')}, not several")
+        raise UsageError(f"give prompts as arguments, {option('prompts_file')} or {option('dataset')}, not several",
+                         "give one source of prompts")
     if args:
         texts = [check_text(p, f"prompt argument {i + 1}") for i, p in enumerate(args)]
         if any(not p.strip() for p in texts):
             raise InputError("an empty prompt was given", "remove the empty argument")
     elif prompts_file is not None:
         if not Path(prompts_file).is_file():
-            raise InputError(f"prompt file {prompts_file} does not exist or is not a file")
+            raise InputError(f"prompt file {prompts_file} does not exist or is not a file",
+                             "point at a prompt file (.txt, .json, .jsonl or .parquet)")
         texts = load_prompts(str(prompts_file), field=field, limit=limit)
     elif dataset is not None:
         texts = load_prompts(dataset, field=field, limit=limit)

@@ -25,6 +25,9 @@ CALIBRATION_FORMAT = "dsparkctl-calibration/1"
 MAX_SHARD_GAMMA = 256
 
 
+_SHARD_HINT = "give a shard SGLang wrote (a .pt of plain tensors: logits and prefix_mask [N, γ])"
+
+
 def read_sglang_shard(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor]:
     """One shard SGLang writes under SGLANG_DSPARK_STS_COLLECT_PATH (`<stem>.<n>.pt`, sglang
     `dspark_sts.py` StsDataRecorder): {"logits": [N, γ] raw confidence logits, "prefix_mask":
@@ -33,7 +36,7 @@ def read_sglang_shard(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tens
     plain tensors is refused, never unpickled. Returns (logits [N, γ] float64, accepted [N])."""
     path = Path(path)
     if not path.is_file():
-        raise InputError(f"STS shard {path} does not exist or is not a regular file")
+        raise InputError(f"STS shard {path} does not exist or is not a regular file", _SHARD_HINT)
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - weights_only's unpickler raises many kinds on hostile bytes
@@ -46,24 +49,24 @@ def read_sglang_shard(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tens
     logits, mask = obj["logits"], obj["prefix_mask"]
     for name, t in (("logits", logits), ("prefix_mask", mask)):
         if not torch.is_tensor(t) or t.layout != torch.strided or t.dim() != 2 or not t.is_floating_point():
-            raise InputError(f"{path}: {name} must be a 2-D float tensor [N, γ]")
+            raise InputError(f"{path}: {name} must be a 2-D float tensor [N, γ]", _SHARD_HINT)
     if logits.shape != mask.shape or logits.shape[1] < 1:
-        raise InputError(f"{path}: logits {list(logits.shape)} and prefix_mask {list(mask.shape)} differ")
+        raise InputError(f"{path}: logits {list(logits.shape)} and prefix_mask {list(mask.shape)} differ", _SHARD_HINT)
     if logits.shape[1] > MAX_SHARD_GAMMA:
         raise InputError(f"{path}: {logits.shape[1]} positions per row; no DSpark block is that long "
                          f"(at most {MAX_SHARD_GAMMA})", "pass SGLang's STS shards [N, γ]")
     if not bool(torch.isfinite(logits).all()):
-        raise InputError(f"{path}: logits hold NaN or infinite values")
+        raise InputError(f"{path}: logits hold NaN or infinite values", _SHARD_HINT)
     m = mask.to(torch.float64)
     if not bool(((m == 0) | (m == 1)).all()) or bool((m[:, 1:] > m[:, :-1]).any()):
-        raise InputError(f"{path}: prefix_mask must be 0/1 and non-increasing along positions (a prefix)")
+        raise InputError(f"{path}: prefix_mask must be 0/1 and non-increasing along positions (a prefix)", _SHARD_HINT)
     keep = torch.ones(m.shape[0], dtype=torch.bool)
     if "observed_mask" in obj:
         obs = obj["observed_mask"]
         if not torch.is_tensor(obs) or obs.layout != torch.strided or obs.shape != m.shape:
-            raise InputError(f"{path}: observed_mask must be a tensor shaped like logits {list(m.shape)}")
+            raise InputError(f"{path}: observed_mask must be a tensor shaped like logits {list(m.shape)}", _SHARD_HINT)
         if not bool(((obs == 0) | (obs == 1)).all()):
-            raise InputError(f"{path}: observed_mask must hold 0/1 only")
+            raise InputError(f"{path}: observed_mask must hold 0/1 only", _SHARD_HINT)
         keep = obs.to(torch.float64).min(dim=1).values > 0  # fully observed rows
     return logits.to(torch.float64)[keep], m[keep].sum(dim=1).long()
 

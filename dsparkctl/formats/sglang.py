@@ -75,7 +75,7 @@ def sglang_file(path: Path, kind: str) -> Path:
     d = read(path, "SPS table" if kind == "sps" else "calibration file",
              "write it with `dsparkctl profile-sps`" if kind == "sps" else "write it with `dsparkctl calibrate`")
     if not isinstance(d, dict):
-        raise InputError(f"{path}: expected a JSON object")
+        raise InputError(f"{path}: expected a JSON object", "give the JSON file dsparkctl or SGLang wrote")
     if kind == "sps" and d.get("format") in SPS_FORMATS:
         twin = twin_path(path)
         if not twin.is_file():

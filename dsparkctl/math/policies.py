@@ -137,14 +137,16 @@ class Policy:
                 raise UsageError(f"policy {self.spec!r} needs confidence logits but the draft has no "
                                  "confidence head", "use static:K (e.g. static:1 = MTP-1)")
             if block_size is None or num_requests is None:
-                raise UsageError("without confidence logits pass block_size and num_requests")
+                raise UsageError("without confidence logits pass block_size and num_requests",
+                                 "pass block_size and num_requests, or the confidence logits")
             a = torch.zeros(1, num_requests, block_size, dtype=torch.float64)
         else:
             if conf_logits.dim() != 2:
-                raise UsageError(f"confidence logits must be [R, γ], got shape {tuple(conf_logits.shape)}")
+                raise UsageError(f"confidence logits must be [R, γ], got shape {tuple(conf_logits.shape)}",
+                                 "pass one row of γ logits per request")
             if block_size is not None and conf_logits.shape[1] != block_size:
                 raise UsageError(f"confidence logits have {conf_logits.shape[1]} positions, "
-                                 f"block size is {block_size}")
+                                 f"block size is {block_size}", "pass logits from a draft of this block size")
             a = (self.survival(conf_logits) if self.requires_confidence
                  else torch.zeros(conf_logits.shape, dtype=torch.float64)).unsqueeze(0)
         return self.choose_batched(a, state if state is not None else self.state)[0]

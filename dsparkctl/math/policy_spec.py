@@ -11,6 +11,7 @@ from typing import Sequence
 
 import torch
 
+from dsparkctl.checks import ascii_float, ascii_int
 from dsparkctl.errors import UsageError
 from dsparkctl.math.policies import Budget, DSpark, DSparkAsync, Policy, Retrospective, Static, Survival, Threshold
 from dsparkctl.math.sps import SPSTable
@@ -46,10 +47,9 @@ def parse_spec(spec: str) -> tuple[type[Policy], int | float | None]:
     if not arg:
         raise UsageError(f"policy {spec!r} needs an argument", hint)
     kind, lo, hi = _ARG_RANGE[cls.arg]
-    try:
-        v = kind(arg)
-    except ValueError:
-        raise UsageError(f"policy {spec!r}: {arg!r} is not a valid {kind.__name__}", hint) from None
+    v = (ascii_int if kind is int else ascii_float)(arg)  # int() would take "５", "1_0", " 3"; float() "nan"
+    if v is None:
+        raise UsageError(f"policy {spec!r}: {arg!r} is not a valid {kind.__name__} (ASCII digits)", hint)
     if v != v or v < lo or (hi is not None and v > hi):  # v != v: NaN, which passes both bounds
         raise UsageError(f"policy {spec!r}: argument must be in [{lo}, {hi if hi is not None else '∞'}]", hint)
     return cls, v

@@ -96,7 +96,7 @@ def draft_fields(d: Any, source: str = "config.json") -> dict[str, Any]:
     (when the top level has no hidden_size), the nested draft fields resolved (`resolve_nested`);
     refused when it is not an object, names an unknown architecture or lacks a REQUIRED field."""
     if not isinstance(d, dict):
-        raise CheckpointError(f"{source}: expected a JSON object")
+        raise CheckpointError(f"{source}: expected a JSON object", "config.json must be a JSON object of the draft's settings")
     check_architectures(d, source)
     if "text_config" in d and d.get("hidden_size") is None:
         if not isinstance(d["text_config"], dict):

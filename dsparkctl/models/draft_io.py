@@ -7,6 +7,7 @@ target on vocabulary, width and tapped layers.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch
 
-from dsparkctl.checkpoint.hub import TOKENIZER_FILES, check_repo_id, endpoint, hub_errors
+from dsparkctl.checkpoint.hub import TOKENIZER_FILES, check_repo_id, endpoint, hub_errors, hub_reachable
 from dsparkctl.checkpoint.source import INDEX, SINGLE, parse_index
 from dsparkctl.errors import CheckpointError, InputError, ModelMismatchError, option
 from dsparkctl.files.atomic import atomic_dir, cannot_create
@@ -41,15 +42,18 @@ def resolve_folder(source: str | os.PathLike, revision: str | None = None) -> Pa
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
     check_repo_id(s)  # an invalid id is invalid, not "missing from the cache"
+    online = hub_reachable()  # offline: the cache at once, not retries with backoff
 
     def fetch(name: str, optional: bool = False) -> Path | None:
         try:
-            return Path(huggingface_hub.hf_hub_download(s, name, revision=revision, endpoint=endpoint()))
+            return Path(huggingface_hub.hf_hub_download(s, name, revision=revision, endpoint=endpoint(),
+                                                        local_files_only=not online))
         except LocalEntryNotFoundError:  # no network (or offline) and not cached: not "the repo has no ..."
             if optional:
                 return None
-            raise InputError(f"{s}: cannot reach the hub, and {name} is not in the local hub cache",
-                             "check the network or HF_ENDPOINT, or pass a local folder") from None
+            raise InputError(f"{s}: no such local folder, the hub cannot be reached and {name} is not in the "
+                             "local hub cache", "check the folder's path, or connect (or set HF_ENDPOINT) and run "
+                             "again") from None
         except EntryNotFoundError:
             if optional:
                 return None
@@ -68,6 +72,16 @@ def resolve_folder(source: str | os.PathLike, revision: str | None = None) -> Pa
     return config.parent
 
 
+def check_readable(folder: Path) -> None:
+    """Refuse a model folder holding a file we may not read (config, weights, tokenizer): it is there,
+    so it is not "missing", and no download fixes it; its permissions do."""
+    with contextlib.suppress(OSError):
+        for f in sorted(folder.iterdir()):
+            if f.is_file() and not os.access(f, os.R_OK):
+                raise InputError(f"{f} is not readable (permission denied)",
+                                 f"make it readable (chmod u+r {f}) or run as its owner")
+
+
 def _weight_files(folder: Path) -> list[Path]:
     """The draft's safetensors files: the shards its index names (each checked to stay inside the
     folder by the checkpoint readers' own rule, `checkpoint.source.check_shard_name`), or the
@@ -79,7 +93,8 @@ def _weight_files(folder: Path) -> list[Path]:
         for name in sorted(set(parse_index(index.read_bytes(), str(index)).values())):
             f = (folder / name).resolve()
             if root not in f.parents:  # a symlinked shard may still lead out
-                raise CheckpointError(f"{index}: entry {name!r} points outside the checkpoint folder")
+                raise CheckpointError(f"{index}: entry {name!r} points outside the checkpoint folder",
+                                      "use a checkpoint whose index names only shards in its own folder")
             if not f.is_file():
                 raise CheckpointError(f"{index}: shard {name} is missing or not a regular file",
                                       "re-download the checkpoint")
@@ -95,11 +110,15 @@ def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError, safe_open
 
     tensors: dict[str, torch.Tensor] = {}
+    check_readable(folder)
     for f in _weight_files(folder):
         try:
             with safe_open(str(f), framework="pt") as fh:
                 for k in fh.keys():
                     tensors[k] = fh.get_tensor(k)
+        except PermissionError:
+            raise InputError(f"{f} is not readable (permission denied)",
+                             f"make it readable (chmod u+r {f}) or run as its owner") from None
         except (SafetensorError, OSError, ValueError) as exc:
             raise CheckpointError(f"{f}: unreadable safetensors file ({str(exc).splitlines()[0]})",
                                   "re-download or re-extract the draft") from None
@@ -159,7 +178,7 @@ def read_draft_config(folder: Path, source: str | None = None) -> DraftConfig:
     try:
         raw = strict_loads(cfg_path.read_bytes())
     except (ValueError, UnicodeDecodeError) as exc:  # StrictJSONError is a ValueError
-        raise CheckpointError(f"{where}: not valid JSON ({exc})") from None
+        raise CheckpointError(f"{where}: not valid JSON ({exc})", "fix or re-download config.json") from None
     return DraftConfig.from_dict(raw, where)
 
 
@@ -167,6 +186,7 @@ def load_draft(source: str | os.PathLike, target: Any | None = None, revision: s
                dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> DSparkDraft:
     """Load a DeepSpec DSpark/DFlash draft; borrow embed/LM head from `target` (a TargetAdapter)."""
     folder = resolve_folder(source, revision)
+    check_readable(folder)  # a file there that we may not read is no missing or damaged file
     cfg = read_draft_config(folder)
     state = read_state_dict(folder)
     if "d2t" in state and "draft_vocab_ids" not in state:  # vLLM's reduced form (save_draft_for_vllm)
@@ -177,7 +197,8 @@ def load_draft(source: str | os.PathLike, target: Any | None = None, revision: s
     if "fc.weight" in state and state["fc.weight"].shape[1] != len(cfg.target_layer_ids) * cfg.hidden_size:
         raise CheckpointError(f"{folder}: fc.weight has shape {tuple(state['fc.weight'].shape)}, expected "
                               f"[{cfg.hidden_size}, {len(cfg.target_layer_ids) * cfg.hidden_size}] for "
-                              f"{len(cfg.target_layer_ids)} tapped layers")
+                              f"{len(cfg.target_layer_ids)} tapped layers",
+                              "fix target_layer_ids in config.json to the layers these weights were trained on")
     if "layers.0.self_attn.q_norm.weight" not in state and any(k.startswith("layers.0.") for k in state):
         cfg = cfg.replace(qk_norm=False)
     if target is not None:
@@ -197,7 +218,8 @@ def load_draft(source: str | os.PathLike, target: Any | None = None, revision: s
                                   else "the checkpoint is incomplete")
         if tuple(state[name].shape) != tuple(ref.shape):
             raise CheckpointError(f"{folder}: tensor {name} has shape {tuple(state[name].shape)}, "
-                                  f"expected {tuple(ref.shape)} from config.json")
+                                  f"expected {tuple(ref.shape)} from config.json",
+                                  "use the config.json written with these weights")
     if "draft_vocab_ids" in state:
         check_draft_vocab(state["draft_vocab_ids"], cfg, str(folder))
     missing_ok = [k for k in BORROWED if k not in state]

@@ -89,7 +89,8 @@ def embedded_target_dir(log=print) -> Path:
     missing, unexpected = plain.load_state_dict(gguf_model.state_dict(), strict=False)
     # tied embeddings: lm_head.weight may be absent from the GGUF state dict
     if unexpected or any(k != "lm_head.weight" for k in missing):
-        raise InputError(f"unexpected tensors converting {src.name}: missing={missing} unexpected={unexpected}")
+        raise InputError(f"unexpected tensors converting {src.name}: missing={missing} unexpected={unexpected}",
+                         "delete the embedded model's cache folder and run again")
     if out.exists():
         shutil.rmtree(out)
     with atomic_dir(out, each_rank=True) as tmp:  # under torchrun every rank may convert it (same result)

@@ -16,7 +16,7 @@ import torch
 
 from dsparkctl.distributed import rank_device, world
 from dsparkctl.errors import InputError, UsageError, option
-from dsparkctl.models.draft_io import resolve_folder
+from dsparkctl.models.draft_io import check_readable, resolve_folder
 from dsparkctl.models.embedded import EMBEDDED_NAME, embedded_target_dir, quiet_transformers
 
 EMBEDDED = "embedded"  # --target: the embedded SmolLM2 (as is an unset or empty --target)
@@ -95,6 +95,7 @@ def load_target(spec: str | None, device: torch.device, dtype: torch.dtype, revi
         folder, name = resolve_folder(spec, revision), str(spec)
     if not (folder / "config.json").is_file():
         raise InputError(f"{folder} has no config.json", "pass a transformers model folder or hub id")
+    check_readable(folder)
     if parallel not in TARGET_PARALLEL:
         raise UsageError(f"unknown {option('target_parallel')} {parallel!r}", f"use one of {', '.join(TARGET_PARALLEL)}")
     kw: dict = {}

@@ -288,6 +288,9 @@ def check_positions(model: Any, ids: Sequence[Sequence[int]], max_new_tokens: in
     limit = position_limit(model)
     longest = max(len(p) for p in ids)
     name = option("max_new_tokens")
+    if limit is not None and longest + block_size + 2 > limit:  # the prompt alone leaves no room for one token
+        raise UsageError(f"the longest prompt ({longest} tokens) fills the target's {limit} positions "
+                         "(max_position_embeddings)", f"shorten it to at most {max(1, limit - block_size - 2)} tokens")
     if limit is not None and longest + max_new_tokens + block_size + 1 > limit:
         raise UsageError(f"the longest prompt ({longest} tokens) + {name} {max_new_tokens} runs past "
                          f"the target's {limit} positions (max_position_embeddings)",

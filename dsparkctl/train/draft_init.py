@@ -177,7 +177,8 @@ def pick_mask_token(recipe: Recipe, tokenizer: Any, vocab: int) -> int:
     if recipe.draft.mask_token_id is not None:
         m = int(recipe.draft.mask_token_id)
         if not 0 <= m < vocab:
-            raise InputError(f"draft.mask_token_id {m} is outside the vocabulary (size {vocab})")
+            raise InputError(f"draft.mask_token_id {m} is outside the vocabulary (size {vocab})",
+                             f"use a token id below {vocab}, or leave draft.mask_token_id unset")
         return m
     pad = getattr(tokenizer, "pad_token_id", None)
     return int(pad) if pad is not None else 0

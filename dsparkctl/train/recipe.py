@@ -173,14 +173,14 @@ def recipe_from_dict(raw: Mapping[str, Any], source: str = "recipe") -> Recipe:
     for key, value in raw.items():
         if key == "name":
             if not isinstance(value, str) or not value:
-                raise InputError(f"{source}: name must be a non-empty string")
+                raise InputError(f"{source}: name must be a non-empty string", 'e.g. name = "my-draft"')
             kw["name"] = value
             continue
         if key not in SECTIONS:
             raise InputError(f"{source}: unknown recipe key {key!r}",
                              f"use name or the sections {', '.join(SECTIONS)}")
         if not isinstance(value, Mapping):
-            raise InputError(f"{source}: [{key}] must be a table")
+            raise InputError(f"{source}: [{key}] must be a table", f"write it as a [{key}] section")
         cls = SECTIONS[key]
         defaults = {f.name: _type_default(cls, f) for f in dataclasses.fields(cls)}
         fields = {}
@@ -216,7 +216,8 @@ def validate(r: Recipe, source: str) -> None:
     found, section by section (draft, optim, data and eval), then the upper limits (UPPER_LIMITS),
     then `optim.init_from`, which must be a draft folder whose config reads."""
     def bad(msg: str, hint: str | None = None) -> NoReturn:
-        raise InputError(f"{source}: {msg}", hint)
+        raise InputError(f"{source}: {msg}", hint or f"change that value in the recipe, or override it with "
+                         f"{option('overrides')} section.key=value")
     _check_draft(r.draft, bad)
     _check_optim(r.optim, bad)
     if not NAME_RE.fullmatch(r.name):
@@ -229,7 +230,8 @@ def validate(r: Recipe, source: str) -> None:
         sec, name = key.split(".")
         value = getattr(getattr(r, sec), name)
         if value is not None and value > limit:
-            bad(f"{key} {value:,} is more than {limit:,}", "check the value: no draft or run needs more")
+            shown = f"(a number of {len(str(value))} digits)" if isinstance(value, int) and value >= 10 ** 24 else f"{value:,}"
+            bad(f"{key} {shown} is more than {limit:,}", f"use at most {limit:,}: no draft or run needs more")
     if r.optim.init_from:
         _check_init_from(r.optim.init_from, bad)
 
@@ -262,8 +264,9 @@ def _finite(x: float) -> bool:
 
 
 def _check_optim(o: OptimSection, bad: Refuse) -> None:
-    if o.steps < 1 or o.batch_sequences < 1 or o.anchors_per_sequence < 1 or o.checkpoint_every < 1:
-        bad("optim.steps, batch_sequences, anchors_per_sequence and checkpoint_every must be >= 1")
+    for name in ("steps", "batch_sequences", "anchors_per_sequence", "checkpoint_every"):
+        if getattr(o, name) < 1:
+            bad(f"optim.{name} must be >= 1, got {getattr(o, name)}")
     if not (o.lr > 0 and _finite(o.lr)) or not 0 <= o.min_lr_ratio <= 1:
         bad(f"optim.lr must be a finite number > 0 and optim.min_lr_ratio in [0, 1] (got {o.lr}, {o.min_lr_ratio})")
     if not (o.grad_clip > 0 and _finite(o.grad_clip)):
@@ -272,8 +275,11 @@ def _check_optim(o: OptimSection, bad: Refuse) -> None:
         bad(f"optim.weight_decay must be a finite number >= 0, got {o.weight_decay}")
     if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
         bad(f"optim.betas must be two numbers in [0, 1), got {list(o.betas)}")
-    if o.warmup_steps < 0 or o.threads < 0 or any(k < 1 for k in o.keep_checkpoints):
-        bad("optim.warmup_steps and optim.threads must be >= 0 and optim.keep_checkpoints steps >= 1")
+    for name in ("warmup_steps", "threads"):
+        if getattr(o, name) < 0:
+            bad(f"optim.{name} must be >= 0, got {getattr(o, name)}")
+    if any(k < 1 for k in o.keep_checkpoints):
+        bad(f"optim.keep_checkpoints steps must be >= 1, got {list(o.keep_checkpoints)}")
     if len(o.loss_weights) != 3 or any(not (w >= 0 and w < float("inf")) for w in o.loss_weights):
         bad(f"optim.loss_weights must be three finite weights >= 0 (CE, L1, BCE), got {list(o.loss_weights)}")
     if max(o.loss_weights, default=0) < 1e-6:
@@ -285,10 +291,12 @@ def _check_optim(o: OptimSection, bad: Refuse) -> None:
 def _check_data_and_eval(r: Recipe, bad: Refuse) -> None:
     """[data], [eval] and the target's dtype."""
     da = r.data
-    if da.num_prompts < 2 or da.max_new_tokens < 1 or da.batch_size < 1:
-        bad("data.num_prompts must be >= 2, max_new_tokens and batch_size >= 1")
-    if da.temperature < 0 or r.eval.temperature < 0:
-        bad("temperatures must be >= 0")
+    for name, low in (("num_prompts", 2), ("max_new_tokens", 1), ("batch_size", 1)):
+        if getattr(da, name) < low:
+            bad(f"data.{name} must be >= {low}, got {getattr(da, name)}")
+    for key, t in (("data.temperature", da.temperature), ("eval.temperature", r.eval.temperature)):
+        if t < 0:
+            bad(f"{key} must be >= 0, got {t}")
     if not 1 <= r.eval.holdout < da.num_prompts:
         bad(f"eval.holdout must be in [1, data.num_prompts), got {r.eval.holdout}")
     if r.eval.every < 0:
@@ -317,9 +325,26 @@ def _check_init_from(init_from: str, bad: Refuse) -> None:
         raise InputError(exc.message, "give optim.init_from a draft folder `dsparkctl train --out` wrote") from None
 
 
+def _toml(text: str, where: str) -> dict[str, Any]:
+    """TOML text as a dict; what tomllib cannot read is one InputError, also nesting deeper than its
+    parser recurses and an integer of more digits than Python converts (tomllib raises those raw)."""
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise InputError(f"{where}: not valid TOML ({' '.join(str(exc).split())[:200]})",
+                         "fix the TOML syntax at that line") from None
+    except RecursionError:
+        raise InputError(f"{where}: not valid TOML (nested too deeply to read)",
+                         "recipes hold flat tables of plain values") from None
+    except ValueError as exc:  # "Exceeds the limit (4300 digits) for integer string conversion"
+        raise InputError(f"{where}: not valid TOML ({str(exc).split(';')[0][:120]})",
+                         "check the value: no recipe key takes a number of thousands of digits") from None
+
+
 def parse_overrides(pairs: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """`section.key=value` / `key=value` strings -> nested dict (values parsed as TOML)."""
-    unique: dict[str, str] = {}
+    """`section.key=value` / `key=value` strings -> nested dict (values parsed as TOML); the recipe's
+    top-level `name=value` is under the section "" ."""
+    unique: dict[str, str] = {"name": ""}
     clash: set[str] = set()
     for sec, cls in SECTIONS.items():
         for f in dataclasses.fields(cls):
@@ -327,10 +352,10 @@ def parse_overrides(pairs: Sequence[str]) -> dict[str, dict[str, Any]]:
                 clash.add(f.name)
             unique[f.name] = sec
     out: dict[str, dict[str, Any]] = {}
+    example = f"e.g. {option('overrides')} draft.markov_rank=0"
     for pair in pairs:
         if "=" not in pair:
-            raise InputError(f"{option('overrides')} {pair!r}: expected key=value",
-                             f"e.g. {option('overrides')} draft.markov_rank=0")
+            raise InputError(f"{option('overrides')} {pair!r}: expected key=value", example)
         key, text = (s.strip() for s in pair.split("=", 1))
         if "." in key:
             sec, name = key.split(".", 1)
@@ -340,10 +365,19 @@ def parse_overrides(pairs: Sequence[str]) -> dict[str, dict[str, Any]]:
             hint = "qualify it with its section, e.g. optim.seed" if key in clash else "see the recipe's keys"
             raise InputError(f"{option('overrides')} {key}: unknown recipe key" if key not in clash
                              else f"{option('overrides')} {key}: ambiguous key", hint)
+        if not text:
+            raise InputError(f"{option('overrides')} {key}= has an empty value",
+                             f"give {key} a value, e.g. {option('overrides')} {key}=VALUE (a string may be quoted)")
+        if "\n" in text or "\r" in text:
+            raise InputError(f"{option('overrides')} {key}: the value holds a line break",
+                             "give the value on one line")
         try:
             value = tomllib.loads(f"v = {text}")["v"]
         except tomllib.TOMLDecodeError:
             value = text  # bare strings
+        except (RecursionError, ValueError):
+            raise InputError(f"{option('overrides')} {key}: the value is nested too deeply or has too many digits "
+                             "to read", "give a plain value, e.g. a number, a string or a short list") from None
         out.setdefault(sec, {})[name] = value
     return out
 
@@ -359,17 +393,22 @@ def load_recipe(path: str | Path | None, overrides: Sequence[str] = ()) -> Recip
             what = "does not exist" if not p.exists() else "is a folder" if p.is_dir() else "is not a regular file"
             raise InputError(f"recipe {p} {what}", "pass a TOML file such as recipes/smollm2-135m-dspark.toml")
         try:
-            raw = tomllib.loads(p.read_text(encoding="utf-8"))
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise InputError(f"{p}: not valid TOML ({' '.join(str(exc).split())[:200]})") from None
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise InputError(f"{p}: not UTF-8 (byte {exc.object[exc.start]:#04x} at offset {exc.start})",
+                             "save the recipe as UTF-8") from None
+        raw = _toml(text, str(p))
         if "name" not in raw:
             raw["name"] = p.stem
     for sec, kv in parse_overrides(overrides).items():
+        if sec == "":
+            raw.update(kv)
+            continue
         if sec not in SECTIONS:
             raise InputError(f"{option('overrides')} {sec}.…: unknown recipe section {sec!r}",
                              f"use {', '.join(SECTIONS)}")
         base = raw.setdefault(sec, {})
         if not isinstance(base, dict):
-            raise InputError(f"{source}: [{sec}] must be a table")
+            raise InputError(f"{source}: [{sec}] must be a table", f"write it as a [{sec}] section")
         base.update(kv)
     return recipe_from_dict(raw, source)

@@ -14,7 +14,7 @@ import torch
 from dsparkctl.errors import InputError, UsageError, option
 from dsparkctl.formats.calibration import CALIBRATION_FORMAT, load_temperatures, read_sglang_shard
 from dsparkctl.formats.trace import RoundCounts, Trace, describe_rounds, read_traces, recording_fix, round_table
-from dsparkctl.math.calibration import CalibrationData, fit_sts, position_metrics, split_requests
+from dsparkctl.math.calibration import MIN_FIT_TRIALS, CalibrationData, fit_sts, position_metrics, split_requests
 from dsparkctl.provenance import provenance
 from dsparkctl.strict_json import finite
 
@@ -105,6 +105,30 @@ def calibrate_traces(trace_paths: Sequence[str | os.PathLike], holdout: float = 
     return fit_calibration(trace_paths, load_inputs(trace_paths, bins), holdout, bins, seed)
 
 
+MIN_OUTCOME = 10  # fewer accepted (or rejected) trials than this at a position: its fitted T is noise
+
+
+def fit_warning(r: dict[str, Any], t: float) -> str:
+    """What went wrong in the fit of one position (`fit_sts`'s report entry `r`, its temperature `t`),
+    by what actually happened: no trials, one outcome only, too few trials, too few of one outcome,
+    or a temperature at the end of the grid despite enough of both."""
+    k, n, acc = r["position"], r["trials"], r["successes"]
+    where = f"position {k}: "
+    if r["status"] == "too few":
+        if n == 0:
+            return where + "no recorded round reached this position; T = 1 kept (record longer or more rounds)"
+        if acc in (0, n) and n >= MIN_FIT_TRIALS:
+            return where + (f"all {n} trials were {'rejected' if acc == 0 else 'accepted'}: with one outcome only "
+                            "there is nothing to calibrate; T = 1 kept")
+        return where + f"only {n} trials ({acc} accepted), {MIN_FIT_TRIALS} needed to fit; T = 1 kept (record more rounds)"
+    few = min(acc, n - acc)
+    if few < MIN_OUTCOME:
+        return where + (f"only {few} of {n} trials were {'accepted' if acc == few else 'rejected'}: too few to fit "
+                        f"a temperature; T = {t:.3g} is the edge of the search grid [0.05, 20] (record more rounds)")
+    return where + (f"T = {t:.3g} is at the edge of the search grid [0.05, 20] with {acc} of {n} trials accepted: "
+                    "no temperature calibrates it (its confidences are off by a bias, not a scale)")
+
+
 def fit_calibration(trace_paths: Sequence[str | os.PathLike],
                     inputs: tuple[CalibrationData, torch.Tensor, list[Trace]], holdout: float, bins: int,
                     seed: int) -> dict[str, Any]:
@@ -118,11 +142,7 @@ def fit_calibration(trace_paths: Sequence[str | os.PathLike],
                          f"record more requests or change {option('holdout')}")
     fit_report: list[dict] = []
     temps = fit_sts(train, bins=bins, report=fit_report)
-    warnings = [f"position {r['position']}: T = {float(temps[r['position'] - 1]):.3g} is at the edge of the search "
-                "grid [0.05, 20]: no temperature calibrates it (its confidences are off by a bias, not a scale)"
-                if r["status"] == "edge" else
-                f"position {r['position']}: {r['trials']} trials ({r['successes']} accepted) are too few to fit; "
-                "T = 1 kept" for r in fit_report if r["status"] != "fitted"]
+    warnings = [fit_warning(r, float(temps[r["position"] - 1])) for r in fit_report if r["status"] != "fitted"]
     ones = torch.ones_like(temps)
     before, after = position_metrics(held, ones, bins), position_metrics(held, temps, bins)
     train_fit = position_metrics(train, temps, bins)

@@ -286,7 +286,7 @@ def sweep_traces(trace_paths, sps_path, policy_specs=DEFAULT_POLICIES, concurren
 
     check_max_new_tokens(max_new_tokens, rounds)
     if rounds < 1:
-        raise UsageError(f"{option('rounds')} must be ≥ 1, got {rounds}")
+        raise UsageError(f"{option('rounds')} must be ≥ 1, got {rounds}", f"e.g. {option('rounds')} 200")
     if (trace_paths and served) or not (trace_paths or served):
         raise UsageError(f"give {option('trace')} files or {option('served')}, not both" if served else
                          f"give {option('trace')} files (full-verification rounds) or {option('served')} "
