@@ -5,6 +5,7 @@ confidence head predicted a run's outcomes (`confidence_report`).
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import Any, Sequence
@@ -13,28 +14,30 @@ import torch
 
 from dsparkctl.errors import InputError, UsageError, option
 from dsparkctl.formats.calibration import CALIBRATION_FORMAT, load_temperatures, read_sglang_shard
-from dsparkctl.formats.trace import Trace, read_traces, round_table
+from dsparkctl.formats.trace_scan import Progress, RoundTable, read_round_table
 from dsparkctl.math.calibration import CalibrationData, fit_sts, position_metrics, split_requests
 from dsparkctl.provenance import provenance
 from dsparkctl.strict_json import finite
 
 
-def calibration_data(traces: Sequence[Trace]) -> tuple[CalibrationData, torch.Tensor]:
-    """All drafted rounds of the traces as tensors, plus a request key `[N]` for the split.
+def calibration_data(table: RoundTable) -> tuple[CalibrationData, torch.Tensor]:
+    """All drafted rounds of a pooled table as tensors, plus a request key `[N]` for the split.
 
-    Refuses rounds without confidence logits and mixed block sizes."""
-    table = round_table(traces, "calibrate")
+    Refuses rounds without confidence logits and a pool without rounds."""
     if (missing := table.first_without_confidence()) is not None:
         path, request, rnd = missing
         raise InputError(f"{path}: request {request} round {rnd} has no confidence logits",
                          "calibration needs a draft with a confidence head (DSpark, not DFlash)")
-    if not table.where:
+    if not table.rows:
         raise InputError("the traces contain no rounds", "record some with `dsparkctl generate --trace`")
     return CalibrationData(table.logits, table.verify_length, table.accepted), table.request
 
 
-def _load_inputs(paths: Sequence[str | os.PathLike]) -> tuple[CalibrationData, torch.Tensor, list[Trace]]:
-    """Traces (JSON lines) and SGLang shards (.pt) pooled: (data, request keys, traces)."""
+Inputs = tuple[CalibrationData, torch.Tensor, list[dict[str, Any]]]  # rounds, request keys, the traces' headers
+
+
+def _load_inputs(paths: Sequence[str | os.PathLike], progress: Progress | None = None) -> Inputs:
+    """Traces (JSON lines, streamed) and SGLang shards (.pt) pooled: (data, request keys, trace headers)."""
     seen: dict[tuple[int, int], Path] = {}
     for p in map(Path, paths):
         if p.is_file():
@@ -46,14 +49,22 @@ def _load_inputs(paths: Sequence[str | os.PathLike]) -> tuple[CalibrationData, t
     is_shard = [Path(p).suffix.lower() == ".pt" for p in paths]
     shards = [p for p, s in zip(paths, is_shard) if s]
     rest = [p for p, s in zip(paths, is_shard) if not s]
-    traces = read_traces(rest) if rest else []
+    headers: list[dict[str, Any]] = []
     parts, keys = [], []
-    if traces:
-        data, k = calibration_data(traces)
+    if rest:
+        table = read_round_table(rest, "calibrate", progress)
+        data, k = calibration_data(table)
+        headers = table.headers
         parts.append((data.logits, data.verify_length, data.accepted))
         keys.append(k)
+    contents: dict[bytes, Any] = {}
     for p in shards:
         lg, acc = read_sglang_shard(p)
+        digest = hashlib.blake2b(lg.numpy().tobytes() + acc.numpy().tobytes(), digest_size=16).digest()
+        if digest in contents:  # a copy under another name counts twice as surely as the same path
+            raise InputError(f"{p} holds the same rows as {contents[digest]}: a copy of one shard",
+                             "pass each trace or shard once")
+        contents[digest] = p
         parts.append((lg, torch.full_like(acc, lg.shape[1]), acc))
         start = int(keys[-1].max()) + 1 if keys and keys[-1].numel() else 0
         keys.append(torch.arange(start, start + lg.shape[0]))  # shards hold no request ids: one key per row
@@ -64,7 +75,7 @@ def _load_inputs(paths: Sequence[str | os.PathLike]) -> tuple[CalibrationData, t
         raise InputError("the inputs contain no rounds", "record some with `dsparkctl generate --trace`")
     data = CalibrationData(torch.cat([a for a, _, _ in parts]), torch.cat([b for _, b, _ in parts]),
                            torch.cat([c for _, _, c in parts]))
-    return data, torch.cat(keys), traces
+    return data, torch.cat(keys), headers
 
 
 def check_settings(holdout: float, bins: int) -> None:
@@ -75,15 +86,15 @@ def check_settings(holdout: float, bins: int) -> None:
         raise UsageError(f"{option('bins')} must be ≥ 2, got {bins}", "use e.g. 20 bins")
 
 
-def load_inputs(trace_paths: Sequence[str | os.PathLike], bins: int) -> tuple[CalibrationData, torch.Tensor, list[Trace]]:
+def load_inputs(trace_paths: Sequence[str | os.PathLike], bins: int, progress: Progress | None = None) -> Inputs:
     """The pooled rounds (`_load_inputs`), with `bins` bounded by them: at most one bin per recorded
     round (more bins than rounds only adds empty ones, and each costs memory in the fit and a row
     in every reliability diagram)."""
-    data, keys, traces = _load_inputs(trace_paths)
+    data, keys, headers = _load_inputs(trace_paths, progress)
     if bins > data.logits.shape[0]:
         raise UsageError(f"{option('bins')} {bins} is more than the {data.logits.shape[0]} rounds in the traces",
                          f"use at most {data.logits.shape[0]} bins (e.g. 20)")
-    return data, keys, traces
+    return data, keys, headers
 
 
 def calibrate_traces(trace_paths: Sequence[str | os.PathLike], holdout: float = 0.2, bins: int = 20,
@@ -95,10 +106,9 @@ def calibrate_traces(trace_paths: Sequence[str | os.PathLike], holdout: float = 
 
 
 def fit_calibration(trace_paths: Sequence[str | os.PathLike],
-                    inputs: tuple[CalibrationData, torch.Tensor, list[Trace]], holdout: float, bins: int,
-                    seed: int) -> dict[str, Any]:
+                    inputs: Inputs, holdout: float, bins: int, seed: int) -> dict[str, Any]:
     """The calibration document of `inputs` (`load_inputs` of `trace_paths`)."""
-    data, keys, traces = inputs
+    data, keys, headers = inputs
     gen = torch.Generator().manual_seed(seed)
     hold = split_requests(keys, holdout, gen)
     train, held = data.subset(~hold), data.subset(hold)
@@ -121,8 +131,8 @@ def fit_calibration(trace_paths: Sequence[str | os.PathLike],
         "temperatures": [float(t) for t in temps],
         "method": "sequential temperature scaling (grid search of T_k minimising survival ECE, left to right)",
         "fit": fit_report, "warnings": warnings,
-        "draft_fingerprints": sorted({str(t.header["draft_fingerprint"]) for t in traces
-                                      if isinstance(t.header.get("draft_fingerprint"), str)}),
+        "draft_fingerprints": sorted({str(h["draft_fingerprint"]) for h in headers
+                                      if isinstance(h.get("draft_fingerprint"), str)}),
         "bins": bins, "holdout": holdout, "seed": seed,
         "rounds": {"train": int(train.logits.shape[0]), "heldout": int(held.logits.shape[0]),
                    "requests_heldout": int(torch.unique(keys[hold]).numel()),
@@ -130,9 +140,9 @@ def fit_calibration(trace_paths: Sequence[str | os.PathLike],
         "metrics_heldout": {"before": before, "after": after},
         "metrics_train_after": [{k: v for k, v in m.items() if k != "diagram"} for m in train_fit],
         "provenance": provenance(inputs=[str(p) for p in trace_paths],
-                                 trace_headers=[{k: t.header.get(k) for k in
+                                 trace_headers=[{k: h.get(k) for k in
                                                  ("target", "draft", "dataset", "temperature", "seed", "policy")
-                                                 if k in t.header} for t in traces]),
+                                                 if k in h} for h in headers]),
     }
 
 
