@@ -241,8 +241,8 @@ def write_synthetic_trace(path: str | os.PathLike, model: SyntheticModel, reques
               "block_size": model.gamma, "policy": f"static:{ell}", "temperature": 1.0,
               **(extra_header or {})}
     with TraceWriter(path, header) as w:
-        for lo in range(0, n, 65536):  # Python objects for one chunk at a time: a big trace streams
-            hi = min(n, lo + 65536)
+        for lo in range(0, n, 8192):  # Python objects for one chunk at a time: a big trace streams
+            hi = min(n, lo + 8192)
             logits, acc, vl = (s["logits"][lo:hi].tolist(), s["accepted"][lo:hi].tolist(),
                                s["verify_length"][lo:hi].tolist())
             w.write(TraceRound(request=i // rounds_per_request, round=i % rounds_per_request,
