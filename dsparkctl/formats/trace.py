@@ -1,7 +1,8 @@
 """Round traces: JSON lines written by the engine, read by `calibrate` and `sweep-scheduler`.
 
-Line 1 is a header object with `"format": "dsparkctl-trace/1"` and the run's settings
-(target, draft, dataset, temperature, seed, block_size, policy, tool_version, ...).
+Line 1 is a header object with `"format": "dsparkctl-trace/1"`, a random `run_id` (traces written
+before it have none and read as before) and the run's settings (target, draft, draft_fingerprint,
+dataset, temperature, seed, block_size, policy, tool_version, ...).
 Every further line is one round of one request:
 
     request            int   index of the request in the run
@@ -20,7 +21,8 @@ Every further line is one round of one request:
 
 Extra keys are allowed and preserved (forward compatible); these names never change.
 The reader is strict: UTF-8 lines of strict JSON (no NaN/Infinity, each key once), integers
-within int64, block_size ≤ MAX_BLOCK_SIZE, and each (request, round) once per file.
+within int64, block_size ≤ MAX_BLOCK_SIZE, and each (request, round) once per file. `read_trace`
+gives objects (small traces, tests); the commands stream columns (`formats.trace_scan`).
 `write_synthetic_trace` writes traces of a known acceptance model (`math.synthetic`) for tests,
 benchmarks and the docs.
 """
