@@ -18,6 +18,7 @@ from dsparkctl.errors import DsparkError
 from dsparkctl.formats.calibration import load_temperatures
 from dsparkctl.formats.sps import load_sps_table, table_json
 from dsparkctl.formats.trace import MAX_BLOCK_SIZE, read_trace, write_synthetic_trace
+from dsparkctl.formats.trace_scan import read_round_table
 from dsparkctl.math.sps import MAX_BATCH_TOKENS, MAX_STEPS_PER_SEC
 from dsparkctl.math.synthetic import SyntheticModel
 from dsparkctl.tuning.calibration import calibration_data
@@ -112,7 +113,7 @@ def _check_trace(path: Path) -> None:
                                                and all(math.isfinite(x) for x in r.confidence_logits))
         assert (r.request, r.round) not in seen
         seen.add((r.request, r.round))
-    for consumer in (lambda: load_replay_rounds([path]), lambda: calibration_data([t])):
+    for consumer in (lambda: load_replay_rounds([path]), lambda: calibration_data(read_round_table([path], "fuzz"))):
         try:
             consumer()
         except DsparkError as exc:

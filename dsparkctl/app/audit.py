@@ -5,7 +5,7 @@ and return its report.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from dsparkctl.errors import UsageError, option
 from dsparkctl.math.audit import audit_policies, check_alpha
@@ -31,10 +31,10 @@ class AuditSpec:
     seed: int = 0
 
 
-def run_audit(spec: AuditSpec) -> dict[str, Any]:
+def run_audit(spec: AuditSpec, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """`audit` as one call: check the spec, audit every policy on every setting (`audit_policies`),
     return {"alpha", "results" (one `AuditResult.to_json()` each), "unexpected_failures" (policies
-    claimed lossless that failed)}."""
+    claimed lossless that failed)}. `progress(done, total)` counts the (setting, policy) runs."""
     check_alpha(spec.alpha, option("alpha"))
     for field, n in (("rounds", spec.rounds), ("plain_rounds", spec.plain_rounds)):
         if n < MIN_AUDIT_ROUNDS:
@@ -51,6 +51,6 @@ def run_audit(spec: AuditSpec) -> dict[str, Any]:
         raise UsageError(f"{option('random_settings')} {spec.random_settings:,} is more than {MAX_RANDOM_SETTINGS:,}",
                          "e.g. 3 (each setting audits every policy again)")
     results = audit_policies(spec.policies, spec.rounds, spec.random_settings, spec.alpha, spec.seed,
-                             plain_rounds=spec.plain_rounds)
+                             plain_rounds=spec.plain_rounds, progress=progress)
     return {"alpha": spec.alpha, "results": [r.to_json() for r in results],
             "unexpected_failures": sum(r.claimed_lossless and not r.passed for r in results)}

@@ -14,6 +14,7 @@ from dsparkctl.app.preflight import Output, check_outputs
 from dsparkctl.errors import option
 from dsparkctl.files.atomic import staged, write_json
 from dsparkctl.formats.calibration import sglang_sts
+from dsparkctl.formats.trace_scan import Progress
 from dsparkctl.plots import reliability_diagrams, reliability_paths
 from dsparkctl.tuning.calibration import check_settings, fit_calibration, load_inputs
 
@@ -30,11 +31,13 @@ class CalibrateSpec:
     seed: int = 0
 
 
-def run_calibrate(spec: CalibrateSpec, *, log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+def run_calibrate(spec: CalibrateSpec, *, log: Callable[[str], None] = lambda m: None,
+                  progress: Progress | None = None) -> dict[str, Any]:
     """`calibrate` as one call: check every output (and the settings, the traces, the PNG names)
     before the fit, fit and measure (`fit_calibration`), then write our JSON, SGLang's STS file and
     one reliability PNG per position, all together or none. Returns our document (with the
-    diagrams; `strip_diagrams` for printing); `log` is told what was written."""
+    diagrams; `strip_diagrams` for printing); `log` is told what was written, `progress(done, total)`
+    the trace bytes read."""
 
     def named_after(out: Path) -> tuple[Path, Path]:  # SGLang's file and the PNG folder, by default beside `out`
         return (spec.sglang_out or out.with_name(out.stem + ".sglang-sts.json"),
@@ -45,7 +48,7 @@ def run_calibrate(spec: CalibrateSpec, *, log: Callable[[str], None] = lambda m:
                                        Output(named_after(out)[1], option("plot_dir"), "folder")])
     sglang_out, plot_dir = named_after(spec.out)
     check_settings(spec.holdout, spec.bins)
-    inputs = load_inputs(spec.traces, spec.bins)
+    inputs = load_inputs(spec.traces, spec.bins, progress)
     reliability_paths(plot_dir, inputs[0].gamma)  # a user's file among the PNG names stops it before the fit
     result = fit_calibration(spec.traces, inputs, spec.holdout, spec.bins, spec.seed)
     with staged() as stage:  # all outputs appear together, or none (a full disk leaves nothing)

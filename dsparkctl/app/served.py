@@ -30,9 +30,10 @@ class ServedSpec:
     fail_on_mismatch: bool = False  # exit non-zero unless the verdict is "agree"
 
 
-def run_served(spec: ServedSpec, *, log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+def run_served(spec: ServedSpec, *, log: Callable[[str], None] = lambda m: None,
+               progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Check the output and the sources, read them, report, compare with offline if given, write
-    the document. Returns it."""
+    the document. Returns it. `progress(done, total)` counts an offline trace's bytes read."""
 
     local = [Path(s).expanduser() for s in spec.sources if not is_url(s)]
     check_outputs([Output(spec.out, option("out"))] if spec.out else [],
@@ -46,7 +47,7 @@ def run_served(spec: ServedSpec, *, log: Callable[[str], None] = lambda m: None)
                          f"{option('fail_on_mismatch')} choose and judge the offline result",
                          f"add {option('offline')} FILE (eval-acceptance --json output or a trace)")
     check_sources(spec.sources)
-    offline = (read_offline(spec.offline, spec.offline_dataset, spec.offline_draft, spec.offline_measure)
+    offline = (read_offline(spec.offline, spec.offline_dataset, spec.offline_draft, spec.offline_measure, progress)
                if spec.offline else None)
     doc = served_report(read_sources(spec.sources, spec.model), spec.sources)
     if offline is not None:

@@ -11,6 +11,7 @@ from typing import Any, Callable
 from dsparkctl.app.preflight import Output, check_outputs
 from dsparkctl.errors import option
 from dsparkctl.files.atomic import staged, write_json
+from dsparkctl.formats.trace_scan import Progress
 from dsparkctl.plots import frontier_plot
 from dsparkctl.tuning.sweep import DEFAULT_CONCURRENCY, sweep_traces
 
@@ -31,17 +32,18 @@ class SweepSpec:
     seed: int = 0
 
 
-def run_sweep_scheduler(spec: SweepSpec, *, log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+def run_sweep_scheduler(spec: SweepSpec, *, log: Callable[[str], None] = lambda m: None,
+                        progress: Progress | None = None) -> dict[str, Any]:
     """`sweep-scheduler` as one call: check every output, then the settings and the inputs and
     replay every cell (`sweep_traces`), then write the figure and the JSON together (both appear, or neither). Returns
-    the sweep document; `log` is told what was written."""
+    the sweep document; `log` is told what was written, `progress(done, total)` the trace bytes read."""
 
     inputs = [Path(p) for p in (*spec.traces, spec.sps_table, *([spec.calibration] if spec.calibration else []),
                                 *([spec.served] if spec.served else []))]
     check_outputs([Output(p, option(field), kind) for p, field, kind in
                    ((spec.plot, "plot", "figure"), (spec.out, "out", "file")) if p is not None], inputs=inputs)
     result = sweep_traces(spec.traces, spec.sps_table, spec.policies, spec.concurrency, spec.calibration, spec.rounds,
-                       spec.seed, max_new_tokens=spec.max_new_tokens, served=spec.served)
+                       spec.seed, max_new_tokens=spec.max_new_tokens, served=spec.served, progress=progress)
     with staged() as stage:
         if spec.plot:
 

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from dsparkctl.app.audit import AuditSpec
 from dsparkctl.app.sweep_scheduler import SweepSpec
-from dsparkctl.cli.console import err, error_line, out, print_json, styled
+from dsparkctl.cli.console import err, error_line, out, print_json, progress_bar, styled
 from dsparkctl.cli.guard import guarded
 from dsparkctl.cli.options import JsonOpt, SeedOpt, int_list
 from dsparkctl.errors import UsageError
@@ -45,7 +45,9 @@ def calibrate(
 
     spec = CalibrateSpec(traces=tuple(traces), holdout=holdout, bins=bins, out=out_path, sglang_out=sglang_out,
                          plot_dir=plot_dir, seed=seed)
-    result = run_calibrate(spec, log=lambda m: err.print(m, highlight=False))
+    with progress_bar("reading traces", None, transfer=True) as update:
+        result = run_calibrate(spec, log=lambda m: err.print(m, highlight=False),
+                               progress=lambda done, total: update(completed=done, total=total))
     for w in result["warnings"]:
         err.print(styled(("warning:", "yellow"), f" {w}"))
     if json_out:
@@ -97,7 +99,9 @@ def sweep_scheduler(
                      policies=tuple(_policy_specs(policies)) if policies is not None else None,
                      concurrency=tuple(int_list(concurrency, "--concurrency")), calibration=calibration,
                      rounds=rounds, max_new_tokens=max_new_tokens, plot=plot, out=out_path, seed=seed)
-    result = run_sweep_scheduler(spec, log=lambda m: err.print(m, highlight=False))
+    with progress_bar("reading traces", None, transfer=True) as update:
+        result = run_sweep_scheduler(spec, log=lambda m: err.print(m, highlight=False),
+                                     progress=lambda done, total: update(completed=done, total=total))
     for n in result["notes"]:
         err.print(styled(("note:", "yellow"), f" {n}"))
     if json_out:
@@ -142,7 +146,8 @@ def audit(
 
     spec = AuditSpec(policies=tuple(_policy_specs(policies)), rounds=rounds, plain_rounds=plain_rounds,
                      random_settings=random_settings, alpha=alpha, seed=seed)
-    report = run_audit(spec)
+    with progress_bar("audit", None, unit="runs") as update:
+        report = run_audit(spec, progress=lambda done, total: update(completed=done, total=total))
     if json_out:
         print_json(report)
     else:

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from dsparkctl.cli.console import err, note, out, print_json, styled
+from dsparkctl.cli.console import err, note, out, print_json, progress_bar, styled
 from dsparkctl.cli.guard import guarded
 from dsparkctl.cli.options import DraftOpt, JsonOpt, RevisionOpt, TargetOpt
 
@@ -93,7 +93,9 @@ def served(
     spec = ServedSpec(sources=tuple(sources), offline=offline, offline_dataset=offline_dataset,
                       offline_draft=offline_draft, offline_measure=offline_measure, model=model, out=out_path,
                       fail_on_mismatch=fail_on_mismatch)
-    doc = run_served(spec, log=lambda m: err.print(styled((m, "dim"))))
+    with progress_bar("reading the trace", None, transfer=True) as update:
+        doc = run_served(spec, log=lambda m: err.print(styled((m, "dim"))),
+                         progress=lambda done, total: update(completed=done, total=total))
     if json_out:
         print_json(doc)
     else:

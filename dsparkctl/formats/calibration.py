@@ -89,12 +89,18 @@ def _finite(x: float) -> float:
 def calibration_draft_notes(path: str | os.PathLike, fingerprint: str | Sequence[str]) -> list[str]:
     """Refuse a calibration fitted on another draft's traces: its fingerprints exclude this draft's
     (`fingerprint`), or one of the drafts' whose rounds it will be applied to (a sequence, as the
-    sweep's traces say). A file that does not say (SGLang's STS file, older files) gets a note
-    instead. The one check of a calibration against its draft: every consumer calls it."""
+    sweep's traces say), or it was fitted on several drafts' traces pooled. A file that does not say
+    (SGLang's STS file, older files) gets a note instead. The one check of a calibration against its
+    draft: every consumer calls it."""
     obj = read(Path(path), "calibration file", "write one with `dsparkctl calibrate`")
     fps = obj.get("draft_fingerprints") if isinstance(obj, dict) else None
     if not isinstance(fps, list) or not fps:
         return [f"{path} does not say which draft it was fitted for; make sure it is this draft's"]
+    if len(set(map(str, fps))) > 1:  # an older calibrate pooled two drafts' traces: it fits neither
+        raise InputError(f"{path} was fitted on the pooled traces of {len(set(map(str, fps)))} drafts "
+                         f"(fingerprints {', '.join(map(str, fps))}): its temperatures suit none of them",
+                         "calibrate each draft on its own traces: `dsparkctl calibrate t.jsonl` with this "
+                         "draft's traces only")
     mine = [fingerprint] if isinstance(fingerprint, str) else list(fingerprint)
     if other := [f for f in mine if f not in fps]:
         raise InputError(f"{path} was fitted on traces of another draft (fingerprint {', '.join(map(str, fps))}; "
@@ -145,8 +151,8 @@ CALIBRATION_NAME = "calibration.json"  # a draft folder's own calibration (`dspa
 
 def own_calibration(folder: str | os.PathLike | None, fingerprint: str) -> Path | None:
     """`calibration.json` in a draft's folder when it was fitted for this very draft (its
-    fingerprint is listed); None when there is no such file, or it does not say, or it is another
-    draft's. A damaged file (not strict JSON) is an InputError: it is there to be used."""
+    fingerprint is the only one listed); None when there is no such file, or it does not say, or it
+    is another draft's or several drafts' pooled. A damaged file (not strict JSON) is an InputError: it is there to be used."""
     if folder is None:
         return None
     path = Path(folder) / CALIBRATION_NAME
@@ -154,4 +160,4 @@ def own_calibration(folder: str | os.PathLike | None, fingerprint: str) -> Path 
         return None
     obj = read(path, "calibration file", "write one with `dsparkctl calibrate`, or remove it")
     fps = obj.get("draft_fingerprints") if isinstance(obj, dict) else None
-    return path if isinstance(fps, list) and fingerprint in fps else None
+    return path if isinstance(fps, list) and set(map(str, fps)) == {fingerprint} else None

@@ -1,7 +1,8 @@
 """Round traces: JSON lines written by the engine, read by `calibrate` and `sweep-scheduler`.
 
-Line 1 is a header object with `"format": "dsparkctl-trace/1"` and the run's settings
-(target, draft, dataset, temperature, seed, block_size, policy, tool_version, ...).
+Line 1 is a header object with `"format": "dsparkctl-trace/1"`, a random `run_id` (traces written
+before it have none and read as before) and the run's settings (target, draft, draft_fingerprint,
+dataset, temperature, seed, block_size, policy, tool_version, ...).
 Every further line is one round of one request:
 
     request            int   index of the request in the run
@@ -20,7 +21,8 @@ Every further line is one round of one request:
 
 Extra keys are allowed and preserved (forward compatible); these names never change.
 The reader is strict: UTF-8 lines of strict JSON (no NaN/Infinity, each key once), integers
-within int64, block_size ≤ MAX_BLOCK_SIZE, and each (request, round) once per file.
+within int64, block_size ≤ MAX_BLOCK_SIZE, and each (request, round) once per file. `read_trace`
+gives objects (small traces, tests); the commands stream columns (`formats.trace_scan`).
 `write_synthetic_trace` writes traces of a known acceptance model (`math.synthetic`) for tests,
 benchmarks and the docs.
 """
@@ -30,9 +32,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -45,6 +48,7 @@ TRACE_FORMAT = "dsparkctl-trace/1"
 MAX_BLOCK_SIZE = 256  # drafts per round; real DSpark/DFlash blocks are 4-16
 _INT_LIMIT = 2 ** 63  # rounds become int64 tensors
 _WRITTEN_BY = "traces are written by `dsparkctl generate --trace`"
+REPEATED_ROUND_HINT = "each round is recorded once; remove the duplicated lines"
 
 
 @dataclass(frozen=True)
@@ -75,7 +79,10 @@ _INT_FIELDS = ("request", "round", "block_size", "verify_length", "accepted", "b
 _FLOAT_FIELDS = ("draft_ms", "verify_ms")
 
 
-def _parse_round(obj: Any, where: str) -> TraceRound:
+def check_round(obj: Any, where: str) -> tuple[int, int, int, list[float] | None, int, int, bool, bool]:
+    """One parsed round line validated: (request, round, block_size, confidence_logits, verify_length,
+    accepted, budget_capped, drafted); `where` ("path:line") starts every message. The one check of
+    a round, whichever reader holds it (`read_trace` as objects, `formats.trace_scan` as columns)."""
     if not isinstance(obj, dict):
         raise InputError(f"{where}: expected a JSON object, got {type(obj).__name__}", _WRITTEN_BY)
     missing = [k for k in (*_INT_FIELDS, *_FLOAT_FIELDS, "confidence_logits") if k not in obj]
@@ -110,16 +117,18 @@ def _parse_round(obj: Any, where: str) -> TraceRound:
                            and math.isfinite(x) for x in logits)):
             raise InputError(f"{where}: confidence_logits must be null or {gamma} finite numbers", _WRITTEN_BY)
         logits = [float(x) for x in logits]
-    known = {*_INT_FIELDS, *_FLOAT_FIELDS, "confidence_logits", "budget_capped", "drafted"}
-    return TraceRound(
-        **{k: obj[k] for k in _INT_FIELDS},
-        confidence_logits=logits,
-        draft_ms=float(obj["draft_ms"]),
-        verify_ms=float(obj["verify_ms"]),
-        budget_capped=capped,
-        drafted=drafted,
-        extra={k: v for k, v in obj.items() if k not in known},
-    )
+    return obj["request"], obj["round"], gamma, logits, ell, acc, capped, drafted
+
+
+_KNOWN = {*_INT_FIELDS, *_FLOAT_FIELDS, "confidence_logits", "budget_capped", "drafted"}
+
+
+def _parse_round(obj: Any, where: str) -> TraceRound:
+    request, rnd, gamma, logits, ell, acc, capped, drafted = check_round(obj, where)
+    return TraceRound(request=request, round=rnd, block_size=gamma, confidence_logits=logits, verify_length=ell,
+                      accepted=acc, batch_tokens=obj["batch_tokens"], draft_ms=float(obj["draft_ms"]),
+                      verify_ms=float(obj["verify_ms"]), budget_capped=capped, drafted=drafted,
+                      extra={k: v for k, v in obj.items() if k not in _KNOWN})
 
 
 def _short(v: Any) -> str:
@@ -135,18 +144,22 @@ class Trace:
     path: str | None = None
 
 
-def read_trace(path: str | os.PathLike) -> Trace:
-    """Read and validate a trace file; errors name the file and the 1-based line number."""
+def trace_lines(path: str | os.PathLike, on_bytes: Callable[[int], None] | None = None
+                ) -> Iterator[tuple[int, dict[str, Any] | Any]]:
+    """(line number, parsed JSON) of every non-blank line of the trace at `path`, read one line at a
+    time; the first is the header (checked here). Errors name the file and the 1-based line number.
+    `on_bytes(n)` is told every 65536 lines how many bytes were read so far (a progress bar's count)."""
     path = Path(path)
     if not path.exists():
         raise InputError(f"trace file {path} does not exist", _WRITTEN_BY)
     if not path.is_file():
         raise InputError(f"trace file {path} is not a regular file", _WRITTEN_BY)
-    rounds: list[TraceRound] = []
-    header: dict[str, Any] | None = None
-    seen: dict[tuple[int, int], int] = {}  # (request, round) -> line
+    header, done = None, 0
     with open(path, "rb") as fh:
         for lineno, raw in enumerate(fh, start=1):
+            done += len(raw)
+            if on_bytes is not None and not lineno & 0xFFFF:
+                on_bytes(done)
             where = f"{path}:{lineno}"
             try:
                 line = raw.decode("utf-8")
@@ -165,15 +178,29 @@ def read_trace(path: str | os.PathLike) -> Trace:
                 if not isinstance(obj, dict) or obj.get("format") != TRACE_FORMAT:
                     raise InputError(f"{where}: first line is not a {TRACE_FORMAT} header", _WRITTEN_BY)
                 header = obj
-                continue
-            r = _parse_round(obj, where)
-            first = seen.setdefault((r.request, r.round), lineno)
-            if first != lineno:
-                raise InputError(f"{where}: request {r.request} round {r.round} is already on line {first}",
-                                 "each round is recorded once; remove the duplicated lines")
-            rounds.append(r)
+            yield lineno, obj
+    if on_bytes is not None:
+        on_bytes(done)
     if header is None:
         raise InputError(f"trace file {path} is empty", "record one with `dsparkctl generate --trace`")
+
+
+def read_trace(path: str | os.PathLike) -> Trace:
+    """Read and validate a small trace as objects (about 2 KB of Python objects a round: the
+    commands read traces as columns, `formats.trace_scan`); errors name the file and line."""
+    rounds: list[TraceRound] = []
+    header: dict[str, Any] | None = None
+    seen: dict[tuple[int, int], int] = {}  # (request, round) -> line
+    for lineno, obj in trace_lines(path):
+        if header is None:
+            header = obj
+            continue
+        r = _parse_round(obj, f"{path}:{lineno}")
+        first = seen.setdefault((r.request, r.round), lineno)
+        if first != lineno:
+            raise InputError(f"{path}:{lineno}: request {r.request} round {r.round} is already on line {first}",
+                             REPEATED_ROUND_HINT)
+        rounds.append(r)
     return Trace(header=header, rounds=rounds, path=str(path))
 
 
@@ -244,65 +271,10 @@ def describe_rounds(counts: RoundCounts, header: dict[str, Any], path: str | os.
     return f"{path} holds {counts.rounds} rounds ({', '.join(parts)}): it was recorded with {by}"
 
 
-def read_traces(paths: Sequence[str | os.PathLike]) -> list[Trace]:
-    """Read several traces; the same file twice would duplicate every round, so it is refused."""
-    seen: dict[Path, str] = {}
-    for p in paths:
-        key = Path(p).resolve()
-        if key in seen:
-            raise InputError(f"trace {p} is given twice (also as {seen[key]})", "pass each trace once")
-        seen[key] = str(p)
-    return [read_trace(p) for p in paths]
-
-
-@dataclass
-class RoundTable:
-    """The drafted rounds of one or more traces as tensors, one row a round (plain steps, which ran
-    no draft, are counted and left out): what calibration fits on and the sweep replays."""
-    logits: torch.Tensor  # [N, γ] float64 confidence logits (NaN rows where a round has none)
-    verify_length: torch.Tensor  # [N]
-    accepted: torch.Tensor  # [N]
-    request: torch.Tensor  # [N] a dense key per (trace, request): rounds of one request share it
-    budget_capped: torch.Tensor  # [N] bool: ℓ cut by the token budget, not chosen by the policy
-    gamma: int | None  # the block size (None: no rounds at all)
-    where: list[tuple[str | None, int, int]]  # (trace path, request, round) of each row, for messages
-    plain_steps: int = 0
-
-    @property
-    def has_confidence(self) -> bool:
-        return not bool(torch.isnan(self.logits).any())
-
-    def first_without_confidence(self) -> tuple[str | None, int, int] | None:
-        missing = torch.isnan(self.logits).any(dim=1).nonzero()
-        return self.where[int(missing[0])] if missing.numel() else None
-
-
-def round_table(traces: Sequence[Trace], purpose: str) -> RoundTable:
-    """Every drafted round of `traces` as tensors; refuses traces that mix block sizes (`purpose`
-    names what the caller does with them, for the hint: "calibrate", "sweep")."""
-    logits, ell, acc, keys, capped, where = [], [], [], [], [], []
-    ids: dict[tuple[int, int], int] = {}  # (trace, request) -> dense request key
-    gamma, plain = None, 0
-    for ti, t in enumerate(traces):
-        for r in t.rounds:
-            if gamma is None:
-                gamma = r.block_size
-            elif r.block_size != gamma:
-                raise InputError(f"{t.path}: block size {r.block_size} differs from {gamma} in earlier rounds",
-                                 f"{purpose} traces of one block size at a time")
-            if not r.drafted:
-                plain += 1
-                continue
-            logits.append(r.confidence_logits if r.confidence_logits is not None else [math.nan] * r.block_size)
-            ell.append(r.verify_length)
-            acc.append(r.accepted)
-            keys.append(ids.setdefault((ti, r.request), len(ids)))
-            capped.append(r.budget_capped)
-            where.append((t.path, r.request, r.round))
-    return RoundTable(torch.tensor(logits, dtype=torch.float64).reshape(len(logits), gamma or 0),
-                      torch.tensor(ell, dtype=torch.long), torch.tensor(acc, dtype=torch.long),
-                      torch.tensor(keys, dtype=torch.long), torch.tensor(capped, dtype=torch.bool), gamma, where,
-                      plain)
+def new_run_id() -> str:
+    """A random identity for one recorded run (the header's `run_id`): two inputs carrying the same
+    one are the same run twice, whatever their names (a copy, a link)."""
+    return secrets.token_hex(8)
 
 
 class TraceWriter:
@@ -313,7 +285,8 @@ class TraceWriter:
         self.counts = RoundCounts()  # what the written rounds can be used for
         self._cm = atomic_open(path, "w")
         self._fh = self._cm.__enter__()
-        self._fh.write(json.dumps(finite({"format": TRACE_FORMAT, **header})) + "\n")
+        header = {"format": TRACE_FORMAT, "run_id": new_run_id(), **header}  # the caller's run_id wins
+        self._fh.write(json.dumps(finite(header)) + "\n")
 
     def write(self, rounds: Iterable[TraceRound]) -> None:
         for r in rounds:  # strict JSON: a NaN logit becomes null (and the reader names the line)
@@ -338,12 +311,15 @@ def write_synthetic_trace(path: str | os.PathLike, model: SyntheticModel, reques
     header = {"source": "synthetic", "synthetic_model": asdict(model), "seed": seed,
               "block_size": model.gamma, "policy": f"static:{ell}", "temperature": 1.0,
               **(extra_header or {})}
-    logits, acc, vl = s["logits"].tolist(), s["accepted"].tolist(), s["verify_length"].tolist()
     with TraceWriter(path, header) as w:
-        w.write(TraceRound(request=i // rounds_per_request, round=i % rounds_per_request,
-                           block_size=model.gamma,
-                           confidence_logits=[round(x, 6) for x in logits[i]] if with_confidence else None,
-                           verify_length=vl[i], accepted=acc[i],
-                           batch_tokens=batch_size * (1 + vl[i]), draft_ms=1.0, verify_ms=5.0)
-                for i in range(n))
+        for lo in range(0, n, 8192):  # Python objects for one chunk at a time: a big trace streams
+            hi = min(n, lo + 8192)
+            logits, acc, vl = (s["logits"][lo:hi].tolist(), s["accepted"][lo:hi].tolist(),
+                               s["verify_length"][lo:hi].tolist())
+            w.write(TraceRound(request=i // rounds_per_request, round=i % rounds_per_request,
+                               block_size=model.gamma,
+                               confidence_logits=[round(x, 6) for x in logits[i - lo]] if with_confidence else None,
+                               verify_length=vl[i - lo], accepted=acc[i - lo],
+                               batch_tokens=batch_size * (1 + vl[i - lo]), draft_ms=1.0, verify_ms=5.0)
+                    for i in range(lo, hi))
     return n

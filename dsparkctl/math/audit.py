@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -243,12 +243,13 @@ def audit_policy(s: MarkovSetting, policy: Policy, rounds: int, gen: torch.Gener
 
 
 def audit_policies(specs: Sequence[str], rounds: int, random_settings: int = 3, alpha: float = 1e-3,
-                   seed: int = 0, plain_rounds: int | None = None) -> list[AuditResult]:
+                   seed: int = 0, plain_rounds: int | None = None,
+                   progress: Callable[[int, int], None] | None = None) -> list[AuditResult]:
     """Every policy spec on Appendix A and on `random_settings` random settings, each also with a
     plain-step price (`with_plain_step`, `plain_rounds` request-rounds there; default `rounds`)
     in the padded layout, and the first random setting of ≥ 2 requests also in the ragged one
     (the layouts differ only there); one result per pair, settings outer. Unknown specs fail before any simulation; every run is
-    seeded from `seed`."""
+    seeded from `seed`. `progress(done, total)` is told after each run."""
     check_alpha(alpha)
     settings = [appendix_a(), with_plain_step(appendix_a(), seed)]
     sgen = torch.Generator().manual_seed(10_000 + seed)
@@ -267,4 +268,6 @@ def audit_policies(specs: Sequence[str], rounds: int, random_settings: int = 3, 
             gen = torch.Generator().manual_seed(seed * 7919 + si)
             n = plain_rounds if plain_rounds is not None and s.sps.has_plain else rounds
             results.append(audit_policy(s, parse_policy(spec, sps=s.sps), n, gen, alpha))
+            if progress is not None:
+                progress(len(results), len(settings) * len(specs))
     return results

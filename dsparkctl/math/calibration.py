@@ -127,6 +127,7 @@ def position_metrics(data: CalibrationData, temperatures: torch.Tensor, bins: in
     return out
 
 
+GRID_CELLS = 1 << 22  # candidate temperatures × trials scored at once (~40 bytes each in `ece_grid`)
 MIN_FIT_TRIALS = 50  # a position needs this many trials, with successes and failures both, to be fitted
 
 
@@ -154,9 +155,10 @@ def fit_sts(data: CalibrationData, bins: int = 20, t_min: float = 0.05, t_max: f
 
             def scores(ts: torch.Tensor) -> torch.Tensor:
                 best = torch.empty(ts.numel(), dtype=torch.float64)
-                for s in range(0, ts.numel(), 16):  # chunk: [16, N] at a time
-                    t = ts[s:s + 16].unsqueeze(1).float()
-                    best[s:s + 16] = ece_grid(pk.unsqueeze(0) * torch.sigmoid(lk.unsqueeze(0) / t), y, bins)
+                step = max(1, min(16, GRID_CELLS // n))  # [step, N] at a time: memory bounded, not ∝ N × 16
+                for s in range(0, ts.numel(), step):
+                    t = ts[s:s + step].unsqueeze(1).float()
+                    best[s:s + step] = ece_grid(pk.unsqueeze(0) * torch.sigmoid(lk.unsqueeze(0) / t), y, bins)
                 return best
 
             ts = torch.logspace(math.log10(t_min), math.log10(t_max), grid, dtype=torch.float64)

@@ -19,8 +19,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from dsparkctl.errors import InputError, UsageError, option
-from dsparkctl.formats.trace import TRACE_FORMAT, read_trace
+from dsparkctl.formats.trace import TRACE_FORMAT
+from dsparkctl.formats.trace_scan import Progress, scan_trace
 from dsparkctl.math.stats import AcceptanceStats, mean_interval
 from dsparkctl.strict_json import read
 
@@ -55,13 +58,13 @@ def _pick(d: dict[str, Any], key: str | None, what: str, flag: str) -> tuple[str
 
 
 def read_offline(path: Path, dataset: str | None = None, draft: str | None = None,
-                 measure: str | None = None) -> dict[str, Any]:
+                 measure: str | None = None, progress: Progress | None = None) -> dict[str, Any]:
     """Our offline acceptance, as {label, measure, block_size, temperature, tau, tau_interval,
-    conditional, conditional_interval}."""
+    conditional, conditional_interval}. `progress(done, total)` counts a trace's bytes read."""
     with open(path, "rb") as fh:
         head = fh.readline(65536)
     if b'"' + TRACE_FORMAT.encode() + b'"' in head:
-        return _from_trace(path)
+        return _from_trace(path, progress)
     doc = read(path, "offline result", OFFLINE_HINT)
     if not isinstance(doc, dict) or doc.get("format") != EVAL_FORMAT or not isinstance(doc.get("datasets"), dict):
         raise InputError(f"{path} is neither an eval-acceptance document nor a trace", OFFLINE_HINT)
@@ -100,13 +103,19 @@ def _stats_fields(s: AcceptanceStats) -> dict[str, Any]:
             "conditional_interval": [list(x) if x else None for x in s.conditional_interval()], "rounds": s.rounds}
 
 
-def _from_trace(path: Path) -> dict[str, Any]:
-    t = read_trace(path)
-    drafted = [r for r in t.rounds if r.drafted]
-    if not drafted:
+def _from_trace(path: Path, progress: Progress | None = None) -> dict[str, Any]:
+    """The acceptance of a trace's drafted rounds, streamed (`scan_trace`: columns, no logits kept)."""
+    size = path.stat().st_size
+    t = scan_trace(path, (lambda n: progress(n, size)) if progress else None, keep_logits=False)
+    drafted = t.drafted
+    if not drafted.any():
         raise InputError(f"{path}: the trace has no drafted rounds", "record one with `dsparkctl generate --trace`")
-    s = AcceptanceStats(block_size=drafted[0].block_size)
-    s.add_rounds([r.verify_length for r in drafted], [r.accepted for r in drafted])
+    gamma = t.block_size[drafted]
+    if (other := np.flatnonzero(gamma != gamma[0])).size:
+        raise InputError(f"{path}: block size {int(gamma[other[0]])} differs from {int(gamma[0])} in earlier rounds",
+                         "compare a trace of one block size")
+    s = AcceptanceStats(block_size=int(gamma[0]))
+    s.add_rounds(t.verify_length[drafted].astype(np.int64), t.accepted[drafted].astype(np.int64))
     return {"source": str(path), "dataset": t.header.get("dataset"), "label": t.header.get("draft"),
             "measure": "live (trace)", "block_size": s.block_size, "temperature": t.header.get("temperature"),
             **_stats_fields(s)}

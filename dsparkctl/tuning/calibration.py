@@ -5,6 +5,7 @@ confidence head predicted a run's outcomes (`confidence_report`).
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import Any, Sequence
@@ -13,17 +14,17 @@ import torch
 
 from dsparkctl.errors import InputError, UsageError, option
 from dsparkctl.formats.calibration import CALIBRATION_FORMAT, load_temperatures, read_sglang_shard
-from dsparkctl.formats.trace import RoundCounts, Trace, describe_rounds, read_traces, recording_fix, round_table
+from dsparkctl.formats.trace import describe_rounds, recording_fix
+from dsparkctl.formats.trace_scan import Progress, RoundTable, read_round_table
 from dsparkctl.math.calibration import MIN_FIT_TRIALS, CalibrationData, fit_sts, position_metrics, split_requests
 from dsparkctl.provenance import provenance
 from dsparkctl.strict_json import finite
 
 
-def calibration_data(traces: Sequence[Trace]) -> tuple[CalibrationData, torch.Tensor]:
-    """All drafted rounds of the traces as tensors, plus a request key `[N]` for the split.
+def calibration_data(table: RoundTable) -> tuple[CalibrationData, torch.Tensor]:
+    """All drafted rounds of a pooled table as tensors, plus a request key `[N]` for the split.
 
-    Refuses rounds without confidence logits and mixed block sizes."""
-    table = round_table(traces, "calibrate")
+    Refuses rounds without confidence logits (`no_usable_rounds` says why a pool holds none)."""
     if (missing := table.first_without_confidence()) is not None:
         path, request, rnd = missing
         raise InputError(f"{path}: request {request} round {rnd} has no confidence logits",
@@ -31,21 +32,23 @@ def calibration_data(traces: Sequence[Trace]) -> tuple[CalibrationData, torch.Te
     return CalibrationData(table.logits, table.verify_length, table.accepted), table.request
 
 
-def no_usable_rounds(traces: Sequence[Trace], shards: int = 0) -> InputError:
+def no_usable_rounds(table: RoundTable | None, shards: int = 0) -> InputError:
     """The error for inputs that hold no drafted round verifying a draft, naming the real cause per
     trace (none recorded, the policy skipped the draft, verified nothing) and how to record one."""
-    if not traces:
+    if table is None or not table.paths:
         return InputError(f"the {shards} SGLang shard(s) hold no rounds",
                           "collect some with SGLANG_DSPARK_STS_COLLECT_PATH set while the server decodes")
-    counts = [RoundCounts().add(t.rounds) for t in traces]
-    causes = [describe_rounds(c, t.header, t.path) for c, t in zip(counts, traces)]
+    causes = [describe_rounds(c, h, p) for c, h, p in zip(table.counts, table.headers, table.paths)]
     shown = "; ".join(causes[:3]) + (f"; and {len(causes) - 3} more" if len(causes) > 3 else "")
     return InputError(f"nothing to calibrate (no drafted round verified a draft): {shown}",
-                      recording_fix(counts[0], traces[0].header, traces[0].path if len(traces) == 1 else None))
+                      recording_fix(table.counts[0], table.headers[0], table.paths[0] if len(table.paths) == 1 else None))
 
 
-def _load_inputs(paths: Sequence[str | os.PathLike]) -> tuple[CalibrationData, torch.Tensor, list[Trace]]:
-    """Traces (JSON lines) and SGLang shards (.pt) pooled: (data, request keys, traces)."""
+Inputs = tuple[CalibrationData, torch.Tensor, list[dict[str, Any]]]  # rounds, request keys, the traces' headers
+
+
+def _load_inputs(paths: Sequence[str | os.PathLike], progress: Progress | None = None) -> Inputs:
+    """Traces (JSON lines, streamed) and SGLang shards (.pt) pooled: (data, request keys, trace headers)."""
     seen: dict[tuple[int, int], Path] = {}
     for p in map(Path, paths):
         if p.is_file():
@@ -57,14 +60,22 @@ def _load_inputs(paths: Sequence[str | os.PathLike]) -> tuple[CalibrationData, t
     is_shard = [Path(p).suffix.lower() == ".pt" for p in paths]
     shards = [p for p, s in zip(paths, is_shard) if s]
     rest = [p for p, s in zip(paths, is_shard) if not s]
-    traces = read_traces(rest) if rest else []
-    parts, keys = [], []
-    if traces:
-        data, k = calibration_data(traces)
+    headers: list[dict[str, Any]] = []
+    parts, keys, table = [], [], None
+    if rest:
+        table = read_round_table(rest, "calibrate", progress)
+        data, k = calibration_data(table)
+        headers = table.headers
         parts.append((data.logits, data.verify_length, data.accepted))
         keys.append(k)
+    contents: dict[bytes, Any] = {}
     for p in shards:
         lg, acc = read_sglang_shard(p)
+        digest = hashlib.blake2b(lg.numpy().tobytes() + acc.numpy().tobytes(), digest_size=16).digest()
+        if digest in contents:  # a copy under another name counts twice as surely as the same path
+            raise InputError(f"{p} holds the same rows as {contents[digest]}: a copy of one shard",
+                             "pass each trace or shard once")
+        contents[digest] = p
         parts.append((lg, torch.full_like(acc, lg.shape[1]), acc))
         start = int(keys[-1].max()) + 1 if keys and keys[-1].numel() else 0
         keys.append(torch.arange(start, start + lg.shape[0]))  # shards hold no request ids: one key per row
@@ -72,10 +83,10 @@ def _load_inputs(paths: Sequence[str | os.PathLike]) -> tuple[CalibrationData, t
     if len(gammas) > 1:
         raise InputError(f"the inputs mix block sizes {sorted(gammas)}", "calibrate one block size at a time")
     if not parts or sum(int(ell.sum()) for _, ell, _ in parts) == 0:  # no position was ever tested
-        raise no_usable_rounds(traces, len(shards))
+        raise no_usable_rounds(table, len(shards))
     data = CalibrationData(torch.cat([a for a, _, _ in parts]), torch.cat([b for _, b, _ in parts]),
                            torch.cat([c for _, _, c in parts]))
-    return data, torch.cat(keys), traces
+    return data, torch.cat(keys), headers
 
 
 def check_settings(holdout: float, bins: int) -> None:
@@ -86,15 +97,15 @@ def check_settings(holdout: float, bins: int) -> None:
         raise UsageError(f"{option('bins')} must be ≥ 2, got {bins}", "use e.g. 20 bins")
 
 
-def load_inputs(trace_paths: Sequence[str | os.PathLike], bins: int) -> tuple[CalibrationData, torch.Tensor, list[Trace]]:
+def load_inputs(trace_paths: Sequence[str | os.PathLike], bins: int, progress: Progress | None = None) -> Inputs:
     """The pooled rounds (`_load_inputs`), with `bins` bounded by them: at most one bin per recorded
     round (more bins than rounds only adds empty ones, and each costs memory in the fit and a row
     in every reliability diagram)."""
-    data, keys, traces = _load_inputs(trace_paths)
+    data, keys, headers = _load_inputs(trace_paths, progress)
     if bins > data.logits.shape[0]:
         raise UsageError(f"{option('bins')} {bins} is more than the {data.logits.shape[0]} rounds in the traces",
                          f"use at most {data.logits.shape[0]} bins (e.g. 20)")
-    return data, keys, traces
+    return data, keys, headers
 
 
 def calibrate_traces(trace_paths: Sequence[str | os.PathLike], holdout: float = 0.2, bins: int = 20,
@@ -130,10 +141,9 @@ def fit_warning(r: dict[str, Any], t: float) -> str:
 
 
 def fit_calibration(trace_paths: Sequence[str | os.PathLike],
-                    inputs: tuple[CalibrationData, torch.Tensor, list[Trace]], holdout: float, bins: int,
-                    seed: int) -> dict[str, Any]:
+                    inputs: Inputs, holdout: float, bins: int, seed: int) -> dict[str, Any]:
     """The calibration document of `inputs` (`load_inputs` of `trace_paths`)."""
-    data, keys, traces = inputs
+    data, keys, headers = inputs
     gen = torch.Generator().manual_seed(seed)
     hold = split_requests(keys, holdout, gen)
     train, held = data.subset(~hold), data.subset(hold)
@@ -152,8 +162,8 @@ def fit_calibration(trace_paths: Sequence[str | os.PathLike],
         "temperatures": [float(t) for t in temps],
         "method": "sequential temperature scaling (grid search of T_k minimising survival ECE, left to right)",
         "fit": fit_report, "warnings": warnings,
-        "draft_fingerprints": sorted({str(t.header["draft_fingerprint"]) for t in traces
-                                      if isinstance(t.header.get("draft_fingerprint"), str)}),
+        "draft_fingerprints": sorted({str(h["draft_fingerprint"]) for h in headers
+                                      if isinstance(h.get("draft_fingerprint"), str)}),
         "bins": bins, "holdout": holdout, "seed": seed,
         "rounds": {"train": int(train.logits.shape[0]), "heldout": int(held.logits.shape[0]),
                    "requests_heldout": int(torch.unique(keys[hold]).numel()),
@@ -161,9 +171,9 @@ def fit_calibration(trace_paths: Sequence[str | os.PathLike],
         "metrics_heldout": {"before": before, "after": after},
         "metrics_train_after": [{k: v for k, v in m.items() if k != "diagram"} for m in train_fit],
         "provenance": provenance(inputs=[str(p) for p in trace_paths],
-                                 trace_headers=[{k: t.header.get(k) for k in
+                                 trace_headers=[{k: h.get(k) for k in
                                                  ("target", "draft", "dataset", "temperature", "seed", "policy")
-                                                 if k in t.header} for t in traces]),
+                                                 if k in h} for h in headers]),
     }
 
 

@@ -44,7 +44,8 @@ import torch
 from dsparkctl.errors import InputError, UsageError, option
 from dsparkctl.formats.calibration import calibration_draft_notes, load_survival_prior, load_temperatures
 from dsparkctl.formats.sps import check_block_size, load_sps_table
-from dsparkctl.formats.trace import RoundCounts, describe_rounds, read_traces, recording_fix, recording_hint, round_table
+from dsparkctl.formats.trace import describe_rounds, recording_fix, recording_hint
+from dsparkctl.formats.trace_scan import Progress, read_round_table
 from dsparkctl.math.admission import survival_from_logits
 from dsparkctl.math.policy_spec import parse_policy
 from dsparkctl.math.sps import SPSTable
@@ -61,36 +62,38 @@ DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 MAX_CANDIDATES = 20_000_000  # request-rounds × γ held at once per cell (~70 bytes each: ~1.4 GB)
 
 
-def load_replay_rounds(trace_paths: Sequence[str | os.PathLike]) -> dict[str, Any]:
-    """Pool full-verification rounds: {"logits" [N, γ] (NaN rows when absent), "accepted" [N], "gamma",
-    "skipped" (budget-capped rounds and plain steps left out)}."""
-    traces = read_traces(trace_paths)
-    table = round_table(traces, "sweep")
+def load_replay_rounds(trace_paths: Sequence[str | os.PathLike], progress: Progress | None = None) -> dict[str, Any]:
+    """Pool full-verification rounds (streamed, `read_round_table`): {"logits" [N, γ] (NaN rows when
+    absent), "accepted" [N], "gamma", "skipped" (budget-capped rounds and plain steps left out),
+    "fingerprints" (the drafts that recorded them), "unsigned" (traces that do not say)}.
+    `progress(done, total)` counts bytes read."""
+    table = read_round_table(trace_paths, "sweep", progress)
     keep = ~table.budget_capped
     partial = (keep & (table.verify_length != table.gamma)).nonzero()
     if partial.numel():
         i = int(partial[0])
-        path, request, rnd = table.where[i]
-        header = next(t.header for t in traces if t.path == path)
+        path, request, rnd = table.where(i)
+        header = table.headers[int(table.source[i])]
         raise InputError(f"{path}: request {request} round {rnd} verified {int(table.verify_length[i])} of "
                          f"{table.gamma} drafts; the sweep needs traces recorded with full verification",
                          _full_hint(header, table.gamma))
     skipped = table.plain_steps + int(table.budget_capped.sum())
     if not bool(keep.any()):
-        counts = [RoundCounts().add(t.rounds) for t in traces]
-        causes = [describe_rounds(c, t.header, t.path) for c, t in zip(counts, traces)]
-        capped_only = table.where and not table.plain_steps  # drafted full rounds, every one cut by the budget
+        causes = [describe_rounds(c, h, p) for c, h, p in zip(table.counts, table.headers, table.paths)]
+        capped_only = table.rows and not table.plain_steps  # drafted full rounds, every one cut by the budget
         raise InputError("the traces hold no full-verification round to replay: " + "; ".join(causes[:3])
                          + (f"; and {len(causes) - 3} more" if len(causes) > 3 else ""),
                          "record longer requests (a larger --max-new-tokens) so that rounds verify all "
                          f"{table.gamma} drafts before the budget cuts them" if capped_only else
-                         recording_fix(counts[0], traces[0].header, traces[0].path if len(traces) == 1 else None))
+                         recording_fix(table.counts[0], table.headers[0], table.paths[0] if len(table.paths) == 1
+                                       else None))
     logits = table.logits[keep]
     return {"logits": logits, "accepted": table.accepted[keep], "gamma": table.gamma,
             "has_confidence": not bool(torch.isnan(logits).any()), "skipped": skipped,
-            "fingerprints": sorted({str(t.header["draft_fingerprint"]) for t in traces
-                                    if isinstance(t.header.get("draft_fingerprint"), str)}),
-            "unsigned": [str(t.path) for t in traces if not isinstance(t.header.get("draft_fingerprint"), str)]}
+            "fingerprints": sorted({h["draft_fingerprint"] for h in table.headers
+                                    if isinstance(h.get("draft_fingerprint"), str)}),
+            "unsigned": [p for p, h in zip(table.paths, table.headers)
+                         if not isinstance(h.get("draft_fingerprint"), str)]}
 
 
 def served_pool(path: str | os.PathLike) -> dict[str, Any]:
@@ -279,10 +282,12 @@ def check_max_new_tokens(max_new_tokens: int | None, rounds: int) -> None:
 
 def sweep_traces(trace_paths, sps_path, policy_specs=DEFAULT_POLICIES, concurrency=DEFAULT_CONCURRENCY,
               calibration=None, rounds: int = 20_000, seed: int = 0,
-              max_new_tokens: int | None = None, served: str | os.PathLike | None = None) -> dict[str, Any]:
+              max_new_tokens: int | None = None, served: str | os.PathLike | None = None,
+              progress: Progress | None = None) -> dict[str, Any]:
     """Read the traces (or the served acceptance), the SPS table and the calibration, replay every
     cell, return the sweep document. `max_new_tokens`: replay finite batches (`replay_batches`)
-    instead of the steady state. `policy_specs` None: the defaults, or static:0..γ for `served`."""
+    instead of the steady state. `policy_specs` None: the defaults, or static:0..γ for `served`.
+    `progress(done, total)` counts the trace bytes read."""
 
     check_max_new_tokens(max_new_tokens, rounds)
     if rounds < 1:
@@ -301,7 +306,7 @@ def sweep_traces(trace_paths, sps_path, policy_specs=DEFAULT_POLICIES, concurren
     for s in policy_specs or ():  # unknown names fail before any file is read
         parse_policy(s, sps=SPSTable([1, 2], [1.0, 1.0]))  # a placeholder table: names are checked, not costs
     sps = load_sps_table(sps_path)
-    pool = served_pool(served) if served else load_replay_rounds(trace_paths)
+    pool = served_pool(served) if served else load_replay_rounds(trace_paths, progress)
     if policy_specs is None:
         policy_specs = [f"static:{k}" for k in range(pool["gamma"] + 1)] if served else list(DEFAULT_POLICIES)
     if rounds * pool["gamma"] > MAX_CANDIDATES:  # a cell is replayed in one batch of [steps, C, γ]
