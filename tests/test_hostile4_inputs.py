@@ -64,7 +64,8 @@ def d(tmp_path_factory) -> Path:
     write_synthetic_trace(d / "anon.jsonl", G4, 30, 8, seed=4)
     write_synthetic_trace(d / "g5.jsonl", SyntheticModel(), 30, 8, seed=5, extra_header={"draft_fingerprint": FP_A})
     run_calibrate(CalibrateSpec(traces=(d / "a2.jsonl",), out=d / "cal_a.json"))
-    run_calibrate(CalibrateSpec(traces=(d / "a2.jsonl", d / "b.jsonl"), out=d / "cal_ab.json"))
+    cal = json.loads((d / "cal_a.json").read_text())  # as an older calibrate wrote from two drafts' traces pooled
+    (d / "cal_ab.json").write_text(json.dumps({**cal, "draft_fingerprints": [FP_A, FP_B]}))
     run_calibrate(CalibrateSpec(traces=(d / "g5.jsonl",), out=d / "cal_g5.json"))
     for gamma in (4, 5):
         save_sps_table(_profile(gamma), d / f"sps{gamma}.json")
@@ -103,8 +104,9 @@ CALIBRATION = [
     # (id, traces, calibration, expected: "refuse" words | "note" words | "ok", was_wrong)
     ("sweep: traces of draft B, calibration of A", ("b.jsonl",), "cal_a.json", ("refuse", "another draft", FP_B), True),
     ("sweep: traces of A and B, calibration of A", ("a.jsonl", "b.jsonl"), "cal_a.json",
-     ("refuse", "another draft", FP_B), True),
-    ("sweep: traces of A, calibration of A and B", ("a.jsonl",), "cal_ab.json", ("ok",), False),
+     ("refuse", "record different runs to pool", FP_B), True),  # two drafts' rounds are never pooled
+    ("sweep: traces of A, calibration of A and B", ("a.jsonl",), "cal_ab.json",
+     ("refuse", "pooled traces of 2 drafts"), False),
     ("sweep: traces of A, calibration of A", ("a.jsonl",), "cal_a.json", ("ok",), False),
     ("sweep: traces of A, SGLang STS twin (names no draft)", ("a.jsonl",), "cal_a.sglang-sts.json",
      ("note", "does not say which draft"), True),

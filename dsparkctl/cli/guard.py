@@ -16,6 +16,7 @@ import typer
 
 from dsparkctl.cli.console import STATE, err, error_line, out, styled
 from dsparkctl.errors import DsparkError
+from dsparkctl.files.ledger import set_command
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -93,6 +94,17 @@ def prepared(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {name: _home(v, name in PATH_OR_ID) for name, v in kwargs.items()}
 
 
+def interrupted_line(w: Any) -> Any:
+    """What an interrupted command says: what was complete before it, or that nothing was written."""
+    from dsparkctl.files.atomic import WRITTEN
+
+    who = f"rank {w.rank} " if w.distributed else ""
+    done = sorted({str(p) for p in WRITTEN})
+    said = (f"; {len(done)} file(s) were complete before it, e.g. {done[-1]}; nothing partial was left"
+            if done else "; nothing was written" + (" by this rank" if w.distributed else ""))
+    return styled((f"{who}interrupted", "red"), said)
+
+
 def guarded(fn: F | None = None, *, fields: Mapping[str, str] | None = None) -> Any:
     """Run a command; map library errors to a one-line message and a non-zero exit. Messages name
     the library's fields (`errors.option`) as this command's flags (`option_names(fn, fields)`)."""
@@ -116,9 +128,7 @@ def guarded(fn: F | None = None, *, fields: Mapping[str, str] | None = None) -> 
             err.print(*a, **k)
         label = f"rank {w.rank} error:" if w.distributed else "error:"
         STATE["names"] = names
-        from dsparkctl.files.commit import set_command
-
-        set_command(fn.__name__.removesuffix("_cmd").replace("_", "-"))  # what the ledger records as the writer of its outputs
+        set_command(fn.__name__.removesuffix("_cmd").replace("_", "-"))  # the writer the ledger records
         try:
             kwargs = prepared(kwargs)
             if isinstance(kwargs.get("seed"), int):
@@ -134,13 +144,7 @@ def guarded(fn: F | None = None, *, fields: Mapping[str, str] | None = None) -> 
             say(error_line(label, exc.one_line(names)), highlight=False)
             raise typer.Exit(exc.exit_code) from None
         except KeyboardInterrupt:
-            from dsparkctl.files.atomic import WRITTEN
-
-            who = f"rank {w.rank} " if w.distributed else ""
-            done = sorted({str(p) for p in WRITTEN})
-            said = (f"; {len(done)} file(s) were complete before it, e.g. {done[-1]}; nothing partial was left"
-                    if done else "; nothing was written" + (" by this rank" if w.distributed else ""))
-            say(styled((f"{who}interrupted", "red"), said))
+            say(interrupted_line(w))
             raise typer.Exit(130) from None
         except (OSError, MemoryError) as exc:
             if STATE["debug"]:
