@@ -215,3 +215,34 @@ def test_serve_config_does_not_replace_a_draft_train_wrote(tmp_path):
             check_draft_destination(tmp_path / "mine", overwrite=True)
     finally:
         commit.set_command(None)
+
+
+# -------- N identical commands at once on the shared caches (kernel choices, step costs) and one output
+@pytest.mark.slow  # three generate runs at once, each profiling a fresh machine table (~1 min)
+def test_identical_generates_at_once_share_caches_and_one_trace(tmp_path):
+    from tests.tiny_models import save_tiny_target, write_deepspec_draft
+
+    target = save_tiny_target(tmp_path / "target", "qwen3", vocab=64, layers=4)
+    draft = write_deepspec_draft(tmp_path / "draft", vocab=64, hidden=32, taps=(0, 1), rank=8, block_size=4)
+    caches = tmp_path / "caches"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+           "DSPARKCTL_CPU_KERNELS_CACHE": str(caches / "kernels.json"), "DSPARKCTL_SPS_CACHE": str(caches / "sps"),
+           "DSPARKCTL_CONTINUATIONS_CACHE": str(caches / "continuations")}
+    argv = [sys.executable, "-m", "dsparkctl", "generate", "--target", str(target), "--draft", str(draft),
+            "--no-chat", "--max-new-tokens", "8", "--policy", "dspark", "--trace", "out/t.jsonl", "--json",
+            "w1 w2 w3", "w4 w5"]
+
+    def one(_: int) -> subprocess.CompletedProcess:
+        return subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+
+    with ThreadPoolExecutor(3) as pool:
+        runs = list(pool.map(one, range(3)))
+    assert [r.returncode for r in runs] == [0] * 3, [r.stderr[-500:] for r in runs]
+    texts = {tuple(q["text"] for q in json.loads(r.stdout)["requests"]) for r in runs}
+    assert len(texts) == 1  # greedy: one answer, whichever run measured the caches
+    lines = (tmp_path / "out" / "t.jsonl").read_text().splitlines()
+    assert json.loads(lines[0])["block_size"] == 4 and all(json.loads(line) for line in lines)  # one whole trace
+    for f in [caches / "kernels.json", *(caches / "sps").glob("*.json")]:
+        json.loads(f.read_text())  # every cache entry whole
+    assert not [p for p in (caches / "sps").iterdir() if p.name.startswith(".")]
+    assert _hidden_leftovers(tmp_path / "out", caches) == []

@@ -109,7 +109,7 @@ def extract(ckpt: Checkpoint, out: Path, *, dequantize: bool = False, with_head:
     files = [f"model-{i + 1:05d}-of-{n_out:05d}.safetensors" for i in range(n_out)]
     for note in partials.remove_stale(out):
         (log or (lambda m: None))(note)
-    with atomic_dir(out, replace=False) as tmp:  # a kill leaves nothing the next run does not remove
+    with atomic_dir(out, on_exists="refuse") as tmp:  # a kill leaves nothing the next run does not remove
         with partials.claim(tmp, out):
             source_sha = _write_draft(ckpt, tmp, files, items, dequantize, with_head, verify, on_bytes)
         point_of_no_return()  # complete and fsynced: a signal now would only misreport the result

@@ -186,13 +186,14 @@ def cut_log(path: str | os.PathLike, up_to: int, key: str = "step") -> None:
 
 
 @contextlib.contextmanager
-def atomic_dir(path: str | os.PathLike, each_rank: bool = False, replace: bool = True) -> Iterator[Path]:
+def atomic_dir(path: str | os.PathLike, each_rank: bool = False, on_exists: str = "replace") -> Iterator[Path]:
     """Yield a hidden folder beside `path` to fill; it takes the name `path` when the block ends
     without an error (replacing a folder this command wrote there, `files.ledger`), or at the
     commit point of the command's transaction when one is open; on an error it is deleted. A kill
     leaves nothing the next run does not finish or remove (`files.commit.recover`). Under torchrun
     only rank 0 puts the folder in place (the others' is deleted), unless `each_rank`. With
-    `replace` False a folder that appeared meanwhile is kept and this one discarded (an error).
+    `on_exists` "refuse" a folder that appeared meanwhile is kept and this one discarded with an
+    error; "keep", the same without one (a cache entry every run builds alike).
     """
     if not _writes(each_rank):
         tmp = Path(tempfile.mkdtemp(prefix=".dsparkctl-rank-"))
@@ -203,7 +204,7 @@ def atomic_dir(path: str | os.PathLike, each_rank: bool = False, replace: bool =
         return
     tx = None if each_rank else commit.current()
     if tx is not None:
-        yield tx.folder(path, replace)
+        yield tx.folder(path, on_exists)
         return
     with commit.transaction(join=False, each_rank=each_rank) as tx:
-        yield tx.folder(path, replace)
+        yield tx.folder(path, on_exists)

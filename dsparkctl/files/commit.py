@@ -163,7 +163,9 @@ class _Op:
     final: Path
     staged: Path
     folder: bool
-    replace: bool = True  # False: an output that appeared meanwhile wins, this run's copy is discarded
+    on_exists: str = "replace"  # a path that holds something at commit time: "replace" it if this command
+    # wrote it (else refuse); "refuse" (an output that appeared meanwhile wins: an error); "keep" it and
+    # discard this run's copy quietly (a cache entry any run builds alike)
 
     @property
     def old(self) -> Path:
@@ -214,7 +216,7 @@ class Transaction:
     ops: list[_Op] = field(default_factory=list)
     made: list[Path] = field(default_factory=list)  # folders created for the outputs, removed on abort
 
-    def _stage(self, final: str | os.PathLike, is_folder: bool, replace: bool = True) -> Path:
+    def _stage(self, final: str | os.PathLike, is_folder: bool, on_exists: str = "replace") -> Path:
         final = _abs(final)
         for op in self.ops:
             if op.final == final:
@@ -239,14 +241,14 @@ class Transaction:
         if is_folder:
             staged.mkdir()
             honour_umask(staged, directory=True)
-        self.ops.append(_Op(final, staged, is_folder, replace))
+        self.ops.append(_Op(final, staged, is_folder, on_exists))
         return staged
 
     def file(self, final: str | os.PathLike) -> Path:
         return self._stage(final, False)
 
-    def folder(self, final: str | os.PathLike, replace: bool = True) -> Path:
-        return self._stage(final, True, replace)
+    def folder(self, final: str | os.PathLike, on_exists: str = "replace") -> Path:
+        return self._stage(final, True, on_exists)
 
     def staged_name(self, path: str | os.PathLike) -> bool:
         p = _abs(path)
@@ -268,8 +270,11 @@ class Transaction:
         with contextlib.ExitStack() as stack:
             for f in folders:
                 stack.enter_context(ledger.folder_lock(f))
+            for op in [op for op in ops if op.on_exists == "keep" and os.path.lexists(op.final)]:
+                _remove(op.staged)  # another run built the same entry first: theirs stays
+                ops.remove(op)
             for op in ops:  # checked again now: a user's file may have appeared since the command began
-                if not op.replace and os.path.lexists(op.final):
+                if op.on_exists == "refuse" and os.path.lexists(op.final):
                     raise InputError(f"{op.final} was created by another process while this command ran; this "
                                      "run's copy was discarded", "check that the other run's output is the one you want")
                 why = replace_refusal(op.final, as_folder=op.folder)

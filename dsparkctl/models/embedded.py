@@ -93,7 +93,7 @@ def embedded_target_dir(log=print) -> Path:
                          "delete the embedded model's cache folder and run again")
     if out.exists():
         shutil.rmtree(out)
-    with atomic_dir(out, each_rank=True) as tmp:  # under torchrun every rank may convert it (same result)
+    with atomic_dir(out, each_rank=True, on_exists="keep") as tmp:  # ranks or runs converting at once: the first stays
         plain.save_pretrained(tmp)
         tok.save_pretrained(tmp)
     return out
