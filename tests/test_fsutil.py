@@ -22,7 +22,7 @@ from dsparkctl.cli import console
 from dsparkctl.cli.main import app
 from dsparkctl.files.atomic import atomic_open, remove_stale_temps, staged, write_json
 from dsparkctl.files.os_errors import os_error_words
-from dsparkctl.files.ownership import replace_refusal, written_by_us
+from dsparkctl.files.ownership import replace_refusal
 from dsparkctl.formats.trace import write_synthetic_trace
 from dsparkctl.math.synthetic import SyntheticModel
 from tests.helpers import snapshot
@@ -112,7 +112,6 @@ def test_replace_refusal(tmp_path, kind, refusal):
 
 def test_a_device_is_never_ours():
     assert replace_refusal("/dev/null") == "is not a regular file (a FIFO, socket or device)"
-    assert not written_by_us("/dev/zero")
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +148,23 @@ def test_calibrate_replaces_only_what_it_wrote(tmp_path, trace, kind, where, cod
         assert json.loads(out.read_text())["format"] == "dsparkctl-calibration/1"
         r = runner.invoke(app, ["calibrate", str(trace), "--out", str(out)])  # our own outputs: replaced again
         assert r.exit_code == 0, r.output
+
+
+@pytest.mark.parametrize("suffix", [".jpg", ".tif", ".svgz", ".png"])
+def test_a_figure_without_room_for_a_marker_is_replaced_by_the_command_that_drew_it(tmp_path, trace, suffix):
+    """Ownership is the ledger's record, so a JPEG we drew is ours to redraw (it carries no mark)."""
+    from dsparkctl.formats.sps import save_sps_table
+    from dsparkctl.math.sps import SPSTable
+
+    save_sps_table(SPSTable([1, 4, 16, 64], [50.0, 40.0, 35.0, 25.0]), tmp_path / "sps.json")
+    argv = ["sweep-scheduler", "--trace", str(trace), "--sps-table", str(tmp_path / "sps.json"), "--policies",
+            "static:1", "--concurrency", "1,4", "--rounds", "200", "--plot", str(tmp_path / f"f{suffix}")]
+    for _ in range(2):
+        r = runner.invoke(app, argv)
+        assert r.exit_code == 0, r.output
+    (tmp_path / f"f{suffix}").write_bytes((tmp_path / f"f{suffix}").read_bytes())  # rewritten by hand: the user's
+    r = runner.invoke(app, argv)
+    assert r.exit_code == 2 and "has no record of writing it there" in r.output, r.output
 
 
 def test_calibrate_on_a_full_disk_leaves_no_output(tmp_path, trace, monkeypatch):
