@@ -75,9 +75,16 @@ def _hold(folder: Path, journal: Path | None = None) -> None:
             _describe(folder, journal)
         return
     path = folder / _LOCK.format(RUN_ID)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
-    with contextlib.suppress(OSError):
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # blocks only while a `recover` looks at it, a moment
+        except OSError:
+            break  # no flock on this filesystem: nothing here is ever provably dead
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                break
+        os.close(fd)  # a `recover` took the file for a dead run's between our open and our lock: again
     _HELD[folder] = fd
     if journal is not None:
         _describe(folder, journal)
