@@ -197,11 +197,16 @@ def _apply(ops: list[_Op], writer: str) -> None:
 
 def _roll_forward(journal: Path, run: str) -> None:
     try:
+        if journal.lstat().st_uid != os.getuid():
+            return
         doc = loads(journal.read_text(encoding="utf-8"))
         ops = [_Op(Path(o["final"]), Path(o["staged"]), bool(o["folder"])) for o in doc["ops"]]
         writer = str(doc["command"])
     except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return
+    # only renames this run could have staged: a sibling named after its final path and this run
+    ops = [op for op in ops if op.staged.parent == op.final.parent and op.final.is_absolute()
+           and re.fullmatch(rf"\.{re.escape(op.final.name)}\.{run}-\d+\.new", op.staged.name)]
     folders = sorted({op.final.parent for op in ops} | {journal.parent})
     with contextlib.ExitStack() as stack:
         for f in folders:
