@@ -246,3 +246,46 @@ def test_identical_generates_at_once_share_caches_and_one_trace(tmp_path):
         json.loads(f.read_text())  # every cache entry whole
     assert not [p for p in (caches / "sps").iterdir() if p.name.startswith(".")]
     assert _hidden_leftovers(tmp_path / "out", caches) == []
+
+
+# -------- a rerun's set of outputs replaces the earlier set, a wait for a folder's lock is bounded
+def test_a_smaller_rerun_removes_the_figures_it_no_longer_draws(tmp_path):
+    from typer.testing import CliRunner
+
+    from dsparkctl.cli.main import app
+
+    write_synthetic_trace(tmp_path / "g5.jsonl", SyntheticModel(), 30, 8, seed=1)
+    g3 = SyntheticModel(gamma=3, mean_logit=(2.0, 1.5, 1.0), overconfidence=(2.0,) * 3, bias=(0.0,) * 3)
+    write_synthetic_trace(tmp_path / "g3.jsonl", g3, 30, 8, seed=2)
+    plots = tmp_path / "c_reliability"
+    for trace in ("g5.jsonl", "g3.jsonl"):
+        r = CliRunner().invoke(app, ["calibrate", str(tmp_path / trace), "--out", str(tmp_path / "c.json")])
+        assert r.exit_code == 0, r.output
+        if trace == "g5.jsonl":
+            (plots / "my_notes.png").write_bytes(b"mine")  # the user's file in that folder stays
+    assert sorted(p.name for p in plots.iterdir()) == ["my_notes.png"] + [f"reliability_pos{k}.png" for k in (1, 2, 3)]
+
+
+def test_a_wait_for_a_folder_held_by_a_stopped_commit_is_said_and_bounded(tmp_path, capsys):
+    import fcntl
+
+    from dsparkctl.errors import InputError
+    from dsparkctl.files.ledger import folder_lock
+
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY); "
+                               "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(30)", str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(InputError, match="has held the lock of .* stopped or hung"):
+            with folder_lock(tmp_path, limit_s=1.5):
+                pass
+        assert "waiting for another process that is committing its outputs" in capsys.readouterr().err
+    finally:
+        holder.kill()
+        holder.wait()
+    with folder_lock(tmp_path, limit_s=1.5):  # free again: taken at once
+        fd = os.open(tmp_path, os.O_RDONLY)
+        with pytest.raises(BlockingIOError):  # and held by us now
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.close(fd)

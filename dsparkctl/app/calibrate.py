@@ -12,7 +12,8 @@ from typing import Any, Callable
 
 from dsparkctl.app.preflight import Output, check_outputs
 from dsparkctl.errors import option
-from dsparkctl.files.atomic import staged, write_json
+from dsparkctl.files.atomic import write_json
+from dsparkctl.files.commit import transaction
 from dsparkctl.formats.calibration import sglang_sts
 from dsparkctl.formats.trace_scan import Progress
 from dsparkctl.plots import reliability_diagrams, reliability_paths
@@ -51,11 +52,14 @@ def run_calibrate(spec: CalibrateSpec, *, log: Callable[[str], None] = lambda m:
     inputs = load_inputs(spec.traces, spec.bins, progress)
     reliability_paths(plot_dir, inputs[0].gamma)  # a user's file among the PNG names stops it before the fit
     result = fit_calibration(spec.traces, inputs, spec.holdout, spec.bins, spec.seed)
-    with staged() as stage:  # all outputs appear together, or none (a full disk leaves nothing)
-        pngs = reliability_diagrams(result, plot_dir, stage)
+    with transaction() as tx:  # all outputs appear together, or none (a full disk leaves nothing)
+        pngs = reliability_diagrams(result, plot_dir, tx.file)
+        for old in plot_dir.glob("reliability_pos*.png"):  # an earlier run's positions past this γ
+            if str(old) not in pngs:
+                tx.discard(old)  # only one this command wrote (the ledger says); a user's stays
         result["outputs"] = {"sglang_sts": str(sglang_out), "reliability_pngs": pngs}
-        write_json(stage(sglang_out), sglang_sts(result))
-        write_json(stage(spec.out), result)
+        write_json(tx.file(sglang_out), sglang_sts(result))
+        write_json(tx.file(spec.out), result)
     log(f"wrote {spec.out}, {sglang_out}, {len(pngs)} reliability PNGs in {plot_dir}")
     return result
 

@@ -173,6 +173,7 @@ class _Op:
     on_exists: str = "replace"  # a path that holds something at commit time: "replace" it if this command
     # wrote it (else refuse); "refuse" (an output that appeared meanwhile wins: an error); "keep" it and
     # discard this run's copy quietly (a cache entry any run builds alike)
+    delete: bool = False  # an earlier output of this command that this run's set no longer holds
 
     @property
     def old(self) -> Path:
@@ -183,7 +184,10 @@ def _apply(ops: list[_Op], writer: str) -> None:
     """The renames of a committed transaction, idempotent (the journal may be replayed)."""
     by_folder: dict[Path, dict[str, tuple[str, list | None]]] = {}
     for op in ops:
-        if os.path.lexists(op.staged):
+        if op.delete:
+            if os.path.lexists(op.final) and ledger.writer_of(op.final) == writer:
+                os.replace(op.final, op.old)  # removed below, with the old versions
+        elif os.path.lexists(op.staged):
             if op.folder and os.path.lexists(op.final):
                 os.replace(op.final, op.old)
             os.replace(op.staged, op.final)
@@ -200,7 +204,8 @@ def _roll_forward(journal: Path, run: str) -> None:
         if journal.lstat().st_uid != os.getuid():
             return
         doc = loads(journal.read_text(encoding="utf-8"))
-        ops = [_Op(Path(o["final"]), Path(o["staged"]), bool(o["folder"])) for o in doc["ops"]]
+        ops = [_Op(Path(o["final"]), Path(o["staged"]), bool(o["folder"]), delete=bool(o.get("delete")))
+               for o in doc["ops"]]
         writer = str(doc["command"])
     except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return
@@ -262,6 +267,18 @@ class Transaction:
     def folder(self, final: str | os.PathLike, on_exists: str = "replace") -> Path:
         return self._stage(final, True, on_exists)
 
+    def discard(self, final: str | os.PathLike) -> None:
+        """Remove `final` at the commit point, if this command wrote it (an output of an earlier run
+        that this run's set no longer holds, e.g. a figure of a position the new draft lacks)."""
+        final = _abs(final)
+        if self.private is not None or ledger.writer_of(final) != self.writer:
+            return
+        if final.parent not in _HELD:
+            recover(final.parent)
+        _hold(final.parent)
+        _STATE["n"] += 1
+        self.ops.append(_Op(final, final.with_name(f".{final.name}.{RUN_ID}-{_STATE['n']}.new"), False, delete=True))
+
     def staged_name(self, path: str | os.PathLike) -> bool:
         p = _abs(path)
         return any(op.staged == p for op in self.ops)
@@ -275,7 +292,7 @@ class Transaction:
             elif os.path.lexists(op.staged):
                 with open(op.staged, "rb") as fh:
                     os.fsync(fh.fileno())
-        ops = [op for op in self.ops if os.path.lexists(op.staged)]
+        ops = [op for op in self.ops if op.delete or os.path.lexists(op.staged)]
         first = ops[0].final.parent if ops else self.ops[0].final.parent
         journal = first / _JOURNAL.format(RUN_ID)
         folders = sorted({op.final.parent for op in ops} | {first})
@@ -285,7 +302,7 @@ class Transaction:
             for op in [op for op in ops if op.on_exists == "keep" and os.path.lexists(op.final)]:
                 _remove(op.staged)  # another run built the same entry first: theirs stays
                 ops.remove(op)
-            for op in ops:  # checked again now: a user's file may have appeared since the command began
+            for op in [op for op in ops if not op.delete]:  # again now: a user's file may have appeared since
                 if op.on_exists == "refuse" and os.path.lexists(op.final):
                     raise InputError(f"{op.final} was created by another process while this command ran; this "
                                      "run's copy was discarded", "check that the other run's output is the one you want")
@@ -303,7 +320,8 @@ class Transaction:
                 for f, changes in by_folder.items():
                     ledger.record(f, changes, keep_old=True)
                 doc = {"tool": "dsparkctl", "command": self.writer,
-                       "ops": [{"final": str(o.final), "staged": str(o.staged), "folder": o.folder} for o in ops]}
+                       "ops": [{"final": str(o.final), "staged": str(o.staged), "folder": o.folder, "delete": o.delete}
+                               for o in ops]}
                 tmp = journal.with_suffix(".tmp")
                 with open(tmp, "w") as fh:
                     json.dump(doc, fh)

@@ -89,14 +89,39 @@ def fingerprint(path: str | os.PathLike) -> list[Any] | None:
     return ["folder", st.st_dev, st.st_ino, inside]
 
 
+COMMIT_WAIT_S = 60.0  # a commit holds a folder for milliseconds: a minute means its holder is stopped
+
+
 @contextlib.contextmanager
-def folder_lock(folder: str | os.PathLike) -> Iterator[None]:
-    """Hold an exclusive lock on `folder` itself (blocking: every holder only renames and rewrites
-    the ledger, a matter of milliseconds)."""
+def folder_lock(folder: str | os.PathLike, limit_s: float = COMMIT_WAIT_S) -> Iterator[None]:
+    """Hold an exclusive lock on `folder` itself. Every holder only renames and rewrites a ledger, a
+    matter of milliseconds, so a wait says so on stderr after a second and ends after `limit_s`
+    (a holder stopped or hung) with an error naming the folder."""
+    import sys
+    import time
+
+    from dsparkctl.errors import InputError
+
     fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
     try:
-        with contextlib.suppress(OSError):  # a filesystem without flock: no cross-process ordering
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        t0, said = time.monotonic(), False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                waited = time.monotonic() - t0
+                if waited >= limit_s:
+                    raise InputError(f"another process has held the lock of {folder} for {waited:.0f} s (a dsparkctl "
+                                     "commit takes milliseconds: that process is stopped or hung)",
+                                     "let it finish, or end it (e.g. `fuser -v` on the folder), then run again") from None
+                if not said and waited >= 1.0:
+                    print(f"waiting for another process that is committing its outputs in {folder} "
+                          f"(at most {limit_s:.0f} s)", file=sys.stderr, flush=True)
+                    said = True
+                time.sleep(0.05)
+            except OSError:
+                break  # a filesystem without flock: no cross-process ordering
         yield
     finally:
         os.close(fd)
