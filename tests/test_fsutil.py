@@ -504,3 +504,37 @@ def test_a_signal_while_outputs_go_in_place_lands_after_all_of_them(tmp_path, mo
     monkeypatch.setattr(fsutil.os, "replace", real)
     assert [json.loads(o.read_text()) for o in outs] == [{"old": False}] * 3
     assert fsutil.WRITTEN[before:][-3:] == outs and not list(tmp_path.glob(".*staged*"))
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--out", "{d}/c.json", "--plot-dir", "{d}/full"], "--plot-dir {d}/full is the output folder {d}/full of "
+     "`dsparkctl serve-config`"),
+    (["--out", "{d}/full/c.json"], "--out {d}/full/c.json is inside the output folder {d}/full of "
+     "`dsparkctl serve-config`"),
+])
+def test_no_command_writes_into_another_commands_output_folder(tmp_path, trace, argv, says):
+    from dsparkctl.files import commit
+    from dsparkctl.files.atomic import atomic_dir
+
+    commit.set_command("serve-config")
+    try:
+        with atomic_dir(tmp_path / "full") as tmp:  # an exported draft folder
+            (tmp / "config.json").write_text("{}")
+    finally:
+        commit.set_command(None)
+    before = snapshot(tmp_path)
+    r = runner.invoke(app, ["calibrate", str(trace), *[a.format(d=tmp_path) for a in argv]])
+    assert r.exit_code == 2 and says.format(d=tmp_path) in r.output, r.output
+    assert snapshot(tmp_path) == before
+
+
+def test_one_output_inside_another_whole_folder_output_is_refused(tmp_path):
+    from dsparkctl.app.preflight import Output, check_outputs
+    from dsparkctl.errors import UsageError
+
+    with pytest.raises(UsageError, match="--export-vllm .*/g/sub is inside --export-full-vocab .*/g"):
+        check_outputs([Output(tmp_path / "g", "--export-full-vocab", "folder"),
+                       Output(tmp_path / "g" / "sub", "--export-vllm", "folder")])
+    check_outputs([Output(tmp_path / "figs" / "c.json", "--out"),  # a place for named files may hold others
+                   Output(tmp_path / "figs", "--plot-dir", "folder", whole=False)])
+    assert not (tmp_path / "g").exists()

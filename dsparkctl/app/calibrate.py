@@ -46,7 +46,7 @@ def run_calibrate(spec: CalibrateSpec, *, log: Callable[[str], None] = lambda m:
 
     check_outputs([Output(spec.out, option("out"))], inputs=[Path(p) for p in spec.traces],
                   derived=lambda out: [Output(named_after(out)[0], option("sglang_out")),
-                                       Output(named_after(out)[1], option("plot_dir"), "folder")])
+                                       Output(named_after(out)[1], option("plot_dir"), "folder", whole=False)])
     sglang_out, plot_dir = named_after(spec.out)
     check_settings(spec.holdout, spec.bins)
     inputs = load_inputs(spec.traces, spec.bins, progress)

@@ -30,7 +30,7 @@ def run_download(spec: DownloadSpec, *, on_file: Callable[[str, int], None] | No
     check_repo_id(spec.repo)
     local_dir = spec.local_dir
     if local_dir is not None:
-        check_outputs([Output(local_dir, option("local_dir"), "folder")])
+        check_outputs([Output(local_dir, option("local_dir"), "folder", whole=False)])
         if local_dir.is_symlink() or (local_dir.is_dir() and any(local_dir.iterdir())
                                       and not (local_dir / ".cache" / "huggingface").is_dir()):
             raise UsageError(f"{option('local_dir')} {local_dir} holds files that no download wrote; the download "

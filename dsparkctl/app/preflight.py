@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 
 from dsparkctl.errors import UsageError
 from dsparkctl.files.atomic import cannot_create
-from dsparkctl.files.ownership import replace_refusal
+from dsparkctl.files.ownership import inside_another_output, replace_refusal
 from dsparkctl.models.embedded import EMBEDDED_NAME, cache_root
 from dsparkctl.models.loading import default_draft_dir, is_default_draft, is_embedded, names_a_place
 
@@ -32,6 +32,7 @@ class Output:
     path: Path
     option: str  # what messages call it: the CLI passes its flag ("--out"), the library its field name
     kind: str = "file"  # "file" | "figure" | "folder"
+    whole: bool = True  # a folder written as one unit (a draft, an extract); False: a place for named files
 
 
 def figure_formats() -> list[str]:
@@ -83,6 +84,12 @@ def check_outputs(outputs: Sequence[Output], inputs: Sequence[Path] = (),
         if key in seen:
             raise UsageError(f"{o.option} {o.path} is the same path as {seen[key].option} {seen[key].path}",
                              hint="give each output its own path")
+        for k, other in seen.items():  # one output inside another's folder: the two would fight over it
+            inner, outer = (o, other) if other.kind == "folder" and other.whole and key.is_relative_to(k) else \
+                (other, o) if o.kind == "folder" and o.whole and k.is_relative_to(key) else (None, None)
+            if inner is not None and outer is not None:
+                raise UsageError(f"{inner.option} {inner.path} is inside {outer.option} {outer.path}",
+                                 hint="give each output a place of its own")
         seen[key] = o
         for i in inputs:
             if key == i.resolve() or (o.path.exists() and i.exists() and os.path.samefile(o.path, i)):
@@ -91,6 +98,9 @@ def check_outputs(outputs: Sequence[Output], inputs: Sequence[Path] = (),
             if i.is_dir() and key.is_relative_to(i.resolve()):
                 raise UsageError(f"{o.option} {o.path} is inside the input folder {i}; writing there could "
                                  "overwrite or corrupt the model", hint="write the output somewhere else")
+        why = inside_another_output(o.path, as_folder=o.kind == "folder")
+        if why:
+            raise UsageError(f"{o.option} {o.path} {why}", hint="write it somewhere else")
         if o.kind != "folder":  # a new path, or a regular file we wrote: never a user's file, link or device
             why = replace_refusal(o.path)
             if why:

@@ -58,7 +58,7 @@ def run_train(spec: TrainSpec, *, log: Callable[[str], None] = print,
     if spec.max_minutes is not None and not 0 < spec.max_minutes < float("inf"):
         raise UsageError(f"{option('max_minutes')} must be a finite number > 0, got {spec.max_minutes}",
                          f"e.g. {option('max_minutes')} 30")
-    outputs = [Output(spec.cache_dir, option("cache_dir"), "folder")] if spec.cache_dir is not None else []
+    outputs = [Output(spec.cache_dir, option("cache_dir"), "folder", whole=False)] if spec.cache_dir is not None else []
     outputs += [Output(spec.out, option("out"), "folder")] if spec.out is not None else []
     check_outputs(outputs, local_inputs(rec.optim.init_from or None, target=rec.target.model))
     if spec.out is not None:

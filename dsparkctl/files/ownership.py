@@ -44,6 +44,18 @@ def replace_refusal(path: str | os.PathLike, ours: Callable[[Path], bool] | None
     return None
 
 
+def inside_another_output(path: str | os.PathLike, as_folder: bool = False) -> str | None:
+    """Why `path` may not be written because it is, or is directly inside, a folder another command
+    wrote as its output (a draft export, an extract): writing there would change that output under
+    its writer. None when it is not."""
+    p = Path(os.path.abspath(path))
+    for folder in ([p] if as_folder else []) + [p.parent]:
+        entry = ledger.read(folder.parent).get(folder.name)
+        if entry is not None and any(fp[:1] == ["folder"] for fp in entry["fp"]) and entry["command"] != ledger.command():
+            return f"is {'' if folder == p else 'inside '}the output folder {folder} of `{MARK} {entry['command']}`"
+    return None
+
+
 def regular_file(path: str | os.PathLike) -> bool:
     """True for a regular file (not a link to one, not a FIFO or device): the only thing a cache
     reader may open (a FIFO would block it, a device stream into it)."""
