@@ -26,6 +26,16 @@ SIGNALS = tuple(s for s in (getattr(signal, "SIGINT", None), getattr(signal, "SI
 _state: dict[str, bool] = {"active": False, "ignore": False, "defer": False, "pending": False}
 
 
+def _importing(frame: Any) -> bool:
+    """Whether the interrupted code runs inside an import (a C extension's init may be under it: an
+    exception raised there leaves the interpreter in a state it aborts on)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 @contextlib.contextmanager
 def terminate_as_interrupt() -> Iterator[None]:
     """Within the block, SIGINT/SIGTERM/SIGHUP raise KeyboardInterrupt once; later ones are ignored."""
@@ -33,11 +43,18 @@ def terminate_as_interrupt() -> Iterator[None]:
         yield  # only the main thread may set handlers; an outer block already has them
         return
 
-    def handler(signum: int, _frame: Any) -> None:
+    def handler(signum: int, frame: Any) -> None:
         if _state["ignore"]:
             return
         if _state["defer"]:  # inside `deferred()`: taken when it ends
             _state["pending"] = True
+            return
+        if _importing(frame) and hasattr(signal, "setitimer"):  # an interrupted extension init aborts Python
+            def again(_s: int, f: Any) -> None:
+                signal.signal(signal.SIGALRM, previous_alarm)
+                handler(signum, f)
+            previous_alarm = signal.signal(signal.SIGALRM, again)
+            signal.setitimer(signal.ITIMER_REAL, 0.05)  # taken once the import is over
             return
         _state["ignore"] = True
         raise KeyboardInterrupt(signal.Signals(signum).name)

@@ -16,6 +16,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -124,6 +125,7 @@ def test_calibrate_killed_at_every_step_leaves_old_or_new(tmp_path):
 # -------- a draft folder replaced in place (serve-config's exports, train --out)
 SWAP = '''
 import sys
+import time
 from dsparkctl.files import commit
 from dsparkctl.models.draft_io import random_draft, save_draft
 from dsparkctl.models.target import TargetAdapter
@@ -289,3 +291,18 @@ def test_a_wait_for_a_folder_held_by_a_stopped_commit_is_said_and_bounded(tmp_pa
         with pytest.raises(BlockingIOError):  # and held by us now
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.close(fd)
+
+
+# -------- a signal during an import waits for the import (an interrupted extension init aborts Python)
+def test_a_signal_during_an_import_is_taken_after_it(tmp_path):
+    (tmp_path / "slowmod.py").write_text("import time\nfor _ in range(40):\n    time.sleep(0.01)\nX = 1\n")
+    code = ("import sys, time\nfrom dsparkctl.signals import terminate_as_interrupt\n"
+            "try:\n    with terminate_as_interrupt():\n        print('ready', flush=True)\n        import slowmod\n"
+            "        print('imported', slowmod.X, flush=True)\n        time.sleep(10)\n"
+            "except KeyboardInterrupt:\n    print('interrupted', flush=True)\n    sys.exit(130)\n")
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"}
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+    assert p.stdout.readline().strip() == "ready"
+    time.sleep(0.1)  # inside the import now
+    p.send_signal(signal.SIGTERM)
+    assert p.stdout.read().split() == ["imported", "1", "interrupted"] and p.wait(30) == 130
