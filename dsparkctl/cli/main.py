@@ -88,10 +88,17 @@ def _leave_group() -> None:
 
 def main() -> None:
     """Run the app; a command-line mistake (unknown option, bad value) is one line on stderr, exit 2."""
+    import signal
     import sys
 
     from dsparkctl.cli.console import robust_streams
 
+    def before_the_command(signum: int, _frame: object) -> None:  # nothing is written yet: a quiet 130
+        sys.stderr.write("interrupted before the command started; nothing was written\n")
+        sys.exit(130)
+    for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if s is not None:
+            signal.signal(s, before_the_command)  # the command's own handlers take over (signals.py)
     robust_streams()
     no_args, usage, aborted = _click_exceptions()
     try:

@@ -155,17 +155,31 @@ def sweep(folder: Path) -> None:
                     os.unlink(p.parent / name)
 
 
+_WARNED: list[str] = []
+
+
+def _cannot_remember(exc: OSError) -> None:
+    """Say once per process that the ledger cannot be written (the outputs are written all the same)."""
+    if not _WARNED:
+        import sys
+
+        _WARNED.append(str(state_root()))
+        print(f"note: cannot record what this run writes in {state_root()} ({exc.strerror or exc}); a later run "
+              "will refuse to replace these outputs (set DSPARKCTL_STATE to a folder you can write)",
+              file=sys.stderr, flush=True)
+
+
 def _write(folder: Path, entries: dict[str, dict[str, Any]]) -> None:
     p = ledger_path(folder)
     try:
         p.parent.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        return  # nowhere to remember: what was written is simply not ours to replace later
+    except OSError as exc:
+        return _cannot_remember(exc)  # nowhere to remember: what was written is not ours to replace later
     sweep(folder)
     try:
         fd, tmp = tempfile.mkstemp(prefix=f"{p.name}.", suffix=".tmp", dir=p.parent)
-    except OSError:
-        return
+    except OSError as exc:
+        return _cannot_remember(exc)
     try:
         with os.fdopen(fd, "w") as fh:
             json.dump({"format": FORMAT, "folder": os.path.abspath(folder), "entries": entries}, fh,
@@ -173,9 +187,10 @@ def _write(folder: Path, entries: dict[str, dict[str, Any]]) -> None:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, p)
-    except OSError:
+    except OSError as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        _cannot_remember(exc)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
