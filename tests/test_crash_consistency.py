@@ -306,3 +306,40 @@ def test_a_signal_during_an_import_is_taken_after_it(tmp_path):
     time.sleep(0.1)  # inside the import now
     p.send_signal(signal.SIGTERM)
     assert p.stdout.read().split() == ["imported", "1", "interrupted"] and p.wait(30) == 130
+
+
+# -------- sweep-scheduler: its JSON and its figure
+@pytest.mark.slow  # ~20 runs of the command, each killed at another step
+def test_sweep_killed_at_every_step_of_its_commit_leaves_old_or_new(tmp_path):
+    from dsparkctl.formats.sps import save_sps_table
+    from dsparkctl.math.sps import SPSTable
+
+    for name, seed in (("a", 1), ("b", 2)):
+        write_synthetic_trace(tmp_path / f"{name}.jsonl", SyntheticModel(), 30, 8, seed=seed)
+    save_sps_table(SPSTable([1, 4, 16, 64], [50.0, 40.0, 35.0, 25.0]), tmp_path / "sps.json")
+    out = tmp_path / "out"
+    files = [out / "s.json", out / "s.png"]
+
+    def argv(name: str) -> list[str]:
+        return ["sweep-scheduler", "--trace", f"{name}.jsonl", "--sps-table", "sps.json", "--policies", "static:1",
+                "--concurrency", "1,4", "--rounds", "200", "--out", "out/s.json", "--plot", "out/s.png"]
+
+    def state() -> str:
+        doc = json.loads(files[0].read_text())
+        assert files[1].read_bytes().endswith(b"IEND\xaeB`\x82")
+        return Path(doc["acceptance_source"]["files"][0]).stem
+
+    for name in ("a", "b"):
+        rc, total = _run(0, *argv(name), cwd=tmp_path)
+        assert rc == 0
+    current, before = state(), {f: f.read_bytes() for f in files}
+    for k in _points(total, max(1, total - 14), seed=2, sample=4):
+        nxt = "a" if current == "b" else "b"
+        _run(k, *argv(nxt), cwd=tmp_path)
+        commit.recover(out)
+        now, after = state(), {f: f.read_bytes() for f in files}
+        changed = [f for f in files if after[f] != before[f]]
+        assert changed in ([], files), f"killed at call {k}: only {changed} changed"
+        assert (now == nxt) == bool(changed)
+        assert _hidden_leftovers(out) == [], k
+        current, before = now, after
