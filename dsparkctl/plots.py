@@ -8,6 +8,7 @@ from typing import Any, Callable, Sequence
 
 from dsparkctl.errors import InputError, option
 from dsparkctl.files.atomic import _writes, atomic_open
+from dsparkctl.files.commit import recover
 from dsparkctl.files.ownership import MARK, replace_refusal
 
 
@@ -52,6 +53,7 @@ def reliability_paths(out_dir: str | os.PathLike, positions: int) -> list[Path]:
     first: a user's file among them stops the command before any is drawn."""
 
     paths = [Path(out_dir) / f"reliability_pos{k}.png" for k in range(1, positions + 1)]
+    recover(out_dir)  # a run killed during its commit there: finished or undone before we judge
     for p in paths:
         why = replace_refusal(p)
         if why:

@@ -343,3 +343,113 @@ def test_sweep_killed_at_every_step_of_its_commit_leaves_old_or_new(tmp_path):
         assert (now == nxt) == bool(changed)
         assert _hidden_leftovers(out) == [], k
         current, before = now, after
+
+
+# -------- the recovery rules, case by case (a second round of unseen tries)
+THREE = '''
+import sys
+from dsparkctl.files import commit
+from dsparkctl.files.atomic import write_json
+commit.set_command("calibrate")
+with commit.transaction() as tx:
+    for name in ("a.json", "b.json", "c\\nd.json"):
+        write_json(tx.file(name), {"run": sys.argv[1]})
+'''
+
+
+def _set(folder: Path) -> set:
+    return {json.loads((folder / n).read_text())["run"] if (folder / n).exists() else None
+            for n in ("a.json", "b.json", "c\nd.json")}
+
+
+@pytest.mark.slow  # one killed run per file-system call of a small commit (~40)
+def test_a_first_run_killed_anywhere_in_its_commit_leaves_none_or_all_and_a_rerun_works(tmp_path):
+    (tmp_path / "probe").mkdir()
+    _, total = _run(0, "-c", THREE, "probe", cwd=tmp_path / "probe")
+    commit.set_command("calibrate")
+    try:
+        for k in range(1, total + 1):
+            work = tmp_path / f"k{k}"
+            work.mkdir()
+            _run(k, "-c", THREE, "first", cwd=work)
+            (work / "calls.txt").unlink(missing_ok=True)
+            commit.recover(work)
+            assert _set(work) in ({None}, {"first"}), k  # nothing, or the whole set
+            assert _hidden_leftovers(work) == [], (k, _hidden_leftovers(work))  # the newline name too
+            rc, _ = _run(0, "-c", THREE, "second", cwd=work)  # replaces what the first run committed
+            assert rc == 0 and _set(work) == {"second"}, k
+    finally:
+        commit.set_command(None)
+
+
+@pytest.mark.slow  # looks for the first call after the commit point, a run at a time
+def test_a_finished_commit_never_replaces_what_a_user_put_there_after_the_crash(tmp_path):
+    (tmp_path / "probe").mkdir()
+    _, total = _run(0, "-c", THREE, "probe", cwd=tmp_path / "probe")
+    journal_at = None
+    for k in range(1, total + 1):  # the first call after the commit point: the journal is in place
+        work = tmp_path / f"w{k}"
+        work.mkdir()
+        _run(0, "-c", THREE, "old", cwd=work)
+        _run(k, "-c", THREE, "new", cwd=work)
+        if any(p.name.startswith(".dsparkctl-commit.") and p.name.endswith(".json") for p in work.iterdir()):
+            journal_at = work
+            break
+    assert journal_at is not None
+    (journal_at / "a.json").unlink(missing_ok=True)
+    (journal_at / "a.json").write_text('{"run": "the user\'s"}')  # put there by hand after the crash
+    commit.recover(journal_at)
+    assert json.loads((journal_at / "a.json").read_text())["run"] == "the user's"
+    assert _hidden_leftovers(journal_at) == []
+
+
+def test_damaged_records_are_never_an_error_nor_a_licence(tmp_path):
+    from dsparkctl.files.ledger import FORMAT, ledger_path
+    from dsparkctl.files.ownership import inside_another_output, replace_refusal
+
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "x.json").write_text("{}")
+    ledger_path(tmp_path).parent.mkdir(parents=True, exist_ok=True)
+    ledger_path(tmp_path).write_text(json.dumps({"format": FORMAT, "folder": os.path.realpath(tmp_path), "entries": {
+        "sub": {"command": "serve-config", "fp": [5, {"a": 1}, "folder"]},
+        "x.json": {"command": "library", "fp": [[1], None]}}}))
+    assert inside_another_output(tmp_path / "sub" / "c.json") is None
+    assert "no record" in replace_refusal(tmp_path / "x.json")
+    # a lock naming a damaged journal: the dead run never committed, its leftovers go
+    run = "a" * 12
+    (tmp_path / f".dsparkctl-commit.{run}.json").write_text('{"ops": [garbage')
+    (tmp_path / f".dsparkctl-run.{run}.lock").write_text(json.dumps(
+        {"tool": "dsparkctl", "journal": str(tmp_path / f".dsparkctl-commit.{run}.json")}))
+    (tmp_path / f".c.json.{run}-3.new").write_text("{}")
+    commit.recover(tmp_path)
+    assert _hidden_leftovers(tmp_path) == []
+
+
+def test_a_symlinked_path_reaches_the_same_record(tmp_path):
+    from dsparkctl.files.atomic import atomic_dir
+    from dsparkctl.files.ownership import inside_another_output
+
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    commit.set_command("serve-config")
+    try:
+        with atomic_dir(tmp_path / "real" / "full") as tmp:
+            (tmp / "config.json").write_text("{}")
+    finally:
+        commit.set_command(None)
+    assert "output folder" in inside_another_output(tmp_path / "link" / "full", as_folder=True)
+    assert "inside the output folder" in inside_another_output(tmp_path / "link" / "full" / "c.json")
+
+
+def test_prune_is_decided_at_the_commit(tmp_path):
+    from dsparkctl.files.atomic import write_json
+
+    for k in (1, 2, 3, 4, 5):
+        write_json(tmp_path / f"p{k}.png", {})
+    with commit.transaction() as tx:
+        for k in (1, 2):
+            write_json(tx.file(tmp_path / f"p{k}.png"), {"new": True})
+        tx.prune(tmp_path, r"p[0-9]+\.png")
+        write_json(tmp_path / "p6.png", {}, each_rank=True)  # another run's, committed before ours: ours prunes it
+        (tmp_path / "p7.png").write_text("the user's")  # never ours: stays
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p1.png", "p2.png", "p7.png"]

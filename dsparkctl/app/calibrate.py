@@ -54,9 +54,7 @@ def run_calibrate(spec: CalibrateSpec, *, log: Callable[[str], None] = lambda m:
     result = fit_calibration(spec.traces, inputs, spec.holdout, spec.bins, spec.seed)
     with transaction() as tx:  # all outputs appear together, or none (a full disk leaves nothing)
         pngs = reliability_diagrams(result, plot_dir, tx.file)
-        for old in plot_dir.glob("reliability_pos*.png"):  # an earlier run's positions past this γ
-            if str(old) not in pngs:
-                tx.discard(old)  # only one this command wrote (the ledger says); a user's stays
+        tx.prune(plot_dir, r"reliability_pos[0-9]+\.png")  # an earlier run's positions past this γ (ours only)
         result["outputs"] = {"sglang_sts": str(sglang_out), "reliability_pngs": pngs}
         write_json(tx.file(sglang_out), sglang_sts(result))
         write_json(tx.file(spec.out), result)

@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 
 from dsparkctl.errors import UsageError
 from dsparkctl.files.atomic import cannot_create
+from dsparkctl.files.commit import recover
 from dsparkctl.files.ownership import inside_another_output, replace_refusal
 from dsparkctl.models.embedded import EMBEDDED_NAME, cache_root
 from dsparkctl.models.loading import default_draft_dir, is_default_draft, is_embedded, names_a_place
@@ -77,6 +78,8 @@ def check_outputs(outputs: Sequence[Output], inputs: Sequence[Path] = (),
     seen: dict[Path, Output] = {}
     queue = list(outputs)
     for n, o in enumerate(queue):
+        for folder in {o.path.parent, o.path} if o.kind == "folder" else {o.path.parent}:
+            recover(folder)  # a run killed during its commit there: finished or undone before we judge
         _check_one(o)
         if n == 0 and derived is not None:
             queue.extend(derived(o.path))

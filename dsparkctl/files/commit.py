@@ -15,13 +15,11 @@ Terms:
             ledger says this command wrote, checked again at commit time under the folder's lock.
 
 A commit holds the lock of every folder it touches (in a fixed order) while it records the new
-fingerprints, writes the journal, renames (a folder output being replaced steps aside to
-`.<name>.<id>-<n>.old` first) and cleans up. `recover(folder)` — run before anything is staged
-into a folder, and by every command's output checks — takes the same lock and, for every run
-whose lock it can take: with a journal, finishes the renames (roll forward); without one, removes
-its staged files (roll back); then removes the run's leftovers. A run killed at any instruction
-therefore leaves, after the next run's recovery, every output in its old complete version or its
-new complete one, and no hidden copies.
+fingerprints, writes the journal, renames (a folder being replaced steps aside to `.old` first)
+and cleans up. `recover(folder)` (before anything is staged into a folder, and in every command's
+output checks) takes the same lock and, for each run whose lock it can take, finishes the renames
+if its journal exists (a final path a user filled since is left alone) or else removes its staged
+files. So a run killed anywhere leaves, after the next run, every output old or every output new.
 
 `transaction()` groups a command's outputs under one commit point; the writers in `files.atomic`
 join the transaction that is open (`current()`), so a command wraps its body once and every file,
@@ -106,7 +104,7 @@ def _release(folder: Path) -> None:
 
 
 def _leftovers(folder: Path, run: str) -> list[Path]:
-    pat = re.compile(rf"\..+\.{run}-\d+\.(new|old)|\.dsparkctl-commit\.{run}\.tmp")
+    pat = re.compile(rf"\..+\.{run}-\d+\.(new|old)|\.dsparkctl-commit\.{run}\.(tmp|json)", re.DOTALL)
     try:
         return [folder / n for n in os.listdir(folder) if pat.fullmatch(n)]
     except OSError:
@@ -148,10 +146,13 @@ def recover(folder: str | os.PathLike) -> list[str]:
             except (ValueError, RecursionError):
                 doc = {}
             journal = Path(doc["journal"]) if isinstance(doc, dict) and isinstance(doc.get("journal"), str) else None
-            if journal is not None and journal.name == _JOURNAL.format(run) and journal.is_file():
-                _roll_forward(journal, run)
+            if (journal is not None and journal.name == _JOURNAL.format(run) and journal.is_file()
+                    and _roll_forward(journal, run)):
                 notes.append(f"finished the commit of a run that died during it ({journal})")
             else:
+                if journal is not None and journal.name == _JOURNAL.format(run):  # damaged: never a commit point
+                    with contextlib.suppress(OSError):
+                        journal.unlink()
                 with ledger.folder_lock(folder):
                     for p in _leftovers(folder, run):
                         if p.name.endswith(".old"):  # only a committed run sets an old version aside
@@ -180,10 +181,16 @@ class _Op:
         return self.staged.with_name(self.staged.name[: -len(".new")] + ".old")
 
 
-def _apply(ops: list[_Op], writer: str) -> None:
-    """The renames of a committed transaction, idempotent (the journal may be replayed)."""
+def _apply(ops: list[_Op], writer: str, replay: bool = False) -> None:
+    """The renames of a committed transaction, idempotent (the journal may be replayed). A `replay`
+    after a crash checks each final path again: what a user put there since is kept, and that op
+    is undone instead (its staged copy removed)."""
     by_folder: dict[Path, dict[str, tuple[str, list | None]]] = {}
     for op in ops:
+        if (replay and not op.delete and os.path.lexists(op.staged) and os.path.lexists(op.final)
+                and ledger.writer_of(op.final) != writer):
+            _remove(op.staged)  # not the version this command wrote there: the user's now
+            continue
         if op.delete:
             if os.path.lexists(op.final) and ledger.writer_of(op.final) == writer:
                 os.replace(op.final, op.old)  # removed below, with the old versions
@@ -199,29 +206,32 @@ def _apply(ops: list[_Op], writer: str) -> None:
             _remove(op.old)
 
 
-def _roll_forward(journal: Path, run: str) -> None:
+def _roll_forward(journal: Path, run: str) -> bool:
+    """Finish a dead run's commit from its journal; False when the journal is not one (damaged: a
+    commit point is a whole, fsynced file put in place by one rename, so this run never committed)."""
     try:
         if journal.lstat().st_uid != os.getuid():
-            return
+            return False
         doc = loads(journal.read_text(encoding="utf-8"))
         ops = [_Op(Path(o["final"]), Path(o["staged"]), bool(o["folder"]), delete=bool(o.get("delete")))
                for o in doc["ops"]]
         writer = str(doc["command"])
-    except (OSError, ValueError, KeyError, TypeError, RecursionError):
-        return
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        return False
     # only renames this run could have staged: a sibling named after its final path and this run
     ops = [op for op in ops if op.staged.parent == op.final.parent and op.final.is_absolute()
-           and re.fullmatch(rf"\.{re.escape(op.final.name)}\.{run}-\d+\.new", op.staged.name)]
+           and re.fullmatch(rf"\.{re.escape(op.final.name)}\.{run}-\d+\.new", op.staged.name, re.DOTALL)]
     folders = sorted({op.final.parent for op in ops} | {journal.parent})
     with contextlib.ExitStack() as stack:
         for f in folders:
             stack.enter_context(ledger.folder_lock(f))
-        _apply(ops, writer)
+        _apply(ops, writer, replay=True)
         with contextlib.suppress(OSError):
             journal.unlink()
         for f in folders:
             with contextlib.suppress(OSError):
                 (f / _LOCK.format(run)).unlink()
+    return True
 
 
 @dataclass
@@ -231,6 +241,7 @@ class Transaction:
     writer: str
     private: Path | None = None  # torchrun's other ranks: outputs go here and are deleted
     ops: list[_Op] = field(default_factory=list)
+    prunes: list[tuple[Path, re.Pattern[str]]] = field(default_factory=list)  # (folder, names), see `prune`
     made: list[Path] = field(default_factory=list)  # folders created for the outputs, removed on abort
 
     def _stage(self, final: str | os.PathLike, is_folder: bool, on_exists: str = "replace") -> Path:
@@ -267,17 +278,26 @@ class Transaction:
     def folder(self, final: str | os.PathLike, on_exists: str = "replace") -> Path:
         return self._stage(final, True, on_exists)
 
-    def discard(self, final: str | os.PathLike) -> None:
-        """Remove `final` at the commit point, if this command wrote it (an output of an earlier run
-        that this run's set no longer holds, e.g. a figure of a position the new draft lacks)."""
-        final = _abs(final)
-        if self.private is not None or ledger.writer_of(final) != self.writer:
-            return
-        if final.parent not in _HELD:
-            recover(final.parent)
-        _hold(final.parent)
-        _STATE["n"] += 1
-        self.ops.append(_Op(final, final.with_name(f".{final.name}.{RUN_ID}-{_STATE['n']}.new"), False, delete=True))
+    def prune(self, folder: str | os.PathLike, pattern: str) -> None:
+        """At the commit point, remove the files of `folder` whose names match `pattern` and that
+        this command wrote, but this transaction does not write: an earlier run's set that the new
+        one no longer holds (a figure of a position the new draft lacks). Decided under the folder's
+        lock at commit time, so a run committing between our start and our commit is seen."""
+        self.prunes.append((_abs(folder), re.compile(pattern, re.DOTALL)))
+
+    def _pruned(self) -> list[_Op]:
+        """The delete ops `prune` asked for, computed now (under the folders' locks)."""
+        mine = {op.final for op in self.ops}
+        ops = []
+        for folder, pattern in self.prunes:
+            with contextlib.suppress(OSError):
+                for name in sorted(os.listdir(folder)):
+                    final = folder / name
+                    if pattern.fullmatch(name) and final not in mine and ledger.writer_of(final) == self.writer:
+                        _STATE["n"] += 1
+                        ops.append(_Op(final, final.with_name(f".{name}.{RUN_ID}-{_STATE['n']}.new"), False,
+                                       delete=True))
+        return ops
 
     def staged_name(self, path: str | os.PathLike) -> bool:
         p = _abs(path)
@@ -286,10 +306,10 @@ class Transaction:
     def commit(self) -> list[Path]:
         if not self.ops or self.private is not None:
             return []
-        for op in self.ops:
+        for op in [op for op in self.ops if os.path.lexists(op.staged)]:  # on disk before the commit point
             if op.folder:
                 seal_dir(op.staged)
-            elif os.path.lexists(op.staged):
+            else:
                 with open(op.staged, "rb") as fh:
                     os.fsync(fh.fileno())
         ops = [op for op in self.ops if op.delete or os.path.lexists(op.staged)]
@@ -299,6 +319,7 @@ class Transaction:
         with contextlib.ExitStack() as stack:
             for f in folders:
                 stack.enter_context(ledger.folder_lock(f))
+            ops += [op for op in self._pruned() if op.final.parent in folders]
             for op in [op for op in ops if op.on_exists == "keep" and os.path.lexists(op.final)]:
                 _remove(op.staged)  # another run built the same entry first: theirs stays
                 ops.remove(op)
@@ -322,12 +343,11 @@ class Transaction:
                 doc = {"tool": "dsparkctl", "command": self.writer,
                        "ops": [{"final": str(o.final), "staged": str(o.staged), "folder": o.folder, "delete": o.delete}
                                for o in ops]}
-                tmp = journal.with_suffix(".tmp")
-                with open(tmp, "w") as fh:
+                with open(journal.with_suffix(".tmp"), "w") as fh:
                     json.dump(doc, fh)
                     fh.flush()
                     os.fsync(fh.fileno())
-                os.replace(tmp, journal)  # the commit point
+                os.replace(journal.with_suffix(".tmp"), journal)  # the commit point
                 _apply(ops, self.writer)
                 journal.unlink()
                 WRITTEN.extend(op.final for op in ops)

@@ -59,7 +59,8 @@ def state_root() -> Path:
 
 def ledger_path(folder: str | os.PathLike) -> Path:
     """The ledger of `folder` (an absolute path)."""
-    key = hashlib.sha256(os.fsencode(os.path.abspath(folder))).hexdigest()[:32]
+    key = hashlib.sha256(os.fsencode(os.path.realpath(folder))).hexdigest()[:32]  # one folder, one ledger,
+    # whatever symlinked path reaches it
     return state_root() / "owned" / f"{key}.json"
 
 
@@ -137,10 +138,11 @@ def read(folder: str | os.PathLike) -> dict[str, dict[str, Any]]:
         doc = loads(p.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError, UnicodeDecodeError):
         return {}
-    if (not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("folder") != os.path.abspath(folder)
+    if (not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("folder") != os.path.realpath(folder)
             or not isinstance(doc.get("entries"), dict)):
         return {}
-    return {k: v for k, v in doc["entries"].items()
+    return {k: {"command": v["command"], "fp": [f for f in v["fp"] if isinstance(f, list)]}
+            for k, v in doc["entries"].items()
             if isinstance(v, dict) and isinstance(v.get("command"), str) and isinstance(v.get("fp"), list)}
 
 
@@ -182,7 +184,7 @@ def _write(folder: Path, entries: dict[str, dict[str, Any]]) -> None:
         return _cannot_remember(exc)
     try:
         with os.fdopen(fd, "w") as fh:
-            json.dump({"format": FORMAT, "folder": os.path.abspath(folder), "entries": entries}, fh,
+            json.dump({"format": FORMAT, "folder": os.path.realpath(folder), "entries": entries}, fh,
                       allow_nan=False)
             fh.flush()
             os.fsync(fh.fileno())
@@ -210,8 +212,10 @@ def record(folder: Path, changes: dict[str, tuple[str, list[Any] | None]], *, ke
     live = {}
     for name, e in entries.items():
         now = fingerprint(folder / name)
-        if now is not None and (now in e["fp"] or name in changes):
-            live[name] = {"command": e["command"], "fp": e["fp"] if name in changes else [now]}
+        if name in changes and (changes[name][1] is not None or keep_old):  # even before it takes its name
+            live[name] = e
+        elif now is not None and now in e["fp"]:
+            live[name] = {"command": e["command"], "fp": [now]}
     _write(folder, live)
 
 

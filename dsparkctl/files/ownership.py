@@ -48,7 +48,7 @@ def inside_another_output(path: str | os.PathLike, as_folder: bool = False) -> s
     """Why `path` may not be written because it is, or is directly inside, a folder another command
     wrote as its output (a draft export, an extract): writing there would change that output under
     its writer. None when it is not."""
-    p = Path(os.path.abspath(path))
+    p = Path(os.path.realpath(os.path.dirname(os.path.abspath(path)))) / os.path.basename(os.path.abspath(path))
     for folder in ([p] if as_folder else []) + [p.parent]:
         entry = ledger.read(folder.parent).get(folder.name)
         if entry is not None and any(fp[:1] == ["folder"] for fp in entry["fp"]) and entry["command"] != ledger.command():
