@@ -27,11 +27,12 @@ import hashlib
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence, TypeVar
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 from dsparkctl.errors import UsageError
+
+if TYPE_CHECKING:  # torch is imported where it is used: the file writers ask the rank without it
+    import torch
 
 T = TypeVar("T")
 TIMEOUT = datetime.timedelta(minutes=30)
@@ -106,6 +107,7 @@ def init(device: str = "auto") -> World:
     if not w.distributed:
         _WORLD = w
         return w
+    import torch
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -130,6 +132,8 @@ def one_process(what: str) -> None:
 
 def rank_device(device: str) -> str:
     """`auto`/`cuda` become this rank's own GPU under torchrun; anything else is kept."""
+    import torch
+
     w = world()
     if device in ("auto", "cuda") and torch.cuda.is_available():
         return f"cuda:{w.local_rank}" if w.distributed else "cuda"

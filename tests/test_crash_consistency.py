@@ -105,7 +105,7 @@ def test_calibrate_killed_at_every_step_leaves_old_or_new(tmp_path):
     current, before = state()
     first_commit_call = total - 22  # the commit: ledger, journal, 7 renames, ledger, cleanup (counted below)
     hits = 0
-    for k in _points(total, first_commit_call, seed=0):
+    for k in _points(total, first_commit_call, seed=0, sample=3):
         nxt = "a" if current == "b" else "b"
         rc, _ = _run(k, "calibrate", f"{nxt}.jsonl", "--out", "out/calib.json", cwd=tmp_path)
         hits += rc == -signal.SIGKILL
@@ -117,7 +117,7 @@ def test_calibrate_killed_at_every_step_leaves_old_or_new(tmp_path):
         assert (now == nxt) == bool(changed)
         assert _hidden_leftovers(out, out / "calib_reliability") == [], k
         current, before = now, after
-    assert hits >= 20
+    assert hits >= 18
     rc, _ = _run(0, "calibrate", "a.jsonl", "--out", "out/calib.json", cwd=tmp_path)  # no cleanup needed
     assert rc == 0 and state()[0] == "a"
 
@@ -151,7 +151,7 @@ def test_draft_swap_killed_at_every_step_leaves_a_whole_draft(tmp_path):
     rc, total = _run(0, "-c", SWAP, "2", cwd=tmp_path)  # replaces the draft it wrote
     assert rc == 0 and which() == "2"
     hits = 0
-    for k in _points(total, max(1, total - 14), seed=1):
+    for k in _points(total, max(1, total - 14), seed=1, sample=2):
         before = which()
         nxt = "1" if before == "2" else "2"
         rc, _ = _run(k, "-c", SWAP, nxt, cwd=tmp_path)
@@ -159,7 +159,7 @@ def test_draft_swap_killed_at_every_step_leaves_a_whole_draft(tmp_path):
         commit.recover(tmp_path)
         assert which() in (before, nxt), k
         assert _hidden_leftovers(tmp_path) == [], k
-    assert hits >= 10
+    assert hits >= 8
     rc, _ = _run(0, "-c", SWAP, "3", cwd=tmp_path)
     assert rc == 0 and which() == "3"
 
@@ -333,7 +333,7 @@ def test_sweep_killed_at_every_step_of_its_commit_leaves_old_or_new(tmp_path):
         rc, total = _run(0, *argv(name), cwd=tmp_path)
         assert rc == 0
     current, before = state(), {f: f.read_bytes() for f in files}
-    for k in _points(total, max(1, total - 14), seed=2, sample=4):
+    for k in _points(total, max(1, total - 14), seed=2, sample=2):
         nxt = "a" if current == "b" else "b"
         _run(k, *argv(nxt), cwd=tmp_path)
         commit.recover(out)
@@ -362,13 +362,12 @@ def _set(folder: Path) -> set:
             for n in ("a.json", "b.json", "c\nd.json")}
 
 
-@pytest.mark.slow  # one killed run per file-system call of a small commit (~40)
 def test_a_first_run_killed_anywhere_in_its_commit_leaves_none_or_all_and_a_rerun_works(tmp_path):
     (tmp_path / "probe").mkdir()
     _, total = _run(0, "-c", THREE, "probe", cwd=tmp_path / "probe")
     commit.set_command("calibrate")
     try:
-        for k in range(1, total + 1):
+        for k in range(1, total + 1):  # every call
             work = tmp_path / f"k{k}"
             work.mkdir()
             _run(k, "-c", THREE, "first", cwd=work)
@@ -382,12 +381,11 @@ def test_a_first_run_killed_anywhere_in_its_commit_leaves_none_or_all_and_a_reru
         commit.set_command(None)
 
 
-@pytest.mark.slow  # looks for the first call after the commit point, a run at a time
 def test_a_finished_commit_never_replaces_what_a_user_put_there_after_the_crash(tmp_path):
     (tmp_path / "probe").mkdir()
     _, total = _run(0, "-c", THREE, "probe", cwd=tmp_path / "probe")
     journal_at = None
-    for k in range(1, total + 1):  # the first call after the commit point: the journal is in place
+    for k in range(max(1, total - 20), total + 1):  # the first call after the commit point: the journal is in place
         work = tmp_path / f"w{k}"
         work.mkdir()
         _run(0, "-c", THREE, "old", cwd=work)
