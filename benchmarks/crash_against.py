@@ -117,6 +117,8 @@ def main() -> None:
     ap.add_argument("--base", type=Path, required=True, help="the checkout whose code is killed")
     ap.add_argument("--work", type=Path, required=True, help="a new folder for the runs")
     a = ap.parse_args()
+    if not (a.base / "dsparkctl" / "__init__.py").is_file():
+        sys.exit(f"error: {a.base} holds no dsparkctl checkout (fix: `git worktree add --detach DIR 191c2e3`)")
     if a.work.exists():
         sys.exit(f"error: {a.work} exists (fix: give a new folder)")
     summary = {}
