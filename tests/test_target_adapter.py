@@ -74,3 +74,34 @@ def test_last_layer_cannot_be_tapped():
     from dsparkctl.errors import ModelMismatchError
     with pytest.raises(ModelMismatchError, match="out of range"):
         TargetAdapter(tiny_target("llama", layers=3), [2])
+
+
+def test_verify_attention_folds_query_heads_without_changing_the_result():
+    """The adapter routes a grouped-query target's SDPA through `folded_sdpa`, which must give
+    transformers' own SDPA result (K/V repeated per head) for several new tokens under a ragged mask,
+    and hand every case it does not fold back to it."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from dsparkctl.models.target_attention import NAME, fold_gqa, folded_sdpa
+
+    model = tiny_target("llama", vocab=64, layers=2, seed=3)
+    TargetAdapter(model, [0])
+    assert model.config._attn_implementation == NAME
+    attn = model.model.layers[0].self_attn
+    g = torch.Generator().manual_seed(1)
+    B, h, kvh, T, S, d = 3, 4, 2, 4, 11, 8
+    q, k, v = (torch.randn(B, n, t, d, generator=g) for n, t in ((h, T), (kvh, S), (kvh, S)))
+    mask = torch.rand(B, 1, T, S, generator=g) < 0.7
+    mask[..., 0] = True  # every query sees at least one key
+    for m in (mask, torch.zeros(B, 1, T, S).masked_fill(~mask, -1e9)):
+        ours, _ = folded_sdpa(attn, q, k, v, m, scaling=d ** -0.5)
+        ref, _ = sdpa_attention_forward(attn, q, k, v, m, scaling=d ** -0.5)
+        assert ours.shape == ref.shape == (B, T, h, d)
+        assert torch.allclose(ours, ref, atol=1e-5)
+    # a per-head mask and a single token go to transformers' function
+    per_head = mask.expand(B, h, T, S).clone()
+    assert torch.equal(folded_sdpa(attn, q, k, v, per_head, scaling=0.3)[0],
+                       sdpa_attention_forward(attn, q, k, v, per_head, scaling=0.3)[0])
+    eager = tiny_target("llama", vocab=64, layers=1, seed=3)
+    eager.set_attn_implementation("eager")
+    assert not fold_gqa(eager) and eager.config._attn_implementation == "eager"

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import torch
 
 from dsparkctl.errors import ModelMismatchError, UsageError, option
+from dsparkctl.models.target_attention import fold_gqa
 
 
 def _growing_layer_class():
@@ -120,6 +121,7 @@ class TargetAdapter:
 
     def __init__(self, model: torch.nn.Module, layer_ids: Sequence[int] = ()):
         self.model = model.eval()
+        fold_gqa(model)  # a verify forward attends without copying K/V (models/target_attention.py)
         self.config = model.config
         text_cfg = getattr(self.config, "text_config", None) or self.config
         self.text_config = text_cfg
