@@ -38,14 +38,14 @@ def _points(noisy: bool = False) -> list[SPSPoint]:
             base = 10.0 * (1 + 0.3 * r) * (1 + 0.2 * (t - 1))
             if noisy and (r, t) == (2, 2):
                 base = 5.0  # faster than verifying nothing: noise the fit must overrule
-            pts.append(SPSPoint(r, t, [base, base * 1.01, base * 0.99]))
+            pts.append(SPSPoint(r, t, [base * 1.02, base, base]))  # lower quartile and median: base
         pts.append(SPSPoint(r, 1, [8.0 * (1 + 0.3 * r)] * 3, plain=True))
     return pts
 
 
 def test_fit_table_keeps_raw_probes_and_warns_where_they_contradict_the_fit(tmp_path):
     table, warnings = fit_table(_points(noisy=True), {"block_size": 2})
-    assert any("2 request(s) × 2 token(s): raw median 5.00 ms" in w for w in warnings)
+    assert any("2 request(s) × 2 token(s): raw lower quartile 5.00 ms" in w for w in warnings)
     fitted_t1 = [row[0] for row in table.grid.step_ms]  # the noisy (2, 2) probe drags (2, 1) down to 11.75
     assert fitted_t1[1] == pytest.approx(11.75)
     # plain: the raw 10.4, 12.8, 17.6, held at or below the drafted step that verifies nothing
@@ -318,3 +318,19 @@ def test_a_scheduler_that_drafts_rarely_says_so_and_why(drafted, steps, said):
     else:
         assert said in note and "10.0 ms" in note and "15.0 ms (1.50x)" in note and "18.0 ms (1.80x)" in note
     assert scheduler_note(parse_policy("static:2"), 0, 40, requests=1, gamma=2) is None  # no table: it cannot skip
+
+
+def test_the_fit_reads_each_probes_lower_quartile_so_interference_does_not_reorder_steps():
+    """Interference only adds time: two probes of a 3-token step slowed by a busy neighbour must not
+    make it look cheaper than the 2-token step, as their medians would."""
+    quiet = {1: 30.0, 2: 31.0, 3: 32.0}
+    pts = []
+    for t, base in quiet.items():
+        ms = [base, base + 0.2, base + 0.1, base + 0.3, base + 0.2]
+        if t == 2:
+            ms = [base, base + 0.1, base + 9.0, base + 8.0, base + 7.5]  # three of five probes hit
+        pts.append(SPSPoint(1, t, ms))
+    assert SPSPoint(1, 2, pts[1].ms).median_ms > quiet[3] + 5  # the median is misled
+    table, _ = fit_table(pts, {"block_size": 2})
+    row = table.grid.step_ms[0]
+    assert row[0] < row[1] < row[2] and row[1] == pytest.approx(31.1)

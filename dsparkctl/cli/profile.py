@@ -37,7 +37,8 @@ def profile_sps_cmd(
                                                   "request (1 + drafts); default 1..γ+1 (whole-step) or "
                                                   "1,2,3,4,6,8 (target-forward).")] = None,
     context_len: Annotated[int, typer.Option("--context-len", help="Cached context tokens per request.")] = 256,
-    repeats: Annotated[int, typer.Option("--repeats", help="Timed repeats per point (median).")] = 5,
+    repeats: Annotated[int, typer.Option("--repeats", help="Timed repeats per point (the fit reads their "
+                                                                     "lower quartile).")] = 12,
     warmup: Annotated[int, typer.Option("--warmup", help="Untimed warm-up steps per point.")] = 2,
     device: DeviceOpt = Device.auto,
     dtype: DTypeOpt = DType.auto,
@@ -70,7 +71,7 @@ def print_tables(result: dict, table: Any, spec: Any) -> None:
     """The human view: steps/s by batch tokens, the fitted grid, and the files written."""
     meta = table.meta
     t = Table(title=f"SPS of {meta['target']}, {spec.measure} ({meta['device']}, context {spec.context_len}, "
-              f"median of {spec.repeats})", title_justify="left")
+              f"lower quartile of {spec.repeats})", title_justify="left")
     for c in ("batch tokens", "steps/s", "ms/step"):
         t.add_column(c, justify="right")
     for b, s in zip(table.batch_tokens, table.steps_per_sec):

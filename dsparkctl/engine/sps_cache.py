@@ -2,14 +2,15 @@
 
 A confidence-scheduled policy needs the engine's step costs (drafted steps on a grid of
 requests × tokens, and the plain step). When `generate` runs such a policy without
-`--sps-table`, the table is profiled here with a small grid (1..γ+1 tokens each, 3 repeats after
-a warm-up) over the request counts the run can reach: 1, 2, 4, 8 up to the first one at or above
-its batch size (a batch-1 run profiles 6 probes, not 24; a cached table of a wider grid serves
-any narrower need), and kept under `$DSPARKCTL_CACHE/sps/<key>.json` (`$DSPARKCTL_SPS_CACHE` names the folder itself). The key covers what step times depend on: the
-machine and torch's threads, the kernels, device and dtype, the target's and the draft's weights,
-the grid and the context length, and a rule version. A damaged or unreadable cache file is
-profiled again; an unwritable cache is said and the table used for this run only. Delete the
-file (or pass `--sps-table`) to measure again.
+`--sps-table`, the table is profiled here with a small grid (1..γ+1 tokens each, 9 repeats after
+two warm-up passes; the fit reads each probe's lower quartile) over the request counts the run can
+reach: 1, 2, 4, 8 up to the first one at or above its batch size (a batch-1 run profiles 7 probes,
+not 28; a cached table of a wider grid serves any narrower need), and kept under
+`$DSPARKCTL_CACHE/sps/<key>.json` (`$DSPARKCTL_SPS_CACHE` names the folder itself). The key covers
+what step times depend on: the machine and torch's threads, the kernels, device and dtype, the
+target's and the draft's weights, the grid and the context length, and a rule version. A damaged
+or unreadable cache file is profiled again; an unwritable cache is said and the table used for
+this run only. Delete the file (or pass `--sps-table`) to measure again.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from dsparkctl.formats.sps import load_sps_table, save_sps_table
 from dsparkctl.math.sps import SPSTable
 from dsparkctl.models.target import model_fingerprint, position_limit
 
-RULE = 1  # bump when what is profiled or how it is fitted changes
+RULE = 2  # bump when what is profiled or how it is fitted changes
 REQUESTS = (1, 2, 4, 8)
 CONTEXT = 256
 
@@ -87,7 +88,7 @@ def machine_sps_table(sess, log: Callable[[str], None] = print, batch_size: int 
     probes = len(need) * (gamma + 2)  # every drafted width and the plain step, per request count
     log(f"profiling this machine's step costs once ({probes} probes: requests {','.join(map(str, need))} × "
         f"1..{gamma + 1} tokens and the plain step; cached in {path})")
-    table, _ = profile_table(sess, "whole-step", need, list(range(1, gamma + 2)), context, repeats=3, warmup=1,
+    table, _ = profile_table(sess, "whole-step", need, list(range(1, gamma + 2)), context, repeats=9, warmup=2,
                              draft=sess.draft_name, cached_by="generate", on_sweep=_eta(log))
     table.source = str(path)
 
