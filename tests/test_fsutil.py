@@ -538,3 +538,28 @@ def test_one_output_inside_another_whole_folder_output_is_refused(tmp_path):
     check_outputs([Output(tmp_path / "figs" / "c.json", "--out"),  # a place for named files may hold others
                    Output(tmp_path / "figs", "--plot-dir", "folder", whole=False)])
     assert not (tmp_path / "g").exists()
+
+
+def test_a_temp_swept_between_its_creation_and_its_lock_is_made_again(tmp_path, monkeypatch):
+    """Two writers of one folder (torchrun ranks sharing a data cache): the other's stale-temp sweep
+    can take a temp file after mkstemp made it and before its writer locked it. The write must
+    still land (it failed with FileNotFoundError at the rename before)."""
+    import tempfile as tf
+
+    import dsparkctl.files.atomic as atomic
+
+    real, calls = tf.mkstemp, []
+
+    def mkstemp_then_swept(*a, **kw):
+        fd, name = real(*a, **kw)
+        if not Path(name).name.startswith(".prompts.json."):
+            return fd, name  # the ledger's own temp files
+        calls.append(name)
+        if len(calls) == 1:  # the first temp is swept away before its writer can lock it
+            assert remove_stale_temps(tmp_path / "prompts.json") == [Path(name)]
+        return fd, name
+
+    monkeypatch.setattr(atomic.tempfile, "mkstemp", mkstemp_then_swept)
+    write_json(tmp_path / "prompts.json", {"a": 1}, each_rank=True)
+    assert json.loads((tmp_path / "prompts.json").read_text()) == {"a": 1}
+    assert len(calls) == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["prompts.json"]

@@ -71,9 +71,8 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", each_rank: bool = Fals
     path = Path(os.path.abspath(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = _locked_temp(path)
     try:
-        _lock(fd)  # held until the file is renamed or removed: a temp file nobody locks is stale
         honour_umask(tmp)
         with os.fdopen(fd, mode) as fh:
             yield fh
@@ -88,6 +87,33 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", each_rank: bool = Fals
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def _locked_temp(path: Path) -> tuple[int, str]:
+    """A new temp file beside `path`, created and then locked (held until it is renamed or removed:
+    a temp file nobody locks is stale). Another writer's `remove_stale_temps` may take the file
+    between its creation and the lock (two torchrun ranks writing one cache did): then it is locked
+    by the sweeper or already unlinked, and a fresh one is made."""
+    for _ in range(100):
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        locked = _lock(fd)
+        try:
+            if not locked and _lock_unsupported():
+                return fd, tmp
+            if locked and os.fstat(fd).st_nlink > 0:
+                return fd, tmp
+        except OSError:
+            pass
+        os.close(fd)
+    raise OSError(f"could not create a temporary file beside {path}: each was removed as it was made")
+
+
+def _lock_unsupported() -> bool:
+    try:
+        import fcntl  # noqa: F401
+        return False
+    except ImportError:  # pragma: no cover - not POSIX
+        return True
 
 
 def _lock(fd: int) -> bool:
