@@ -2,6 +2,7 @@
 # Issue 29's speed figures on the final tree: one thread pinned to core 0, nothing else running
 # (the other core idle: the target's forward is memory-bound and a busy neighbour slows it).
 #   bash benchmarks/experiments/issue29_check.sh            (about 35 minutes on a 2-core VM)
+#   BEFORE=<commit> bash ...   profiles the round of another commit too (default: 7172484, before issue 29)
 # Writes benchmarks/results/{sps_issue29*, speedup_issue29_*.json, policies_issue29.json|png,
 # round_profile*.json, train_step*.json}. The most important figures come first.
 set -euo pipefail
@@ -18,18 +19,19 @@ run .venv/bin/dsparkctl profile-sps --requests 1,4,8,16,32 --out $R/sps_issue29.
 # calibration) and static:2, each against our plain decoding and HF generate
 for ds in humaneval mt-bench; do
   run .venv/bin/python benchmarks/bench_speedup.py --dataset $ds --prompts 8 --repeats 2 --max-new-tokens 128 \
-      --policy dspark --policy static:2 --sps-table $R/sps_issue29.json --skip-stock \
+      --policy dspark --policy static:2 --policy static:3 --sps-table $R/sps_issue29.json --skip-stock \
       --out $R/speedup_issue29_$ds.json
 done
 # under load: dspark against plain (and the other policies) at 1/4/8/16/32 requests
 run .venv/bin/python benchmarks/bench_policies.py --sps-table $R/sps_issue29.json --static 2,5 \
     --batch-sizes 1,4,8,16,32 --groups 3,2,2,2,2 --max-new-tokens 48 \
     --out $R/policies_issue29.json --plot $R/policies_issue29.png
-# the round, stage by stage beside its floor: before issue 29's cuts (7172484, its own code) and now
-before=${TMPDIR:-/tmp}/dsparkctl-issue29-before
-[ -d "$before" ] || git worktree add --detach "$before" 7172484 >&2
+# the round, stage by stage beside its floor: before (issue 29's first cuts: 7172484; the verify fold: a3cc7f0) and now
+BEFORE=${BEFORE:-7172484}
+before=${TMPDIR:-/tmp}/dsparkctl-round-$BEFORE
+[ -d "$before" ] || git worktree add --detach "$before" "$BEFORE" >&2
 (cd "$before" && PYTHONPATH="$before:$ROOT/benchmarks" run "$ROOT/.venv/bin/python" benchmarks/profile_round.py \
-    --positions 16 --out "$ROOT/$R/round_profile_before.json")
+    --positions 16 --out "$ROOT/$R/round_profile_before_$BEFORE.json")
 run .venv/bin/python benchmarks/profile_round.py --positions 16 --out $R/round_profile.json
 # a training step (shipped draft's shape, 4 x 32 blocks): fp32 and bf16 against the GEMM rate, 1 and 2 threads
 run .venv/bin/python benchmarks/bench_train_step.py --threads 1 --anchors 32 --out $R/train_step.json
