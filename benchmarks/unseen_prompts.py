@@ -7,7 +7,7 @@ writes prompts outside both prefixes (in the responses order, from its tail, up 
 JSONL file with a `prompt` field, for calibration traces and speed checks on prompts the draft has
 not seen. ShareGPT ships no license, so the file stays outside the repository.
 
-    .venv/bin/python benchmarks/unseen_prompts.py --out /tmp/unseen.jsonl [--limit 200]
+    .venv/bin/python benchmarks/unseen_prompts.py --out /tmp/unseen.jsonl [--limit 200] [--also RECIPE ...]
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ def main() -> None:
     ap.add_argument("--regenerated", type=int, default=896, help="regenerate-order prompts any stage used")
     ap.add_argument("--responses", type=int, default=9600, help="responses-order prompts any stage used")
     ap.add_argument("--limit", type=int, default=200)
+    ap.add_argument("--also", type=Path, action="append", default=[],
+                    help="another recipe whose prompts are excluded too: the first data.num_prompts of its "
+                         "regenerate order and the first data.extra_responses of its responses order (its own "
+                         "data.seed; e.g. stage 8's reordered prompts)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     import torch
@@ -39,6 +43,11 @@ def main() -> None:
     import dataclasses
     resp = candidate_items(dataclasses.replace(rec, data=dataclasses.replace(rec.data, source="responses")), tok)
     used = {tuple(it["prompt"]) for it in regen[: args.regenerated]} | {tuple(it["prompt"]) for it in resp[: args.responses]}
+    for extra in args.also:
+        other = load_recipe(extra)
+        for source, count in (("regenerate", other.data.num_prompts), ("responses", other.data.extra_responses)):
+            order = candidate_items(dataclasses.replace(other, data=dataclasses.replace(other.data, source=source)), tok)
+            used |= {tuple(it["prompt"]) for it in order[:count]}
     from dsparkctl.data.prompts import encode_prompts, load_conversations
 
     texts_by_ids = {}
