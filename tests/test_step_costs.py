@@ -334,3 +334,23 @@ def test_the_fit_reads_each_probes_lower_quartile_so_interference_does_not_reord
     table, _ = fit_table(pts, {"block_size": 2})
     row = table.grid.step_ms[0]
     assert row[0] < row[1] < row[2] and row[1] == pytest.approx(31.1)
+
+
+def test_the_gate_drafts_only_where_drafting_wins_by_its_margin():
+    """A prior whose drafts win on paper by less than GATE_MARGIN keeps the steps plain; one that
+    wins by more drafts. The margin is applied to the table's own Θ, whatever the load."""
+    from dsparkctl.math.admission import admission, plain_theta
+    from dsparkctl.math.policies import GATE_MARGIN
+
+    table, _ = fit_table(_points(), {"block_size": 2})
+
+    def gain(prior: list[float], R: int) -> float:
+        theta, _ = admission(torch.tensor(prior, dtype=torch.float64).expand(1, R, -1), table)
+        return float(theta[:, 1:].max()) / plain_theta(R, table) - 1
+
+    R = 1
+    priors = [[a, a * a] for a in (0.05 * i for i in range(1, 20))]
+    small = next(p for p in priors if 0 < gain(p, R) < GATE_MARGIN)
+    large = next(p for p in priors if gain(p, R) > GATE_MARGIN)
+    assert parse_policy("dspark", sps=table, prior=small).plan(R) is False
+    assert parse_policy("dspark", sps=table, prior=large).plan(R) is True
