@@ -103,7 +103,7 @@ def _check_settings(spec: ProfileSpec) -> None:
                          "profile the target on one device (the table's costs are per device)")
     if spec.context_len < 1 or spec.repeats < 1 or spec.warmup < 0:
         raise UsageError(f"{option('context_len')} and {option('repeats')} must be >= 1, {option('warmup')} >= 0",
-                         f"e.g. {option('context_len')} 256 {option('repeats')} 5 {option('warmup')} 2")
+                         f"e.g. {option('context_len')} 256 {option('repeats')} 12 {option('warmup')} 2")
     if spec.repeats > MAX_REPEATS or spec.warmup > MAX_REPEATS:
         raise UsageError(f"{option('repeats')} and {option('warmup')} must be at most {MAX_REPEATS}, got "
                          f"{spec.repeats} and {spec.warmup}",
