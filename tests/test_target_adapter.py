@@ -105,3 +105,20 @@ def test_verify_attention_folds_query_heads_without_changing_the_result():
     eager = tiny_target("llama", vocab=64, layers=1, seed=3)
     eager.set_attn_implementation("eager")
     assert not fold_gqa(eager) and eager.config._attn_implementation == "eager"
+
+
+def test_a_prefill_keeps_transformers_attention():
+    """Wider than a verification (a prefill), the fold hands over: no rep·T·S mask is built."""
+    from dsparkctl.models.target_attention import MAX_FOLD_TOKENS, folded_sdpa
+
+    model = tiny_target("llama", vocab=64, layers=1, seed=4)
+    TargetAdapter(model, [])
+    attn = model.model.layers[0].self_attn
+    T = MAX_FOLD_TOKENS + 1
+    q, k, v = torch.randn(1, 4, T, 8), torch.randn(1, 2, T, 8), torch.randn(1, 2, T, 8)
+    mask = torch.ones(1, 1, T, T, dtype=torch.bool).tril()
+    import dsparkctl.models.target_attention as ta
+
+    before = ta._last_mask[0]
+    folded_sdpa(attn, q, k, v, mask, scaling=0.3)
+    assert ta._last_mask[0] is before  # nothing folded, nothing cached

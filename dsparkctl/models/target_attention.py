@@ -12,7 +12,9 @@ SDPA computes after `repeat_kv`, over the same keys; only the kernel's blocking 
 Registered with transformers' attention interface as `dsparkctl-sdpa` (its masks are SDPA's), and
 set by `fold_gqa` on a target whose attention is `sdpa`. Everything the fold does not cover (a
 per-head mask, no mask with several tokens, soft-capping, position biases, attention sinks, sliding
-windows, training) goes to transformers' own SDPA function unchanged.
+windows, training) goes to transformers' own SDPA function unchanged, and so does a forward of more
+than MAX_FOLD_TOKENS new tokens (a prefill: compute-bound, and its repeated mask would be rep·T·S
+floats held for the forward).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 
 NAME = "dsparkctl-sdpa"
 _UNFOLDABLE = ("softcap", "position_bias", "s_aux", "sinks", "sliding_window")
+MAX_FOLD_TOKENS = 16  # a verification's width (γ + 1); a prefill is compute-bound and its repeated mask large
 _last_mask: list = [None, None, None]  # (the mask a forward passes to every layer, (rep, dtype), its fold)
 
 
@@ -45,7 +48,7 @@ def folded_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
 
     rep = int(getattr(module, "num_key_value_groups", 1) or 1)
     B, h, T, d = query.shape
-    foldable = (rep > 1 and T > 1 and attention_mask is not None and attention_mask.dim() == 4
+    foldable = (rep > 1 and 1 < T <= MAX_FOLD_TOKENS and attention_mask is not None and attention_mask.dim() == 4
                 and attention_mask.shape[1] == 1 and attention_mask.shape[2] == T and dropout == 0.0
                 and key.shape[1] * rep == h and key.shape[-1] == value.shape[-1] == d
                 and not module.training and all(kwargs.get(k) is None for k in _UNFOLDABLE))
