@@ -45,6 +45,11 @@ from dsparkctl.models.target import TargetAdapter, position_limit
 from dsparkctl.provenance import provenance
 
 
+def lower_quartile(ms: Sequence[float]) -> float:
+    """The statistic a step-cost fit reads (`SPSPoint.typical_ms`): the lower quartile of the repeats."""
+    return ms[0] if len(ms) < 2 else statistics.quantiles(ms, n=4, method="inclusive")[0]
+
+
 @dataclass
 class SPSPoint:
     requests: int
@@ -65,9 +70,7 @@ class SPSPoint:
         """What the fit reads: the lower quartile of the repeats. On a shared machine interference
         only ever adds time to a probe, so the low quartile estimates the step's own cost; on a
         2-core VM it kept 1..6-token steps in order where the median of 15 repeats did not."""
-        if len(self.ms) < 2:
-            return self.ms[0]
-        return statistics.quantiles(self.ms, n=4, method="inclusive")[0]
+        return lower_quartile(self.ms)
 
 
 def check_context(model: torch.nn.Module, context_len: int, tokens_per_request: Sequence[int]) -> None:
@@ -215,7 +218,7 @@ def table_from_points(points: Sequence[SPSPoint]) -> tuple[list[int], list[float
         if not p.plain:
             by_b.setdefault(p.batch_tokens, []).extend(p.ms)
     bt = sorted(by_b)
-    return bt, [1000.0 / SPSPoint(0, 0, by_b[b]).typical_ms for b in bt]
+    return bt, [1000.0 / lower_quartile(by_b[b]) for b in bt]
 
 
 def fit_table(points: Sequence[SPSPoint], meta: dict[str, Any]) -> tuple[Any, list[str]]:

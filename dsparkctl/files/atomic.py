@@ -89,6 +89,13 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", each_rank: bool = Fals
         raise
 
 
+try:
+    import fcntl as _fcntl  # noqa: F401
+    _LOCKS = True
+except ImportError:  # pragma: no cover - not POSIX: no locks, and no stale-file cleanup
+    _LOCKS = False
+
+
 def _locked_temp(path: Path) -> tuple[int, str]:
     """A new temp file beside `path`, created and then locked (held until it is renamed or removed:
     a temp file nobody locks is stale). Another writer's `remove_stale_temps` may take the file
@@ -98,7 +105,7 @@ def _locked_temp(path: Path) -> tuple[int, str]:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         locked = _lock(fd)
         try:
-            if not locked and _lock_unsupported():
+            if not locked and not _LOCKS:
                 return fd, tmp
             if locked and os.fstat(fd).st_nlink > 0:
                 return fd, tmp
@@ -106,14 +113,6 @@ def _locked_temp(path: Path) -> tuple[int, str]:
             pass
         os.close(fd)
     raise OSError(f"could not create a temporary file beside {path}: each was removed as it was made")
-
-
-def _lock_unsupported() -> bool:
-    try:
-        import fcntl  # noqa: F401
-        return False
-    except ImportError:  # pragma: no cover - not POSIX
-        return True
 
 
 def _lock(fd: int) -> bool:
