@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 from dsparkctl.models.loading import load_target
-from dsparkctl.train.data import candidate_items
+from dsparkctl.train.data import candidate_items, extra_recipe
 from dsparkctl.train.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,9 +45,9 @@ def main() -> None:
     used = {tuple(it["prompt"]) for it in regen[: args.regenerated]} | {tuple(it["prompt"]) for it in resp[: args.responses]}
     for extra in args.also:
         other = load_recipe(extra)
-        for source, count in (("regenerate", other.data.num_prompts), ("responses", other.data.extra_responses)):
-            order = candidate_items(dataclasses.replace(other, data=dataclasses.replace(other.data, source=source)), tok)
-            used |= {tuple(it["prompt"]) for it in order[:count]}
+        used |= {tuple(it["prompt"]) for it in candidate_items(other, tok)[: other.data.num_prompts]}
+        if other.data.extra_responses:
+            used |= {tuple(it["prompt"]) for it in candidate_items(extra_recipe(other), tok)[: other.data.extra_responses]}
     from dsparkctl.data.prompts import encode_prompts, load_conversations
 
     texts_by_ids = {}

@@ -97,3 +97,32 @@ def test_something_else_in_the_cache_is_refused_naming_it(setup, tmp_path, kind)
     with pytest.raises(InputError) as e:
         _seqs(setup, tmp_path)
     assert str(f) in e.value.one_line() and "is not a regular file" in e.value.one_line()
+
+
+def test_extra_answers_come_from_their_own_dataset_and_share_its_cache(setup, tmp_path):
+    """data.extra_dataset: the regenerated prompts come from data.dataset, the teacher-forced extras
+    from another file (its answers, its own cache: the one a recipe training on them would use)."""
+    import dataclasses
+    import json
+
+    from dsparkctl.train.data import extra_recipe
+
+    model, tok, rec = setup
+    answers = tmp_path / "answers.jsonl"
+    rows = [{"question": f"w{i} w{i + 1}", "response": f"w{i + 2} w{i + 3}"} for i in range(40, 60, 2)]
+    answers.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    mixed = dataclasses.replace(rec, data=dataclasses.replace(rec.data, extra_responses=3, extra_dataset=str(answers),
+                                                              response_field="response"))
+    seqs = build_dataset(mixed, model, tok, [1], tmp_path, log=lambda m: None)
+    own = _seqs(setup, tmp_path)
+    assert len(seqs) == len(own) + 3
+    assert all(torch.equal(a.tokens, b.tokens) for a, b in zip(seqs, own))
+    pairs = {(r["question"], r["response"]) for r in rows}
+    for s in seqs[len(own):]:
+        prompt, answer = tok.decode(s.tokens[: s.prompt_len]), tok.decode(s.tokens[s.prompt_len:]).strip()
+        assert any(q in prompt and answer.startswith(a) for q, a in pairs), (prompt, answer)
+    other = extra_recipe(mixed)
+    assert (other.data.dataset, other.data.source, other.data.field) == (str(answers), "responses", None)
+    assert data_dir(other, tmp_path).is_dir()
+    with pytest.raises(InputError, match="extra_dataset"):
+        load_recipe(None, [f'data.extra_dataset="{answers}"'])

@@ -88,14 +88,23 @@ def build_dataset(recipe: Recipe, model: Any, tokenizer: Any, stop_ids: list[int
     With `data.extra_responses` the dataset's own answers to that many more prompts follow
     (teacher-forced, their own cache), minus any prompt among the first `holdout` sequences."""
     seqs = _build_source(recipe, model, tokenizer, stop_ids, cache_dir, on_batch, log)
-    d = recipe.data
-    if d.extra_responses:
-        extra = dataclasses.replace(recipe, data=dataclasses.replace(d, source="responses", num_prompts=d.extra_responses,
-                                                                     extra_responses=0))
+    if recipe.data.extra_responses:
+        extra = extra_recipe(recipe)
         held = {tuple(s.tokens[: s.prompt_len].tolist()) for s in seqs[:holdout]}
         more = _build_source(extra, model, tokenizer, stop_ids, cache_dir, on_batch, log)
         seqs += [s for s in more if tuple(s.tokens[: s.prompt_len].tolist()) not in held]
     return seqs
+
+
+def extra_recipe(recipe: Recipe) -> Recipe:
+    """The recipe that builds `data.extra_responses`: the answers of `data.extra_dataset` (or of
+    data.dataset), teacher-forced. With another dataset its prompt field is found by name; the
+    cache is keyed as if that dataset had been data.dataset, so recipes share it."""
+    d = recipe.data
+    other = d.extra_dataset is not None and d.extra_dataset != d.dataset
+    return dataclasses.replace(recipe, data=dataclasses.replace(
+        d, source="responses", num_prompts=d.extra_responses, extra_responses=0, extra_dataset=None,
+        dataset=d.extra_dataset if other else d.dataset, field=None if other else d.field))
 
 
 def _vocab(model: Any) -> int:
