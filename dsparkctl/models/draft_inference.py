@@ -101,16 +101,20 @@ class DraftInference:
         self._ensure_capacity(state, int((state.ctx_len + lengths).max()))
         cap = state.keys[0].shape[2] - 1
         t = torch.arange(T, device=features.device)
-        ok = t[None, :] < lengths[:, None]  # [R, T]
         pos = state.ctx_len[:, None] + t[None, :]  # [R, T]
-        slot = torch.where(ok, pos, torch.full_like(pos, cap))  # invalid writes go to the trash slot
+        n = int(state.ctx_len[0]) if R else 0
+        if n + T <= cap and bool((state.ctx_len == n).all()):
+            # one slice (always at batch 1): a row's slots past its length get scratch, never read
+            write = BlockSlots(start=n, index=None, span=n + T, mask=None)
+        else:
+            slot = torch.where(t[None, :] < lengths[:, None], pos, torch.full_like(pos, cap))  # invalid: trash slot
+            write = BlockSlots(start=None, index=slot[:, None, :, None], span=cap + 1, mask=None)
         ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))  # [R, T, H]
         cos, sin = self.rotary.at(pos, cap + 1, ctx.dtype)
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.kv(ctx, cos, sin)  # [R, kvh, T, d]
-            idx = slot[:, None, :, None].expand_as(k)
-            state.keys[i].scatter_(2, idx, k)
-            state.values[i].scatter_(2, idx, v)
+            write.put(state.keys[i], k)
+            write.put(state.values[i], v)
         state.ctx_len = state.ctx_len + lengths
 
     MAX_PENDING = 64  # deferred appends held before they are applied anyway (bounds their memory)
