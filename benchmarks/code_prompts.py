@@ -7,6 +7,7 @@ read with `ast` (nothing is imported or run), sorted by module and line, de-dupl
 shuffled with a fixed seed, so the same Python version writes the same file.
 
     .venv/bin/python benchmarks/code_prompts.py --out recipes/data/stdlib-functions.jsonl [--limit 1024]
+    .venv/bin/python benchmarks/code_prompts.py --offset 1024 --limit 64 --out unseen-code.jsonl  # prompts no stage trained on
 """
 
 from __future__ import annotations
@@ -52,13 +53,16 @@ def function_prompts(root: Path, min_doc: int = 40, max_doc: int = 900, max_line
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--limit", type=int, default=1024)
+    ap.add_argument("--offset", type=int, default=0, help="skip this many (in the seeded order) first")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     root = Path(sysconfig.get_paths()["stdlib"])
     prompts = list(dict.fromkeys(function_prompts(root)))
     random.Random(args.seed).shuffle(prompts)
-    picked = prompts[: args.limit]
+    if args.offset < 0 or args.limit < 1:
+        ap.error("--offset must be >= 0 and --limit >= 1")
+    picked = prompts[args.offset: args.offset + args.limit]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in picked), encoding="utf-8")
     print(f"wrote {len(picked)} of {len(prompts)} function prompts from {root} to {args.out}")

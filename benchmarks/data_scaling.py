@@ -59,7 +59,10 @@ def reference_tau(recipe_path: Path, draft: str) -> dict:
     from dsparkctl.train.job import default_cache_dir, heldout_stats, split
     from dsparkctl.train.recipe import load_recipe
 
-    rec = load_recipe(recipe_path, ["data.extra_responses=0"])
+    import dataclasses
+
+    rec = load_recipe(recipe_path)
+    rec = dataclasses.replace(rec, data=dataclasses.replace(rec.data, extra_responses=0, extra_dataset=None))
     sess = open_target(rec.target.model, "cpu", rec.target.dtype, log=lambda m: None)
     seqs = build_dataset(rec, sess.target.model, sess.target.tokenizer, sess.stop_ids, default_cache_dir(),
                          log=lambda m: None, holdout=rec.eval.holdout)
