@@ -297,13 +297,16 @@ EXCLUDED = [
      "handling is tested below (test_interop_check_removes_only_its_own_folders)"),
     ("docs/train.md", "dsparkctl eval-acceptance --draft <previous>", "a template: <previous> is the draft before "
      "the one just trained (the concrete runs below it are tested)"),
-    ("recipes/README.md", "dsparkctl train recipes/smollm2-135m-dspark", "the seven-stage training chain (6.5 hours "
+    ("recipes/README.md", "dsparkctl train recipes/smollm2-135m-dspark", "the nine-stage training chain (7.5 hours "
      "on the embedded pair); tests/test_train_run.py trains tiny recipes end to end"),
-    ("recipes/README.md", "cp drafts/stage7/", "installs the chain's result into the package"),
+    ("recipes/README.md", "cp drafts/stage10/", "installs the chain's result into the package"),
     ("recipes/README.md", ".venv/bin/python benchmarks/unseen_prompts.py", "builds prompts from the ShareGPT set "
      "(12,800 answers of the embedded target: hours)"),
-    ("recipes/README.md", "dsparkctl generate --draft drafts/stage7 --prompts-file unseen.jsonl",
-     "reads unseen.jsonl from the line above"),
+    ("recipes/README.md", ".venv/bin/python benchmarks/code_prompts.py", "the repository's venv and script, from "
+     "the repository root (tests/test_train_data.py builds data from another dataset's answers)"),
+    ("recipes/README.md", "cat unseen.jsonl unseen-code.jsonl", "joins the two prompt files of the lines above"),
+    ("recipes/README.md", "dsparkctl generate --draft drafts/stage10 --prompts-file calibration-prompts.jsonl",
+     "reads the prompts of the lines above"),
     ("recipes/README.md", "dsparkctl calibrate trace.jsonl --out dsparkctl/assets/",
      "writes into the package, from the trace of the line above"),
 ]
