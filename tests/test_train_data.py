@@ -126,3 +126,18 @@ def test_extra_answers_come_from_their_own_dataset_and_share_its_cache(setup, tm
     assert data_dir(other, tmp_path).is_dir()
     with pytest.raises(InputError, match="extra_dataset"):
         load_recipe(None, [f'data.extra_dataset="{answers}"'])
+
+
+@pytest.mark.parametrize("bad", ["missing.jsonl", "no-answers.jsonl"])
+def test_a_bad_extra_dataset_fails_before_any_answer_is_regenerated(setup, tmp_path, bad):
+    import dataclasses
+
+    model, tok, rec = setup
+    (tmp_path / "no-answers.jsonl").write_text('{"question": "w40 w41"}\n')
+    mixed = dataclasses.replace(rec, data=dataclasses.replace(rec.data, extra_responses=3,
+                                                              extra_dataset=str(tmp_path / bad),
+                                                              response_field="response"))
+    with pytest.raises(InputError) as e:
+        build_dataset(mixed, model, tok, [1], tmp_path / "cache", log=lambda m: None)
+    assert bad in e.value.one_line()
+    assert not list((tmp_path / "cache").rglob("tokens_*"))  # nothing was regenerated

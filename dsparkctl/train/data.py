@@ -87,11 +87,14 @@ def build_dataset(recipe: Recipe, model: Any, tokenizer: Any, stop_ids: list[int
 
     With `data.extra_responses` the dataset's own answers to that many more prompts follow
     (teacher-forced, their own cache), minus any prompt among the first `holdout` sequences."""
-    seqs = _build_source(recipe, model, tokenizer, stop_ids, cache_dir, on_batch, log)
-    if recipe.data.extra_responses:
-        extra = extra_recipe(recipe)
+    items = _source_items(recipe, model, tokenizer, cache_dir, log)
+    extra = extra_recipe(recipe) if recipe.data.extra_responses else None
+    # the extras' dataset is read now: a bad one fails before any answer is regenerated
+    extra_items = _source_items(extra, model, tokenizer, cache_dir, log) if extra is not None else None
+    seqs = _build_source(recipe, items, model, tokenizer, stop_ids, cache_dir, on_batch, log)
+    if extra is not None:
         held = {tuple(s.tokens[: s.prompt_len].tolist()) for s in seqs[:holdout]}
-        more = _build_source(extra, model, tokenizer, stop_ids, cache_dir, on_batch, log)
+        more = _build_source(extra, extra_items, model, tokenizer, stop_ids, cache_dir, on_batch, log)
         seqs += [s for s in more if tuple(s.tokens[: s.prompt_len].tolist()) not in held]
     return seqs
 
@@ -133,9 +136,10 @@ def read_items(pfile: Path, vocab: int, responses: bool) -> tuple[list[dict] | N
     return items, ""
 
 
-def _build_source(recipe: Recipe, model: Any, tokenizer: Any, stop_ids: list[int], cache_dir: Path,
-                  on_batch: Callable[[int, int], None] | None,
-                  log: Callable[[str], None] = print) -> list[Sequence]:
+def _source_items(recipe: Recipe, model: Any, tokenizer: Any, cache_dir: Path,
+                  log: Callable[[str], None] = print) -> list[dict]:
+    """A source's candidate items: its cached prompts.json (validated), else read from its dataset,
+    chat-encoded and cached."""
     d = recipe.data
     folder = data_dir(recipe, cache_dir)
     pfile = folder / "prompts.json"
@@ -150,6 +154,14 @@ def _build_source(recipe: Recipe, model: Any, tokenizer: Any, stop_ids: list[int
         items = candidate_items(recipe, tokenizer)  # a bad dataset fails here, before any folder is made
         folder.mkdir(parents=True, exist_ok=True)
         write_json(pfile, items, each_rank=True)  # every rank reads its own data cache
+    return items
+
+
+def _build_source(recipe: Recipe, items: list[dict], model: Any, tokenizer: Any, stop_ids: list[int],
+                  cache_dir: Path, on_batch: Callable[[int, int], None] | None,
+                  log: Callable[[str], None] = print) -> list[Sequence]:
+    d = recipe.data
+    folder = data_dir(recipe, cache_dir)
     layer_ids = tuple(recipe.draft.layer_ids)
     bs = d.batch_size
     nb = (d.num_prompts + bs - 1) // bs
