@@ -146,6 +146,9 @@ def main() -> None:
     prior = load_survival_prior(cal, gamma) if cal else None
     sps = load_sps_table(args.sps_table)
     statics = [int(k) for k in args.static.split(",")] if args.static else list(range(1, gamma + 1))
+    if gamma not in statics:  # its rounds (every position verified) are what the predictions replay
+        raise SystemExit(f"--static {args.static} lacks {gamma}, the draft's block size: its rounds are what the "
+                         f"predictions replay; add {gamma}")
     specs = [f"static:{k}" for k in statics] + [f"threshold:{args.threshold}", "dspark", "dspark-async"]
     greedy = SamplingParams(0.0)
     engines = {s: SpeculativeEngine(sess.adapter, sess.draft, parse_policy(s, sps=sps, temperatures=temps,
