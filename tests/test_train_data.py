@@ -126,6 +126,8 @@ def test_extra_answers_come_from_their_own_dataset_and_share_its_cache(setup, tm
     assert data_dir(other, tmp_path).is_dir()
     with pytest.raises(InputError, match="extra_dataset"):
         load_recipe(None, [f'data.extra_dataset="{answers}"'])
+    with pytest.raises(InputError, match="extra_dataset is empty"):
+        load_recipe(None, ['data.extra_dataset=" "', "data.extra_responses=3"])
 
 
 @pytest.mark.parametrize("bad", ["missing.jsonl", "no-answers.jsonl"])

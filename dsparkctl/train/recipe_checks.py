@@ -120,6 +120,8 @@ def _check_data_and_eval(r: Any, bad: Refuse) -> None:
         bad(f"data.source {da.source!r}", "use regenerate or responses")
     if da.extra_responses < 0 or (da.extra_responses and da.source != "regenerate"):
         bad("data.extra_responses must be >= 0, and is for source = \"regenerate\" (it adds the dataset's answers)")
+    if da.extra_dataset is not None and not da.extra_dataset.strip():
+        bad("data.extra_dataset is empty", "name a dataset: sharegpt, or a local JSON/JSONL file with data.response_field")
     if da.extra_dataset is not None and not da.extra_responses:
         bad("data.extra_dataset names where data.extra_responses come from; it needs data.extra_responses > 0")
     if not 1 <= da.topk <= 1024:
