@@ -304,7 +304,6 @@ EXCLUDED = [
      "(12,800 answers of the embedded target: hours)"),
     ("recipes/README.md", ".venv/bin/python benchmarks/code_prompts.py", "the repository's venv and script, from "
      "the repository root (tests/test_train_data.py builds data from another dataset's answers)"),
-    ("recipes/README.md", "cat unseen.jsonl unseen-code.jsonl", "joins the two prompt files of the lines above"),
     ("recipes/README.md", "dsparkctl generate --draft drafts/stage10 --prompts-file calibration-prompts.jsonl",
      "reads the prompts of the lines above"),
     ("recipes/README.md", "dsparkctl calibrate trace.jsonl --out dsparkctl/assets/",
