@@ -143,3 +143,47 @@ def test_a_bad_extra_dataset_fails_before_any_answer_is_regenerated(setup, tmp_p
         build_dataset(mixed, model, tok, [1], tmp_path / "cache", log=lambda m: None)
     assert bad in e.value.one_line()
     assert not list((tmp_path / "cache").rglob("tokens_*"))  # nothing was regenerated
+
+
+def test_prompt_filter_keeps_requests_for_prose_and_keys_its_own_cache(setup, tmp_path):
+    """data.prompt_filter = "prose": only the prose requests of data.dataset are regenerated; the
+    cache is its own, and recipes without a filter keep the keys their caches already have."""
+    import dataclasses
+
+    from dsparkctl.train.data import candidate_items
+
+    model, tok, rec = setup
+    prose = [" ".join(f"w{j}" for j in range(i, i + 7)) for i in range(3, 30, 3)]  # 20+ characters
+    code = ["def w3(w4): return w5", "w6 = w7 + w8;", "```w9 w10```", "w11 w12 in python please w13 w14"]
+    f = tmp_path / "mixed.txt"
+    f.write_text("\n".join(prose + code) + "\n")
+    mixed = dataclasses.replace(rec, data=dataclasses.replace(rec.data, dataset=str(f)))
+    only = dataclasses.replace(mixed, data=dataclasses.replace(mixed.data, prompt_filter="prose"))
+    assert len(candidate_items(mixed, tok)) == len(prose) + len(code)
+    kept = {tok.decode(it["prompt"]) for it in candidate_items(only, tok)}
+    assert len(kept) == len(prose) and all(any(p in k for p in prose) for k in kept)
+    assert data_dir(only, tmp_path) != data_dir(mixed, tmp_path)
+    seqs = build_dataset(only, model, tok, [1], tmp_path, log=lambda m: None)
+    assert len(seqs) == only.data.num_prompts
+    # the shipped stage-8 recipe's cache key, from before the key existed: unchanged
+    assert load_recipe("recipes/smollm2-135m-dspark-stage8.toml").data_digest() == "0c04337f4797"
+    with pytest.raises(InputError, match="prompt_filter"):
+        load_recipe(None, ['data.prompt_filter="poetry"'])
+
+
+@pytest.mark.parametrize("text,prose", [
+    ("Write a persuasive essay on why cities should plant more trees.", True),
+    ("Compose a short story about a lighthouse keeper \u2014 \u201cthe last one\u201d.", True),
+    ("Explain photosynthesis.", True),
+    ("continue", False),  # too short: a follow-up with nothing to answer
+    ("Write a python function that reverses a list.", False),
+    ("Fix this: for (i = 0; i < n; i++) {", False),
+    ("What does <div class='x'> mean?", False),
+    ("```\nprint(1)\n```", False),
+    ("\u8bf7\u5199\u4e00\u7bc7\u5173\u4e8e\u6625\u5929\u7684\u6587\u7ae0\uff0c\u4e0d\u5c11\u4e8e\u4e09\u767e\u5b57\u3002", False),
+    ("import numpy as np and tell me what it does", False),
+])
+def test_is_prose(text, prose):
+    from dsparkctl.data.prompts import is_prose
+
+    assert is_prose(text) is prose

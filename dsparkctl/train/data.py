@@ -33,7 +33,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
-from dsparkctl.data.prompts import encode_prompts, load_conversations, load_prompts
+from dsparkctl.data.prompts import PROMPT_FILTERS, encode_prompts, load_conversations, load_prompts
 from dsparkctl.distributed import DATA_PARALLEL, barrier
 from dsparkctl.errors import InputError
 from dsparkctl.files.atomic import atomic_open, write_json
@@ -52,11 +52,16 @@ def candidate_items(recipe: Recipe, tokenizer: Any) -> list[dict[str, list[int]]
     d = recipe.data
     if d.source == "responses":
         pairs = load_conversations(d.dataset, d.field, d.response_field)
+        if d.prompt_filter:
+            pairs = [(p, r) for p, r in pairs if PROMPT_FILTERS[d.prompt_filter](p)]
         prompts = encode_prompts(tokenizer, [p for p, _ in pairs])
         responses = [tokenizer(r, add_special_tokens=False)["input_ids"] for _, r in pairs]
         items = [{"prompt": p, "response": list(r[: d.max_new_tokens])} for p, r in zip(prompts, responses) if r]
     else:
-        items = [{"prompt": p} for p in encode_prompts(tokenizer, load_prompts(d.dataset, d.field))]
+        texts = load_prompts(d.dataset, d.field)
+        if d.prompt_filter:
+            texts = [t for t in texts if PROMPT_FILTERS[d.prompt_filter](t)]
+        items = [{"prompt": p} for p in encode_prompts(tokenizer, texts)]
     seen: set[tuple[int, ...]] = set()
     uniq = []
     for it in items:
@@ -107,7 +112,8 @@ def extra_recipe(recipe: Recipe) -> Recipe:
     other = d.extra_dataset is not None and d.extra_dataset != d.dataset
     return dataclasses.replace(recipe, data=dataclasses.replace(
         d, source="responses", num_prompts=d.extra_responses, extra_responses=0, extra_dataset=None,
-        dataset=d.extra_dataset if other else d.dataset, field=None if other else d.field))
+        dataset=d.extra_dataset if other else d.dataset, field=None if other else d.field,
+        prompt_filter=""))  # the replay is every answer: the filter picks what is regenerated
 
 
 def _vocab(model: Any) -> int:

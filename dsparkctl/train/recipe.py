@@ -67,6 +67,7 @@ class DataSection:
     topk: int = 32  # target distribution cached as its top-k per position
     extra_responses: int = 0  # also train on this many of the dataset's own answers, teacher-forced (cheap data)
     extra_dataset: str | None = None  # where those answers come from (sharegpt or a local file); None: data.dataset
+    prompt_filter: str = ""  # "" = every prompt; "prose" = only requests for prose (no code, Latin script)
     seed: int = 0
     precision: str = "fp32"  # teacher-forced passes: fp32 (the target as loaded) or bf16 autocast (~2x faster with AMX); regeneration is always as loaded
 
@@ -121,7 +122,8 @@ class Recipe:
         are used (parts are prefix-stable, so a larger num_prompts extends the same cache)."""
         d = self.to_dict()
         part = {"target": d["target"], "data": {k: v for k, v in d["data"].items()
-                                                if k not in ("num_prompts", "extra_responses", "extra_dataset")}}
+                                                if k not in ("num_prompts", "extra_responses", "extra_dataset")
+                                                and not (k == "prompt_filter" and not v)}}  # older caches keep their keys
         return hashlib.sha256(json.dumps(part, sort_keys=True).encode()).hexdigest()[:12]
 
 

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, NoReturn
 
+from dsparkctl.data.prompts import PROMPT_FILTERS
 from dsparkctl.errors import CheckpointError, InputError, option
 from dsparkctl.models.draft_io import read_draft_config
 
@@ -124,6 +125,8 @@ def _check_data_and_eval(r: Any, bad: Refuse) -> None:
         bad("data.extra_dataset is empty", "name a dataset: sharegpt, or a local JSON/JSONL file with data.response_field")
     if da.extra_dataset is not None and not da.extra_responses:
         bad("data.extra_dataset names where data.extra_responses come from; it needs data.extra_responses > 0")
+    if da.prompt_filter and da.prompt_filter not in PROMPT_FILTERS:
+        bad(f"data.prompt_filter {da.prompt_filter!r}", f"use one of: {', '.join(PROMPT_FILTERS)} (or leave it out for every prompt)")
     if not 1 <= da.topk <= 1024:
         bad(f"data.topk must be in [1, 1024], got {da.topk}")
     if da.precision not in ("fp32", "bf16"):
