@@ -68,6 +68,31 @@ def test_features_are_raw_layer_outputs():
     assert torch.allclose(out.features, ref, atol=1e-5)
 
 
+def test_taps_are_caught_by_hooks_and_equal_every_hidden_state_route():
+    """forward_taps hooks only the tapped layers (no output_hidden_states): bit-equal to the
+    hidden-state route, on a causal LM and on its base model, in the order given, hooks removed."""
+    import pytest
+
+    from dsparkctl.models import target as tg
+
+    for family in ("llama", "qwen3"):
+        model = tiny_target(family, layers=4, seed=2).eval()
+        ids = torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]])
+        hooks = lambda m: [len(layer._forward_hooks) for layer in tg.decoder_layers(m)]  # noqa: E731
+        with torch.no_grad():
+            hs = model(ids, output_hidden_states=True).hidden_states
+            before = hooks(model)  # transformers may hook the layers itself (once, on its first call)
+            for module in (model, model.model):
+                out, feats = tg.forward_taps(module, [2, 0], ids.device, input_ids=ids)
+                assert torch.equal(feats, torch.cat([hs[3], hs[1]], dim=-1))
+                assert getattr(out, "hidden_states", None) is None  # not every layer's kept
+                assert hooks(module) == before
+            # a forward that fails leaves no hook behind
+            with pytest.raises(Exception):
+                tg.forward_taps(model, [1], ids.device, input_ids=ids[:, :0].float())
+            assert hooks(model) == before
+
+
 def test_last_layer_cannot_be_tapped():
     import pytest
 

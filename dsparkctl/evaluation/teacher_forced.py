@@ -31,7 +31,7 @@ from dsparkctl.distributed import DATA_PARALLEL, Split
 from dsparkctl.math.sampling import SamplingParams, warp_probs
 from dsparkctl.math.stats import conditional_acceptance, survival_full, tau_full
 from dsparkctl.models.draft import DSparkDraft
-from dsparkctl.models.target import tapped
+from dsparkctl.models.target import forward_taps
 
 FORMAT = "dsparkctl-teacher-forced/1"
 
@@ -191,8 +191,7 @@ def target_forward(model: Any, seqs: Sequence[Sequence[int]], layer_ids: Sequenc
         for r, s in enumerate(chunk):  # right padding: real positions start at 0
             ids[r, : len(s)] = torch.tensor(s, device=dev)
             att[r, : len(s)] = 1
-        res = model(input_ids=ids, attention_mask=att, output_hidden_states=True)
-        feats = tapped(res.hidden_states, layer_ids, dev)
+        res, feats = forward_taps(model, layer_ids, dev, input_ids=ids, attention_mask=att)
         for r, s in enumerate(chunk):
             out.append((feats[r, : len(s)], res.logits[r, : len(s)].float()))
     return out

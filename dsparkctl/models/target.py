@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -90,18 +91,65 @@ def new_cache(config):
 
 
 def cached_forward(module: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache,
-                   hidden: bool = True):
+                   layer_ids: Sequence[int] = ()) -> tuple[Any, torch.Tensor | None]:
     """One forward of `module` (a causal LM, or its base model) over ids [R, T] at positions pos
     [R, T], appending their K/V to `cache`; mask [R, S+T] says which slots (cached, then these) hold
-    a token. Returns the transformers output (with every layer's hidden states when `hidden`)."""
-    return module(input_ids=ids, attention_mask=mask.to(torch.long), position_ids=pos, **with_cache(module, cache),
-                  use_cache=True, output_hidden_states=hidden)
+    a token. Returns (the transformers output, the tapped layers' outputs [R, T, n_taps*H] on ids'
+    device, or None without `layer_ids`)."""
+    kw = dict(input_ids=ids, attention_mask=mask.to(torch.long), position_ids=pos, **with_cache(module, cache),
+              use_cache=True)
+    if not layer_ids:
+        return module(**kw), None
+    return forward_taps(module, layer_ids, ids.device, **kw)
 
 
 def tapped(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int], device: torch.device) -> torch.Tensor:
     """The tapped layers' outputs side by side on `device`: [..., n_taps*H] (hidden_states[i + 1]
     is layer i's output)."""
     return torch.cat([hidden_states[i + 1].to(device) for i in layer_ids], dim=-1)
+
+
+_LAYERS: "weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.ModuleList | None]" = weakref.WeakKeyDictionary()
+
+
+def decoder_layers(module: torch.nn.Module) -> torch.nn.ModuleList | None:
+    """The decoder-layer list of a causal LM or its base model (the first `...layers` ModuleList as
+    long as the config's num_hidden_layers), or None when there is no such list."""
+    if module not in _LAYERS:
+        cfg = getattr(module, "config", None)
+        cfg = getattr(cfg, "text_config", None) or cfg
+        n = getattr(cfg, "num_hidden_layers", None)
+        _LAYERS[module] = next((m for name, m in module.named_modules() if isinstance(m, torch.nn.ModuleList)
+                                and name.rsplit(".", 1)[-1] == "layers" and len(m) == n), None)
+    return _LAYERS[module]
+
+
+def forward_taps(module: torch.nn.Module, layer_ids: Sequence[int], device: torch.device,
+                 **kwargs: Any) -> tuple[Any, torch.Tensor]:
+    """`module(**kwargs)` and the tapped layers' outputs side by side on `device` [..., n_taps*H].
+
+    Hooks on the tapped decoder layers catch their outputs, so only those stay alive:
+    `output_hidden_states` keeps every layer's (32 prompts of 250 tokens through a 30-layer,
+    576-wide target: 0.55 GB more, and a prefill ~10% slower on one core). Where the layers
+    cannot be found, or a tap is the embeddings (-1) or the last layer (whose hidden state in
+    transformers is the final norm's output), it asks for every hidden state instead."""
+    layers = decoder_layers(module)
+    if layers is None or any(not 0 <= i < len(layers) - 1 for i in layer_ids):
+        out = module(**kwargs, output_hidden_states=True)
+        return out, tapped(out.hidden_states, layer_ids, device)
+    caught: dict[int, torch.Tensor] = {}
+
+    def catcher(i: int):
+        def hook(_mod, _args, output):
+            caught[i] = output[0] if isinstance(output, tuple) else output
+        return hook
+    handles = [layers[i].register_forward_hook(catcher(i)) for i in sorted(set(layer_ids))]
+    try:
+        out = module(**kwargs, output_hidden_states=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return out, torch.cat([caught[i].to(device) for i in layer_ids], dim=-1)
 
 
 def keep_cache_rows(layers, rows: torch.Tensor) -> None:
@@ -165,11 +213,9 @@ class TargetAdapter:
 
     # --------------------------------------------------------------------- core
     def _run(self, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor) -> TargetOutput:
-        want_hidden = bool(self.layer_ids)
-        out = cached_forward(self.model, ids, attn, pos, self.cache, want_hidden)
-        dev = ids.device  # with a device map, layers (and their outputs) live on several devices
-        feats = tapped(out.hidden_states, self.layer_ids, dev) if want_hidden else None
-        return TargetOutput(logits=out.logits.float().to(dev), features=feats)
+        # with a device map, layers (and their outputs) live on several devices: taps come to ids'
+        out, feats = cached_forward(self.model, ids, attn, pos, self.cache, self.layer_ids)
+        return TargetOutput(logits=out.logits.float().to(ids.device), features=feats)
 
     @torch.no_grad()
     def prefill(self, prompts: Sequence[Sequence[int]]) -> TargetOutput:

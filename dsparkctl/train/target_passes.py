@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from dsparkctl.models.target import cached_forward, keep_cache_rows, new_cache, tapped
+from dsparkctl.models.target import cached_forward, forward_taps, keep_cache_rows, new_cache
 from dsparkctl.train.parts import pack
 
 
@@ -83,9 +83,9 @@ def regenerate_part(model: Any, prompts: list[list[int]], layer_ids: tuple[int, 
             rows, nxt, seq_len, mask = rows[kd], nxt[kd], seq_len[kd], mask[kd]
             keep_cache_rows(cache.layers, kd)
         mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=torch.bool, device=dev)], dim=1)
-        out = cached_forward(base, nxt[:, None], mask, seq_len[:, None], cache)
+        out, taps_now = cached_forward(base, nxt[:, None], mask, seq_len[:, None], cache, layer_ids)
         # the taps of the token just fed (it belongs to the rows still live)
-        step.append((rows.cpu(), tapped(out.hidden_states, layer_ids, dev)[:, 0].to(torch.float16).cpu()))
+        step.append((rows.cpu(), taps_now[:, 0].to(torch.float16).cpu()))
         last = out.last_hidden_state[:, 0]
         seq_len = seq_len + 1
     return _by_row(steps, taps, prompts, plen)
@@ -100,8 +100,8 @@ def _prefill(model: Any, prompts: list[list[int]], layer_ids: tuple[int, ...], p
     ids, mask = ids.to(dev), mask.to(dev)
     pos = torch.arange(ids.shape[1], device=dev)[None].expand(R, -1)
     cache = new_cache(model.config)
-    out = cached_forward(model.model, ids, mask, pos, cache)
-    taps = tapped(out.hidden_states, layer_ids, dev).to(torch.float16).cpu()  # [R, L, F]
+    out, taps = cached_forward(model.model, ids, mask, pos, cache, layer_ids)
+    taps = taps.to(torch.float16).cpu()  # [R, L, F]
     last = out.last_hidden_state[torch.arange(R, device=dev), (plen - 1).to(dev)]  # [R, H]
     return cache, taps, last, mask
 
@@ -146,9 +146,9 @@ def teacher_forced_part(model: Any, seqs: list[list[int]], prompt_lens: list[int
         rows = by_length[c: c + chunk]
         ids, mask = _right_pad([seqs[j] for j in rows], pad_id)
         with data_precision(precision, model):
-            out = base(input_ids=ids.to(dev), attention_mask=mask.long().to(dev), output_hidden_states=True)
+            out, taps = forward_taps(base, layer_ids, dev, input_ids=ids.to(dev), attention_mask=mask.long().to(dev))
             logits = [head(out.last_hidden_state[r, prompt_lens[j] - 1: len(seqs[j]) - 1]) for r, j in enumerate(rows)]
-        taps = tapped(out.hidden_states, layer_ids, dev).to(torch.float16).cpu()
+        taps = taps.to(torch.float16).cpu()
         for r, j in enumerate(rows):
             feats[j] = taps[r, : len(seqs[j]) - 1]
             i, v = _topk(logits[r].float(), topk)
