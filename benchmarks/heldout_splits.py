@@ -1,0 +1,74 @@
+"""Drafts side by side on training recipes' held-out splits (teacher-forced, exact greedy τ).
+
+Each recipe's held-out split is the first `eval.holdout` sequences of its regenerated data
+(the target's own greedy answers to prompts the recipe never trains on), read from the data
+cache its training built. Comparing drafts on every family's split at once is how a stage is
+judged against the shipped draft: stage 8's ShareGPT split, stage 9's code split, stage 11's
+prose split (docs/train.md).
+
+    .venv/bin/python benchmarks/heldout_splits.py --recipe recipes/smollm2-135m-dspark-stage9.toml \\
+        --recipe recipes/smollm2-135m-dspark-stage11.toml --draft default --draft drafts/stage11 \\
+        --out benchmarks/results/heldout_stage11.json
+
+`default` is the shipped draft. A recipe whose data is not cached yet is refused (building
+it is `dsparkctl train`'s job, and can take an hour).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+import torch
+from provenance import provenance_of  # benchmarks/provenance.py
+
+from dsparkctl.files.atomic import cannot_create, write_json
+from dsparkctl.models.draft_io import load_draft
+from dsparkctl.models.loading import default_draft_dir, load_target, stop_token_ids
+from dsparkctl.models.target import TargetAdapter
+from dsparkctl.train.data import build_dataset, data_dir
+from dsparkctl.train.job import default_cache_dir, heldout_stats
+from dsparkctl.train.recipe import load_recipe
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipe", action="append", required=True, type=Path, help="a recipe whose held-out split to use")
+    ap.add_argument("--draft", action="append", required=True, help="a draft folder, or `default` (the shipped one)")
+    ap.add_argument("--cache-dir", type=Path, default=default_cache_dir())
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    if (why := cannot_create(args.out)) is not None:
+        sys.exit(f"--out {args.out}: {why}")
+    torch.set_num_threads(1)
+    lt = load_target(None, torch.device("cpu"), torch.float32, log=lambda s: None)
+    stops = stop_token_ids(lt.tokenizer, lt.model)
+    splits = {}
+    for path in args.recipe:
+        rec = load_recipe(path, ["optim.init_from=\"\""])  # the split needs no starting draft
+        held_only = dataclasses.replace(rec, data=dataclasses.replace(rec.data, num_prompts=rec.eval.holdout,
+                                                                      extra_responses=0, extra_dataset=None))
+        if not data_dir(held_only, args.cache_dir).is_dir():
+            sys.exit(f"{path}: its data is not in {args.cache_dir} (train the recipe first)")
+        splits[path.stem] = build_dataset(held_only, lt.model, lt.tokenizer, stops, args.cache_dir,
+                                          log=lambda s: None)[: rec.eval.holdout]
+    adapter = TargetAdapter(lt.model)
+    rows = {}
+    for spec in args.draft:
+        folder = default_draft_dir() if spec == "default" else Path(spec)
+        draft = load_draft(folder, adapter, dtype=torch.float32, device="cpu")
+        rows[spec] = {}
+        for name, held in splits.items():
+            st = heldout_stats(draft, held, 0.0)
+            rows[spec][name] = {"tau": st.tau, "tau_interval": list(st.tau_interval()), "sequences": len(held),
+                                "anchors": st.anchors}
+            lo, hi = st.tau_interval()
+            print(f"{spec:32s} {name:36s} τ {st.tau:.3f} [{lo:.3f}, {hi:.3f}]", flush=True)
+    write_json(args.out, {"format": "dsparkctl-heldout-splits/1", "greedy": True, "results": rows,
+                          **provenance_of("heldout_splits.py")})
+
+
+if __name__ == "__main__":
+    main()
