@@ -163,6 +163,10 @@ def test_prompt_filter_keeps_requests_for_prose_and_keys_its_own_cache(setup, tm
     kept = {tok.decode(it["prompt"]) for it in candidate_items(only, tok)}
     assert len(kept) == len(prose) and all(any(p in k for p in prose) for k in kept)
     assert data_dir(only, tmp_path) != data_dir(mixed, tmp_path)
+    too_many = dataclasses.replace(only, data=dataclasses.replace(only.data, num_prompts=len(prose) + 1))
+    with pytest.raises(InputError) as e:
+        candidate_items(too_many, tok)
+    assert "pass data.prompt_filter = 'prose'" in e.value.one_line() and "drop the filter" in e.value.one_line()
     seqs = build_dataset(only, model, tok, [1], tmp_path, log=lambda m: None)
     assert len(seqs) == only.data.num_prompts
     # the shipped stage-8 recipe's cache key, from before the key existed: unchanged

@@ -213,7 +213,7 @@ class TargetAdapter:
 
     # --------------------------------------------------------------------- core
     def _run(self, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor) -> TargetOutput:
-        # with a device map, layers (and their outputs) live on several devices: taps come to ids'
+        # with a device map, layers (and their outputs) live on several devices: logits and taps come to ids'
         out, feats = cached_forward(self.model, ids, attn, pos, self.cache, self.layer_ids)
         return TargetOutput(logits=out.logits.float().to(ids.device), features=feats)
 

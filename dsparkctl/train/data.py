@@ -71,9 +71,11 @@ def candidate_items(recipe: Recipe, tokenizer: Any) -> list[dict[str, list[int]]
             uniq.append(it)
     random.Random(d.seed).shuffle(uniq)
     if len(uniq) < d.num_prompts:
-        raise InputError(f"{d.dataset}: only {len(uniq)} distinct prompts fit max_prompt_tokens="
+        kept = f"pass data.prompt_filter = {d.prompt_filter!r} and " if d.prompt_filter else ""
+        raise InputError(f"{d.dataset}: only {len(uniq)} distinct prompts {kept}fit max_prompt_tokens="
                          f"{d.max_prompt_tokens}, recipe asks for {d.num_prompts}",
-                         "lower data.num_prompts or raise data.max_prompt_tokens")
+                         "lower data.num_prompts or raise data.max_prompt_tokens"
+                         + (", or drop the filter" if d.prompt_filter else ""))
     return uniq
 
 
