@@ -297,6 +297,8 @@ EXCLUDED = [
      "handling is tested below (test_interop_check_removes_only_its_own_folders)"),
     ("docs/train.md", "dsparkctl eval-acceptance --draft <previous>", "a template: <previous> is the draft before "
      "the one just trained (the concrete runs below it are tested)"),
+    ("docs/train.md", ".venv/bin/python benchmarks/heldout_splits.py", "reads the held-out splits from the data "
+     "caches the stage recipes built (hours of the embedded target); it refuses a recipe whose data is not cached"),
     ("recipes/README.md", "dsparkctl train recipes/smollm2-135m-dspark", "the nine-stage training chain (7.5 hours "
      "on the embedded pair); tests/test_train_run.py trains tiny recipes end to end"),
     ("recipes/README.md", "cp drafts/stage10/", "installs the chain's result into the package"),
