@@ -117,12 +117,14 @@ def main() -> None:
     ap.add_argument("--threshold", type=float, default=0.4)
     ap.add_argument("--static", default=None, help="static:k lengths (default 1..γ)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "policies.json")
-    ap.add_argument("--plot", type=Path, default=Path(__file__).parent / "results" / "policies.png")
+    ap.add_argument("--plot", type=Path, default=None, help="default: --out with .png")
     ap.add_argument("--retries", type=int, default=3,
                     help="times a group is run again when another core was busy during it (> QUIET)")
     ap.add_argument("--predict-only", action="store_true",
                     help="recompute the predictions of an existing --out file from its replay pool")
     args = ap.parse_args()
+    if args.plot is None:  # beside its own --out, never over another run's stored plot
+        args.plot = args.out.with_suffix(".png")
     for p in (args.out, args.plot):
         if why := cannot_create(p):
             ap.error(f"{p} cannot be created: {why}")
