@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from provenance import provenance_of  # benchmarks/provenance.py
 
+from dsparkctl.errors import DsparkError
 from dsparkctl.files.atomic import cannot_create, write_json
 from dsparkctl.models.draft_io import load_draft
 from dsparkctl.models.loading import default_draft_dir, load_target, stop_token_ids
@@ -42,6 +43,9 @@ def main() -> None:
     args = ap.parse_args()
     if (why := cannot_create(args.out)) is not None:
         sys.exit(f"--out {args.out}: {why}")
+    missing = [d for d in args.draft if d != "default" and not (Path(d) / "config.json").is_file()]
+    if missing:
+        sys.exit(f"--draft {missing[0]}: not a draft folder (no config.json there)")
     torch.set_num_threads(1)
     lt = load_target(None, torch.device("cpu"), torch.float32, log=lambda s: None)
     stops = stop_token_ids(lt.tokenizer, lt.model)
@@ -71,4 +75,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except DsparkError as e:  # a bad recipe or draft: one line, not a traceback
+        sys.exit(f"error: {e.one_line()}")
