@@ -125,6 +125,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.plot is None:  # beside its own --out, never over another run's stored plot
         args.plot = args.out.with_suffix(".png")
+    if args.plot.resolve() == args.out.resolve():
+        ap.error(f"--plot and --out are both {args.out}: give the plot its own file")
     for p in (args.out, args.plot):
         if why := cannot_create(p):
             ap.error(f"{p} cannot be created: {why}")

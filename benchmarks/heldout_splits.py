@@ -26,7 +26,7 @@ from provenance import provenance_of  # benchmarks/provenance.py
 
 from dsparkctl.errors import DsparkError
 from dsparkctl.files.atomic import cannot_create, write_json
-from dsparkctl.models.draft_io import load_draft
+from dsparkctl.models.draft_io import load_draft, read_draft_config
 from dsparkctl.models.loading import default_draft_dir, load_target, stop_token_ids
 from dsparkctl.models.target import TargetAdapter
 from dsparkctl.train.data import build_dataset, data_dir
@@ -46,12 +46,25 @@ def main() -> None:
     missing = [d for d in args.draft if d != "default" and not (Path(d) / "config.json").is_file()]
     if missing:
         sys.exit(f"--draft {missing[0]}: not a draft folder (no config.json there)")
+    if len(set(args.draft)) < len(args.draft) or len({p.stem for p in args.recipe}) < len(args.recipe):
+        sys.exit("a --draft or a recipe name is given twice: each is one column or row of the result")
+    recipes = {}
+    for path in args.recipe:  # every recipe is read and checked before the target loads
+        rec = load_recipe(path, ["optim.init_from=\"\""])  # the split needs no starting draft
+        if rec.target.model != "embedded":
+            sys.exit(f"{path}: its target is {rec.target.model!r}; this script reads the embedded target's splits")
+        recipes[path] = rec
+    for spec in args.draft:  # the cached features are the recipes' taps: a draft must read the same layers
+        cfg = read_draft_config(default_draft_dir() if spec == "default" else Path(spec))
+        for path, rec in recipes.items():
+            if tuple(cfg.target_layer_ids) != tuple(rec.draft.layer_ids):
+                sys.exit(f"--draft {spec} taps layers {list(cfg.target_layer_ids)}, {path} cached "
+                         f"{list(rec.draft.layer_ids)}: its τ there would be meaningless")
     torch.set_num_threads(1)
     lt = load_target(None, torch.device("cpu"), torch.float32, log=lambda s: None)
     stops = stop_token_ids(lt.tokenizer, lt.model)
     splits = {}
-    for path in args.recipe:
-        rec = load_recipe(path, ["optim.init_from=\"\""])  # the split needs no starting draft
+    for path, rec in recipes.items():
         held_only = dataclasses.replace(rec, data=dataclasses.replace(rec.data, num_prompts=rec.eval.holdout,
                                                                       extra_responses=0, extra_dataset=None))
         if not data_dir(held_only, args.cache_dir).is_dir():

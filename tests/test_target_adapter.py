@@ -93,6 +93,38 @@ def test_taps_are_caught_by_hooks_and_equal_every_hidden_state_route():
             assert hooks(model) == before
 
 
+def test_taps_find_the_text_decoder_of_a_multimodal_model_and_layers_replaced_after_loading():
+    """A vision tower with as many layers as the text model is not what gets hooked (get_decoder
+    names the text decoder); layers swapped after the first lookup are the ones hooked."""
+    import copy
+
+    import pytest
+
+    from dsparkctl.models import target as tg
+
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Gemma3ForConditionalGeneration"):
+        pytest.skip("this transformers has no Gemma3")
+    cfg = transformers.Gemma3Config(
+        text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=8,
+                         layer_types=["full_attention"] * 4),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+                           image_size=28, patch_size=14), mm_tokens_per_image=4)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        hs = model(input_ids=ids, output_hidden_states=True).hidden_states
+        _, feats = tg.forward_taps(model, [0, 2], ids.device, input_ids=ids)
+        assert torch.equal(feats, torch.cat([hs[1], hs[3]], dim=-1))
+        llama = tiny_target("llama", layers=4, seed=3).eval()
+        tg.forward_taps(llama, [1], ids.device, input_ids=ids)
+        llama.model.layers = copy.deepcopy(llama.model.layers)
+        _, feats = tg.forward_taps(llama, [1], ids.device, input_ids=ids)
+        assert torch.equal(feats, llama(ids, output_hidden_states=True).hidden_states[2])
+
+
 def test_last_layer_cannot_be_tapped():
     import pytest
 

@@ -170,7 +170,9 @@ def test_prompt_filter_keeps_requests_for_prose_and_keys_its_own_cache(setup, tm
     seqs = build_dataset(only, model, tok, [1], tmp_path, log=lambda m: None)
     assert len(seqs) == only.data.num_prompts
     # the shipped stage-8 recipe's cache key, from before the key existed: unchanged
-    assert load_recipe("recipes/smollm2-135m-dspark-stage8.toml").data_digest() == "0c04337f4797"
+    stage8 = load_recipe("recipes/smollm2-135m-dspark-stage8.toml")
+    assert stage8.data_digest() == "0c04337f4797"
+    assert stage8.digest() == "59ca7ecc2f57"  # and its run folder
     with pytest.raises(InputError, match="prompt_filter"):
         load_recipe(None, ['data.prompt_filter="poetry"'])
 

@@ -109,19 +109,32 @@ def tapped(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int], devi
     return torch.cat([hidden_states[i + 1].to(device) for i in layer_ids], dim=-1)
 
 
-_LAYERS: "weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.ModuleList | None]" = weakref.WeakKeyDictionary()
+_LAYERS: "weakref.WeakKeyDictionary[torch.nn.Module, str | None]" = weakref.WeakKeyDictionary()
 
 
 def decoder_layers(module: torch.nn.Module) -> torch.nn.ModuleList | None:
-    """The decoder-layer list of a causal LM or its base model (the first `...layers` ModuleList as
-    long as the config's num_hidden_layers), or None when there is no such list."""
+    """The decoder-layer list of a causal LM or its base model: `get_decoder().layers` when it is
+    as long as the config's num_hidden_layers (a multimodal model's vision tower may have another
+    list named `layers` of that length), else None. Looked up by name each call, so layers replaced
+    after loading are the ones found."""
     if module not in _LAYERS:
         cfg = getattr(module, "config", None)
         cfg = getattr(cfg, "text_config", None) or cfg
         n = getattr(cfg, "num_hidden_layers", None)
-        _LAYERS[module] = next((m for name, m in module.named_modules() if isinstance(m, torch.nn.ModuleList)
-                                and name.rsplit(".", 1)[-1] == "layers" and len(m) == n), None)
-    return _LAYERS[module]
+        try:
+            dec = module.get_decoder() if callable(getattr(module, "get_decoder", None)) else None
+        except Exception:  # noqa: BLE001 - a model without a decoder accessor: no hooks
+            dec = None
+        found = None
+        for name, m in module.named_modules():
+            if dec is not None and m is dec:
+                layers = getattr(dec, "layers", None)
+                if isinstance(layers, torch.nn.ModuleList) and len(layers) == n:
+                    found = f"{name}.layers" if name else "layers"
+                break
+        _LAYERS[module] = found
+    name = _LAYERS[module]
+    return None if name is None else module.get_submodule(name)
 
 
 def forward_taps(module: torch.nn.Module, layer_ids: Sequence[int], device: torch.device,
@@ -130,26 +143,32 @@ def forward_taps(module: torch.nn.Module, layer_ids: Sequence[int], device: torc
 
     Hooks on the tapped decoder layers catch their outputs, so only those stay alive:
     `output_hidden_states` keeps every layer's (32 prompts of 250 tokens through a 30-layer,
-    576-wide target: 0.55 GB more, and a prefill ~10% slower on one core). Where the layers
+    576-wide target: 0.55 GB more, and a prefill 10-25% slower on one core). Where the layers
     cannot be found, or a tap is the embeddings (-1) or the last layer (whose hidden state in
     transformers is the final norm's output), it asks for every hidden state instead."""
     layers = decoder_layers(module)
     if layers is None or any(not 0 <= i < len(layers) - 1 for i in layer_ids):
         out = module(**kwargs, output_hidden_states=True)
         return out, tapped(out.hidden_states, layer_ids, device)
-    caught: dict[int, torch.Tensor] = {}
+    caught: dict[int, list[torch.Tensor]] = {i: [] for i in set(layer_ids)}
 
     def catcher(i: int):
         def hook(_mod, _args, output):
-            caught[i] = output[0] if isinstance(output, tuple) else output
+            caught[i].append(output[0] if isinstance(output, tuple) else output)
         return hook
-    handles = [layers[i].register_forward_hook(catcher(i)) for i in sorted(set(layer_ids))]
+    handles = [layers[i].register_forward_hook(catcher(i)) for i in sorted(caught)]
     try:
         out = module(**kwargs, output_hidden_states=False)
     finally:
         for h in handles:
             h.remove()
-    return out, torch.cat([caught[i].to(device) for i in layer_ids], dim=-1)
+    odd = {i: len(v) for i, v in caught.items() if len(v) != 1}
+    if odd:  # a skipped or looped layer: its output is not one hidden state
+        i, times = next(iter(odd.items()))
+        raise ModelMismatchError(f"the target's decoder layer {i} ran {times} times in one forward: "
+                                 "it cannot be tapped as one hidden state",
+                                 "use a draft whose taps are layers every token passes once")
+    return out, torch.cat([caught[i][0].to(device) for i in layer_ids], dim=-1)
 
 
 def keep_cache_rows(layers, rows: torch.Tensor) -> None:

@@ -114,6 +114,8 @@ class Recipe:
     def digest(self, *sections: str) -> str:
         """Short hash of the named sections (all when none): keys caches and run folders."""
         d = self.to_dict()
+        if not d["data"]["prompt_filter"]:  # keys added later leave older recipes' run folders where they were
+            del d["data"]["prompt_filter"]
         part = {s: d[s] for s in sections} if sections else d
         return hashlib.sha256(json.dumps(part, sort_keys=True).encode()).hexdigest()[:12]
 
