@@ -190,6 +190,6 @@ def test_prompt_filter_keeps_requests_for_prose_and_keys_its_own_cache(setup, tm
     ("import numpy as np and tell me what it does", False),
 ])
 def test_is_prose(text, prose):
-    from dsparkctl.data.prompts import is_prose
+    from dsparkctl.data.filters import is_prose
 
     assert is_prose(text) is prose

@@ -12,7 +12,6 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -133,23 +132,6 @@ def _sharegpt_pairs(path: Path) -> list[tuple[str, str]]:
 
 def _sharegpt(path: Path) -> list[str]:
     return [p for p, _ in _sharegpt_pairs(path)]
-
-
-# Prompt filters a training recipe may apply to its dataset (`data.prompt_filter`): name -> test.
-_CODE = re.compile(
-    r"```|^\s*(def|class|import|from \S+ import|function|const|let|var|public|private|#include|SELECT|CREATE)\b"
-    r"|[;{}]\s*$|</?[a-zA-Z][\w-]*[ />]|=>|\w\(\)|\b(code|program|script|python|java|javascript|typescript|sql|html"
-    r"|css|react|api|json|regex|bash|excel formula|c\+\+|c#)\b", re.IGNORECASE | re.MULTILINE)
-
-
-def is_prose(text: str) -> bool:
-    """A request for prose: Latin script, at least 20 characters, and neither code nor a request
-    about code (fences, statements, markup, programming words)."""
-    return len(text) >= 20 and all(ord(c) < 0x250 or c in "‘’“”–—…" for c in text) \
-        and _CODE.search(text) is None
-
-
-PROMPT_FILTERS = {"prose": is_prose}
 
 
 def load_conversations(dataset: str, field: str | None = None,

@@ -33,7 +33,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
-from dsparkctl.data.prompts import PROMPT_FILTERS, encode_prompts, load_conversations, load_prompts
+from dsparkctl.data.filters import PROMPT_FILTERS
+from dsparkctl.data.prompts import encode_prompts, load_conversations, load_prompts
 from dsparkctl.distributed import DATA_PARALLEL, barrier
 from dsparkctl.errors import InputError
 from dsparkctl.files.atomic import atomic_open, write_json

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, NoReturn
 
-from dsparkctl.data.prompts import PROMPT_FILTERS
+from dsparkctl.data.filters import PROMPT_FILTERS
 from dsparkctl.errors import CheckpointError, InputError, option
 from dsparkctl.models.draft_io import read_draft_config
 
