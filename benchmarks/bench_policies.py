@@ -46,7 +46,7 @@ from provenance import provenance_of  # benchmarks/provenance.py
 from dsparkctl.data.prompts import encode_prompts, load_prompts
 from dsparkctl.engine.session import open_session
 from dsparkctl.engine.speculative import SpeculativeEngine, plain_generate
-from dsparkctl.files.atomic import cannot_create, write_json
+from dsparkctl.files.atomic import cannot_write_file, write_json
 from dsparkctl.formats.calibration import load_survival_prior, load_temperatures
 from dsparkctl.formats.sps import load_sps_table
 from dsparkctl.math.policy_spec import parse_policy
@@ -128,8 +128,8 @@ def main() -> None:
     if args.plot.resolve() == args.out.resolve():
         ap.error(f"--plot and --out are both {args.out}: give the plot its own file")
     for p in (args.out, args.plot):
-        if why := cannot_create(p):
-            ap.error(f"{p} cannot be created: {why}")
+        if why := cannot_write_file(p):
+            ap.error(f"{p} cannot be written: {why}")
     if args.predict_only:
         doc = loads(args.out.read_bytes())
         sps = load_sps_table(doc["sps_table"])

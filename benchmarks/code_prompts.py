@@ -15,13 +15,12 @@ from __future__ import annotations
 import argparse
 import ast
 import json
-import os
 import random
 import sysconfig
 import textwrap
 from pathlib import Path
 
-from dsparkctl.files.atomic import atomic_open, cannot_create
+from dsparkctl.files.atomic import atomic_open, cannot_write_file
 
 SKIP_DIRS = {"test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3", "ensurepip", "site-packages",
              "dist-packages", "__pycache__", "pydoc_data", "venv"}
@@ -65,10 +64,8 @@ def main() -> None:
     random.Random(args.seed).shuffle(prompts)
     if args.offset < 0 or args.limit < 1:
         ap.error("--offset must be >= 0 and --limit >= 1")
-    if os.path.lexists(args.out) and not args.out.is_file():
-        ap.error(f"--out {args.out} is not a regular file (a folder, FIFO or link there is not ours to replace)")
-    if why := cannot_create(args.out):
-        ap.error(f"--out {args.out} cannot be created: {why}")
+    if why := cannot_write_file(args.out):
+        ap.error(f"--out {args.out}: {why}")
     picked = prompts[args.offset: args.offset + args.limit]
     with atomic_open(args.out) as fh:  # whole or not at all
         fh.write("".join(json.dumps({"prompt": p}) + "\n" for p in picked))

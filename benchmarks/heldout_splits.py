@@ -25,7 +25,7 @@ import torch
 from provenance import provenance_of  # benchmarks/provenance.py
 
 from dsparkctl.errors import DsparkError
-from dsparkctl.files.atomic import cannot_create, write_json
+from dsparkctl.files.atomic import cannot_write_file, write_json
 from dsparkctl.models.draft_io import load_draft, read_draft_config
 from dsparkctl.models.loading import default_draft_dir, load_target, stop_token_ids
 from dsparkctl.models.target import TargetAdapter
@@ -41,7 +41,7 @@ def main() -> None:
     ap.add_argument("--cache-dir", type=Path, default=default_cache_dir())
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    if (why := cannot_create(args.out)) is not None:
+    if why := cannot_write_file(args.out):
         sys.exit(f"--out {args.out}: {why}")
     missing = [d for d in args.draft if d != "default" and not (Path(d) / "config.json").is_file()]
     if missing:
@@ -54,8 +54,9 @@ def main() -> None:
         if rec.target.model != "embedded":
             sys.exit(f"{path}: its target is {rec.target.model!r}; this script reads the embedded target's splits")
         recipes[path] = rec
-    for spec in args.draft:  # the cached features are the recipes' taps: a draft must read the same layers
-        cfg = read_draft_config(default_draft_dir() if spec == "default" else Path(spec))
+    folders = {spec: default_draft_dir() if spec == "default" else Path(spec) for spec in args.draft}
+    for spec, folder in folders.items():  # the cached features are the recipes' taps: a draft must read the same layers
+        cfg = read_draft_config(folder)
         for path, rec in recipes.items():
             if tuple(cfg.target_layer_ids) != tuple(rec.draft.layer_ids):
                 sys.exit(f"--draft {spec} taps layers {list(cfg.target_layer_ids)}, {path} cached "
@@ -73,16 +74,16 @@ def main() -> None:
                                           log=lambda s: None)[: rec.eval.holdout]
     adapter = TargetAdapter(lt.model)
     rows = {}
-    for spec in args.draft:
-        folder = default_draft_dir() if spec == "default" else Path(spec)
+    for spec, folder in folders.items():
         draft = load_draft(folder, adapter, dtype=torch.float32, device="cpu")
         rows[spec] = {}
         for name, held in splits.items():
             st = heldout_stats(draft, held, 0.0)
-            rows[spec][name] = {"tau": st.tau, "tau_interval": list(st.tau_interval()), "sequences": len(held),
+            ci = st.tau_interval()  # None (and τ None) when the split holds no full block
+            rows[spec][name] = {"tau": st.tau, "tau_interval": list(ci) if ci else None, "sequences": len(held),
                                 "anchors": st.anchors}
-            lo, hi = st.tau_interval()
-            print(f"{spec:32s} {name:36s} τ {st.tau:.3f} [{lo:.3f}, {hi:.3f}]", flush=True)
+            shown = f"τ {st.tau:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]" if ci and st.tau is not None else "τ - (no full blocks)"
+            print(f"{spec:32s} {name:36s} {shown}", flush=True)
     write_json(args.out, {"format": "dsparkctl-heldout-splits/1", "greedy": True, "results": rows,
                           **provenance_of("heldout_splits.py")})
 

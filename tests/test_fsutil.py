@@ -563,3 +563,20 @@ def test_a_temp_swept_between_its_creation_and_its_lock_is_made_again(tmp_path, 
     write_json(tmp_path / "prompts.json", {"a": 1}, each_rank=True)
     assert json.loads((tmp_path / "prompts.json").read_text()) == {"a": 1}
     assert len(calls) == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["prompts.json"]
+
+
+def test_cannot_write_file_refuses_what_is_not_ours_to_replace(tmp_path):
+    import os
+
+    from dsparkctl.files.atomic import cannot_write_file
+
+    (tmp_path / "a folder").mkdir()
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "mine [1].json").write_text("{}")
+    os.symlink(tmp_path / "mine [1].json", tmp_path / "link")
+    for name in ("a folder", "fifo", "link"):
+        assert "not a regular file" in cannot_write_file(tmp_path / name)
+    assert cannot_write_file(tmp_path / "mine [1].json") is None  # an earlier result: replaced atomically
+    assert cannot_write_file(tmp_path / "new dir" / "x.json") is None
+    (tmp_path / "file").write_text("")
+    assert "is not a folder" in cannot_write_file(tmp_path / "file" / "x.json")

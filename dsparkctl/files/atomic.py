@@ -37,6 +37,14 @@ def cannot_create(path: str | os.PathLike) -> str | None:
     return None
 
 
+def cannot_write_file(path: str | os.PathLike) -> str | None:
+    """Why a file could not be written (atomically replaced) at `path`: something other than a
+    regular file already there (a folder, FIFO or link is not ours to replace), or `cannot_create`."""
+    if os.path.lexists(path) and not (os.path.isfile(path) and not os.path.islink(path)):
+        return f"{path} is not a regular file (a folder, FIFO or link there is not ours to replace)"
+    return cannot_create(path)
+
+
 
 
 def _writes(each_rank: bool = False) -> bool:

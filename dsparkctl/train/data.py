@@ -51,17 +51,14 @@ FORMAT = "dsparkctl-train-data/2"
 def candidate_items(recipe: Recipe, tokenizer: Any) -> list[dict[str, list[int]]]:
     """Every usable item, chat-encoded, deduplicated, in a seeded order (prefix-stable in num_prompts)."""
     d = recipe.data
+    keep = PROMPT_FILTERS[d.prompt_filter] if d.prompt_filter else (lambda text: True)
     if d.source == "responses":
-        pairs = load_conversations(d.dataset, d.field, d.response_field)
-        if d.prompt_filter:
-            pairs = [(p, r) for p, r in pairs if PROMPT_FILTERS[d.prompt_filter](p)]
+        pairs = [(p, r) for p, r in load_conversations(d.dataset, d.field, d.response_field) if keep(p)]
         prompts = encode_prompts(tokenizer, [p for p, _ in pairs])
         responses = [tokenizer(r, add_special_tokens=False)["input_ids"] for _, r in pairs]
         items = [{"prompt": p, "response": list(r[: d.max_new_tokens])} for p, r in zip(prompts, responses) if r]
     else:
-        texts = load_prompts(d.dataset, d.field)
-        if d.prompt_filter:
-            texts = [t for t in texts if PROMPT_FILTERS[d.prompt_filter](t)]
+        texts = [t for t in load_prompts(d.dataset, d.field) if keep(t)]
         items = [{"prompt": p} for p in encode_prompts(tokenizer, texts)]
     seen: set[tuple[int, ...]] = set()
     uniq = []

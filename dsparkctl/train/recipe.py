@@ -111,21 +111,26 @@ class Recipe:
     def to_dict(self) -> dict[str, Any]:
         return json.loads(json.dumps(dataclasses.asdict(self)))
 
+    def _hashed(self) -> dict[str, Any]:
+        """to_dict() without the keys added after caches and runs existed, while they hold their
+        defaults: older recipes keep the keys their data and run folders were filed under."""
+        d = self.to_dict()
+        if not d["data"]["prompt_filter"]:
+            del d["data"]["prompt_filter"]
+        return d
+
     def digest(self, *sections: str) -> str:
         """Short hash of the named sections (all when none): keys caches and run folders."""
-        d = self.to_dict()
-        if not d["data"]["prompt_filter"]:  # keys added later leave older recipes' run folders where they were
-            del d["data"]["prompt_filter"]
+        d = self._hashed()
         part = {s: d[s] for s in sections} if sections else d
         return hashlib.sha256(json.dumps(part, sort_keys=True).encode()).hexdigest()[:12]
 
     def data_digest(self) -> str:
         """What the cached data depends on: target and data settings, except how many prompts
         are used (parts are prefix-stable, so a larger num_prompts extends the same cache)."""
-        d = self.to_dict()
+        d = self._hashed()
         part = {"target": d["target"], "data": {k: v for k, v in d["data"].items()
-                                                if k not in ("num_prompts", "extra_responses", "extra_dataset")
-                                                and not (k == "prompt_filter" and not v)}}  # older caches keep their keys
+                                                if k not in ("num_prompts", "extra_responses", "extra_dataset")}}
         return hashlib.sha256(json.dumps(part, sort_keys=True).encode()).hexdigest()[:12]
 
 
