@@ -12,9 +12,9 @@ from dsparkctl.engine.session import Session
 from dsparkctl.formats.calibration import calibration_draft_notes, load_survival_prior, load_temperatures
 from dsparkctl.formats.sps import check_block_size, condition_notes, load_sps_table
 from dsparkctl.formats.trace import RoundCounts, describe_rounds, recording_fix, recording_hint
-from dsparkctl.math.policies import Policy, check_table_for
+from dsparkctl.math.policies import Policy
 from dsparkctl.math.policy_spec import check_spec_fits, parse_policy, parse_spec
-from dsparkctl.math.sps import SPSTable
+from dsparkctl.math.sps import SPSTable, check_table_for
 
 DEFAULT_POLICY = "dspark"  # what won at batch 1 in benchmarks/bench_policies.py (docs/scheduling.md)
 

@@ -186,6 +186,7 @@ class SpeculativeEngine:
         clock.lap("schedule")
         res, out = self.verify(live, prop.block, ell, generator)
         verify_ms = clock.lap("verify")
+        self.policy.observe(ell, res.accepted)  # what this draft brought, for later skip decisions
         kept, stopped = self.commit(live, res, out)
         return Round(verify_lengths=ell, budget_capped=capped, accepted=res.accepted, emitted=res.emitted, kept=kept,
                      stopped=stopped, confidence_logits=prop.confidence_logits, draft_ms=draft_ms, verify_ms=verify_ms)

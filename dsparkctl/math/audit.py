@@ -10,7 +10,8 @@ One round for each of G·R requests (G batches of R, consecutive steps for state
   2. the policy plans the step (draft or not, from earlier steps only) and picks ℓ from the
      survivals of the steps it drafts (`Policy.run_steps`); a step without a draft has ℓ = 0;
   3. Leviathan's rule: accept `x_k` w.p. `min(1, p/q)` for k ≤ ℓ; on the first rejection sample
-     from `norm(max(0, p - q))`, else the bonus from `p` after the last accepted token.
+     from `norm(max(0, p - q))`, else the bonus from `p` after the last accepted token. The
+     policy observes each drafted step's acceptances before it plans the next (`Policy.observe`).
 The first output token (and the first two, running a second round when a round emits only one)
 is tested against the target with a chi-square test (p-value from the regularised upper
 incomplete gamma, `torch.special.gammaincc`, so no scipy is needed at run time).
@@ -132,13 +133,14 @@ def simulate_round(s: MarkovSetting, policy: Policy, anchors: torch.Tensor, gen:
         conf[:, k] = s.conf_logit[prev]
         x[:, k] = _categorical(s.q[prev], gen)
         prev = x[:, k]
-    ell, drafted = policy.run_steps(survival_from_logits(conf.view(G, R, gamma), policy.temperatures), state)
-    ell = ell.reshape(M)
     prevs = torch.cat([x0.unsqueeze(1), x[:, :-1]], dim=1)  # [M, γ] token before each slot
     px, qx = s.p[prevs, x], s.q[prevs, x]
     u = torch.rand(M, gamma, generator=gen, dtype=torch.float64)
-    ok = (u * qx < px) & (torch.arange(gamma).unsqueeze(0) < ell.unsqueeze(1))
-    acc = torch.cumprod(ok.to(torch.uint8), dim=1).sum(1)  # [M]
+    acc_if_full = torch.cumprod((u * qx < px).to(torch.uint8), dim=1).sum(1)  # [M]: the coins do not depend on ℓ
+    ell, drafted = policy.run_steps(survival_from_logits(conf.view(G, R, gamma), policy.temperatures), state,
+                                    acc_if_full.view(G, R))  # the gate sees each step's outcome before the next
+    ell = ell.reshape(M)
+    acc = torch.minimum(acc_if_full, ell)  # [M]
     last = torch.cat([x0.unsqueeze(1), x], dim=1).gather(1, acc.unsqueeze(1)).squeeze(1)
     rejected = acc < ell
     resid = (s.p[last] - s.q[last]).clamp(min=0)

@@ -19,7 +19,10 @@ profile. The estimate is a moving average of the mean survival profile of drafte
 `lag` steps old (1 for dspark, 2 for dspark-async), started at each batch from the calibration's
 held-out survival rates when there is one (`prior`). While skipping they draft again after 1, 2,
 4, ... (at most `MAX_PROBE_GAP`; from the prior: PRIOR_GAP, 2·PRIOR_GAP, ...) skipped steps: a probe that
-refreshes the estimate and verifies what Algorithm 1 admits on its current survivals. (Gating on
+refreshes the estimate and verifies what Algorithm 1 admits on its current survivals. The gate
+reads that profile corrected by the acceptance verification realized on drafted steps at least
+`lag` old (`Policy.observe`; math/realized.py), since predicted survivals over-promise on task
+families the calibration did not see. (Gating on
 the last drafted step's own per-request survivals instead lost to plain decoding at 4 requests in
 replay: it drafted where survivals had been high, and they regress to the mean.) `Policy.run_steps`
 replays G consecutive steps (the sweep and the audit), one step at a time for such policies.
@@ -35,7 +38,8 @@ import torch
 from dsparkctl.errors import UsageError
 from dsparkctl.math.admission import (admission, argmax_count, early_stop_count, lengths_from_count, plain_theta,
                                       sorted_candidates, survival_from_logits)
-from dsparkctl.math.sps import SPSTable
+from dsparkctl.math.realized import Realized
+from dsparkctl.math.sps import SPSTable, check_table_for
 
 MAX_PROBE_GAP = 256  # skipped steps between two probes, at most (the gap doubles from 1)
 PRIOR_GAP = 64  # skipped steps before the first probe when the skip decision comes from the prior
@@ -65,6 +69,8 @@ class PolicyState:
     profile: torch.Tensor | None = None  # moving average of the mean survival profile `[γ]` (the gate's estimate)
     unfolded: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # drafted steps not yet `lag` old
     verdicts: dict[int, bool] = field(default_factory=dict)  # drafting_pays per R for the current profile
+    realized: Realized | None = None  # realized against predicted acceptance of drafted steps (the correction)
+    unobserved: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 class Policy:
@@ -106,9 +112,12 @@ class Policy:
         step (False)? Called exactly once per step, before `choose`; decided from earlier steps only."""
         return True
 
-    def run_steps(self, survival: torch.Tensor, state: PolicyState | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_steps(self, survival: torch.Tensor, state: PolicyState | None = None,
+                  accepted_if_full: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """G consecutive steps: survivals `[G, R, γ]` (used only where a step drafts) → (lengths
-        `[G, R]` long, drafted `[G]` bool). A skipped step verifies nothing and drafts nothing."""
+        `[G, R]` long, drafted `[G]` bool). A skipped step verifies nothing and drafts nothing.
+        `accepted_if_full` `[G, R]`: drafts each row would accept if all γ were verified; a
+        drafted step is then `observe`d with min(that, ℓ) before the next step is planned."""
         G = survival.shape[0]
         if not self.can_skip:
             return self.choose_batched(survival, state), torch.ones(G, dtype=torch.bool)
@@ -119,7 +128,13 @@ class Policy:
             if self.plan(survival.shape[1], state):
                 drafted[g] = True
                 out[g] = self.choose_batched(survival[g: g + 1], state)[0]
+                if accepted_if_full is not None:
+                    self.observe(out[g], torch.minimum(accepted_if_full[g], out[g]), state)
         return out, drafted
+
+    def observe(self, lengths: torch.Tensor, accepted: torch.Tensor, state: PolicyState | None = None) -> None:
+        """After a drafted step was verified: its verify lengths `[R]` and accepted drafts `[R]`, in
+        the rows' order of that step's `choose`. Only the skip gate reads them."""
 
     def survival(self, conf_logits: torch.Tensor) -> torch.Tensor:
         return survival_from_logits(conf_logits, self.temperatures)
@@ -244,25 +259,35 @@ class _Gated(Policy):
                 return est
         return None
 
-    def _fold(self, state: PolicyState, everything: bool = False) -> None:
-        """Fold the mean survival profile of every drafted step at least `lag` steps old (all of
-        them with `everything`) into the moving average the gate reads (weight EMA_WEIGHT for the newest)."""
-        while state.unfolded and (everything or state.step - state.unfolded[0][0] >= self.lag):
+    def _fold(self, state: PolicyState) -> None:
+        """Fold the mean survival profile of every drafted step at least `lag` steps old into the
+        moving average the gate reads (weight EMA_WEIGHT for the newest), and what verification of
+        those steps realized into its correction."""
+        while state.unfolded and state.step - state.unfolded[0][0] >= self.lag:
             _, prof = state.unfolded.pop(0)
             state.profile = prof if state.profile is None else (1 - EMA_WEIGHT) * state.profile + EMA_WEIGHT * prof
             state.verdicts = {}
+        while state.unobserved and state.step - state.unobserved[0][0] >= self.lag:
+            _, surv, lengths, accepted = state.unobserved.pop(0)
+            state.realized = state.realized or Realized.empty(surv.shape[1])
+            state.realized.add(surv, lengths, accepted)
+            state.verdicts = {}
+
+    def observe(self, lengths, accepted, state=None):
+        state = state if state is not None else self.state
+        if self.can_skip and state.drafted and state.drafted[-1][0] == state.step:
+            surv = state.drafted[-1][1]["survival"]
+            state.unobserved.append((state.step, surv, lengths.cpu().clone(), accepted.cpu().clone()))
 
     def drafting_pays(self, state: PolicyState, R: int) -> bool:
         """Does some number of verified drafts beat a plain step at R requests by GATE_MARGIN, with
-        the moving average survival profile (R requests alike) as the estimate of what a draft will
-        bring? The margin is for what the estimate leaves out, which all errs one way: the profile's
-        drafted steps accept only the bonus token (no cache holes, no ragged rows, no compaction), and
-        the confidences were calibrated on one task family (ShareGPT), over-promising on others. On a
-        2-core VM the gate drafted at 4 and 8 MT-Bench requests where the table said drafting won by 4%
-        and 1%, and lost 10-45% to plain decoding. Cached per R until the profile moves."""
+        the corrected moving average profile (R requests alike) as the estimate of what a draft
+        brings? The margin is for what the estimate leaves out, all of which errs one way: a drafted
+        step also pays for cache holes, ragged rows and compaction. Cached per R until it moves."""
         got = state.verdicts.get(R)
         if got is None:
-            theta, _ = admission(state.profile.expand(1, R, -1), self.sps)  # [1, n+1]; n = 0 verifies nothing
+            profile = state.profile if state.realized is None else state.realized.correct(state.profile)
+            theta, _ = admission(profile.expand(1, R, -1), self.sps)  # [1, n+1]; n = 0 verifies nothing
             got = state.verdicts[R] = float(theta[:, 1:].max()) > (1 + GATE_MARGIN) * plain_theta(R, self.sps)
         return got
 
@@ -370,10 +395,3 @@ class DSparkAsync(_Gated):
             state.pending = (prior + own.tolist())[-2:]
         return lengths(cap)
 
-
-def check_table_for(spec: str, sps: SPSTable) -> None:
-    """Refuse a one-probe table for a policy that plans with step costs (before the policy is built,
-    too: `engine/policy_choice.plan_policy`)."""
-    if len(sps.batch_tokens) < 2:
-        raise UsageError(f"policy {spec!r}: the SPS table has one probe, which SGLang treats as uninitialised "
-                         "(it then verifies every draft)", "profile at least two batch-token counts")

@@ -268,3 +268,11 @@ class SPSTable:
     def __repr__(self) -> str:
         return (f"SPSTable({len(self.batch_tokens)} probes, B={self.batch_tokens[0]}..{self.batch_tokens[-1]}, "
                 f"mode={self.mode}, extrapolate={self.extrapolate})")
+
+
+def check_table_for(spec: str, sps: SPSTable) -> None:
+    """Refuse a one-probe table for a policy that plans with step costs (before the policy is built,
+    too: `engine/policy_choice.plan_policy`)."""
+    if len(sps.batch_tokens) < 2:
+        raise UsageError(f"policy {spec!r}: the SPS table has one probe, which SGLang treats as uninitialised "
+                         "(it then verifies every draft)", "profile at least two batch-token counts")

@@ -8,7 +8,8 @@ only on the token count, not on the drafts, so skipping them biases nothing.
 At concurrency C the engine runs steps of C requests; each request's round is drawn uniformly
 (with replacement, seeded) from the pooled trace rounds. The policy sees the recorded
 confidence logits (with the calibration temperatures, if given) and picks ℓ; the round then
-accepts `min(accepted_if_full, ℓ)` drafts and always emits the bonus token. A drafted step of C
+accepts `min(accepted_if_full, ℓ)` drafts and always emits the bonus token, and the policy
+observes that before the next step, as in the engine (`Policy.observe`). A drafted step of C
 requests takes `SPSTable.lengths_seconds(ℓ)`: in a padded table (dsparkctl's engine verifies a
 `[C, 1 + max ℓ]` rectangle) what C × (1 + max ℓ) tokens cost, in a ragged one what
 `B = Σ(1 + ℓ)` batch tokens cost (the table's grid, or 1 / SPS(B) for a table without one).
@@ -160,7 +161,7 @@ def replay(pool: dict[str, Any], policy_specs: Sequence[str], concurrency: Seque
         acc_if_full = acc_full[idx]  # [G, C]
         plain_s = sps.plain_seconds(C)
         for pol in policies:
-            ell, drafted = pol.run_steps(surv, pol.new_state())  # [G, C], [G]
+            ell, drafted = pol.run_steps(surv, pol.new_state(), acc_if_full)  # [G, C], [G]
             acc = torch.minimum(acc_if_full, ell)
             tokens = (1 + acc).sum(1).double()  # [G]
             btok = sps.step_tokens(ell)  # [G] what the engine processes
@@ -210,6 +211,7 @@ def replay_batches(pool: dict[str, Any], policy_specs: Sequence[str], concurrenc
                     ell = torch.minimum(ell, (N - produced - 1).clamp(min=0))
                     acc = torch.minimum(acc_full[idx], ell)[0]
                     if bool(drafted[0]):
+                        pol.observe(ell[0], acc, state)  # as the engine does, with ℓ capped by the budget
                         seconds += float(sps.lengths_seconds(ell)[0])
                         btok = float(sps.step_tokens(ell)[0])
                         drafted_steps += 1
