@@ -346,3 +346,41 @@ def test_init_from_a_draft_folder_continues_it(tmp_path):
     assert torch.equal(fresh.draft_vocab_ids, draft.draft_vocab_ids)
     for n, p in trainable(fresh).items():
         torch.testing.assert_close(p, trainable(draft)[n], atol=2e-2, rtol=2e-2)  # bf16 file
+
+
+def test_init_from_a_shallower_draft_grows_it_as_identity_layers(tmp_path):
+    """A 1-layer draft continued as a 2-layer one: its layer is the first, the new layer adds
+    nothing to the residual stream at the start (same hidden states), and training moves it.
+    A deeper source than the recipe is refused by name."""
+    from dsparkctl.models.draft_io import load_draft
+    from dsparkctl.train.draft_init import GROWN_ZEROS, check_against_target, export_draft, load_init_draft
+
+    model = tiny_target("llama", vocab=64, layers=4)
+    tgt = TargetAdapter(model, [0, 2])
+    base = ["layer_ids=[0, 2]", "block_size=3", "markov_rank=8", "mask_token_id=2", "vocab_size=0", "holdout=1",
+            "num_prompts=5", "tap_norm=false"]
+    shallow = init_draft(load_recipe(None, base + ["num_layers=1"]), tgt, 2)
+    with torch.no_grad():  # a trained-looking source: nothing zero, so a copy is told from a fresh tensor
+        for p in shallow.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
+    export_draft(shallow, tmp_path / "one", None, {})
+    rec = load_recipe(None, base + ["num_layers=2", f"init_from={tmp_path / 'one'}"])
+    check_against_target(rec, model)
+    grown = init_draft(rec, tgt, 2)
+    load_init_draft(rec, grown, tgt, None)
+    src = load_draft(tmp_path / "one", tgt, dtype=torch.float32, device="cpu")
+    feats = torch.randn(1, 6, 2 * 32, generator=torch.Generator().manual_seed(0))
+    tok, a = torch.tensor([[7]]), torch.tensor([[3]])
+    torch.testing.assert_close(grown.forward_blocks(feats, tok, a), src.forward_blocks(feats, tok, a))
+    new = {n: p for n, p in grown.named_parameters() if n.startswith("layers.1.")}
+    assert all(not p.any() for n, p in new.items() if n.endswith(GROWN_ZEROS))
+    assert all(p.any() for n, p in new.items() if not n.endswith(GROWN_ZEROS))
+    # the zeroed projections get a gradient, so the new layer learns
+    grown.forward_blocks(feats, tok, a).pow(2).sum().backward()
+    assert new["layers.1.self_attn.o_proj.weight"].grad.abs().sum() > 0
+    assert new["layers.1.mlp.down_proj.weight"].grad.abs().sum() > 0
+    # shrinking is refused before any data is built
+    export_draft(grown, tmp_path / "two", None, {})
+    with pytest.raises(InputError, match="num_hidden_layers is 2, the recipe's draft has 1"):
+        check_against_target(load_recipe(None, base + ["num_layers=1", f"init_from={tmp_path / 'two'}"]), model)

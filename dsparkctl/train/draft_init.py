@@ -97,7 +97,10 @@ INIT_FIELDS = {"block_size": "draft.block_size", "target_layer_ids": "draft.laye
 
 def check_init_source(have: DraftConfig, want: DraftConfig, source: str, skip: tuple[str, ...] = ()) -> None:
     """Refuse an init_from draft (`have`) that differs from the recipe's (`want`) on a field that
-    changes what its tensors mean (INIT_FIELDS), shapes aside."""
+    changes what its tensors mean (INIT_FIELDS), shapes aside. A source with fewer layers is
+    accepted unless `num_hidden_layers` is checked by the caller: `grown_layers` says how."""
+    if "num_hidden_layers" not in skip and have.num_hidden_layers < want.num_hidden_layers:
+        skip = (*skip, "num_hidden_layers")
     for name, key in INIT_FIELDS.items():
         a, b = getattr(have, name), getattr(want, name)
         if name not in skip and a != b:
@@ -125,19 +128,38 @@ def copy_target_layers(draft: DSparkDraft, model: Any) -> None:
     draft.norm.weight.copy_(model.model.norm.weight)
 
 
+# A layer's two writes to the residual stream: zeroed, the layer adds nothing to it.
+GROWN_ZEROS = (".self_attn.o_proj.weight", ".mlp.down_proj.weight")
+
+
+def _layer_index(name: str) -> int:
+    """i of a `layers.i.*` tensor name; -1 for tensors outside the layer stack."""
+    parts = name.split(".")
+    return int(parts[1]) if parts[0] == "layers" and len(parts) > 1 and parts[1].isdigit() else -1
+
+
 def load_init_draft(recipe: Recipe, draft: DSparkDraft, adapter: TargetAdapter,
                     scale: torch.Tensor | None) -> None:
-    """Start from a draft folder (`optim.init_from`) of the same shape; fc is unfolded by `scale`."""
+    """Start from a draft folder (`optim.init_from`) of the same shape; fc is unfolded by `scale`.
+
+    A source with fewer layers grows: its layers become the first ones, and each new layer keeps
+    its fresh weights (`draft.init`) with its attention and MLP output projections zeroed, so the
+    grown draft starts computing exactly what the source did and training only adds to it."""
     src = load_draft(recipe.optim.init_from, adapter, dtype=torch.float32, device="cpu")
     check_init_source(src.cfg, draft.cfg, f"optim.init_from {recipe.optim.init_from}")
+    kept = src.cfg.num_hidden_layers
     mine, theirs = trainable(draft), dict(src.named_parameters())
+    new = {n for n in mine if _layer_index(n) >= kept}
     for n, p in mine.items():
-        if n not in theirs or theirs[n].shape != p.shape:
+        if n not in new and (n not in theirs or theirs[n].shape != p.shape):
             raise InputError(f"optim.init_from {recipe.optim.init_from}: tensor {n} does not match the recipe's "
                              "draft", "use a draft trained with the same [draft] section")
     with torch.no_grad():
         for n, p in mine.items():
-            p.copy_(theirs[n])
+            if n not in new:
+                p.copy_(theirs[n])
+            elif n.endswith(GROWN_ZEROS):
+                p.zero_()  # a grown layer starts as the identity on the residual stream
         if scale is not None:
             draft.fc.weight.div_(scale.to(draft.fc.weight.device))  # exported fc = trained fc · scale: undo the fold
         if draft.draft_vocab_ids is not None:
