@@ -17,8 +17,9 @@ brings says that no number of verified drafts beats a plain step at this load by
 every request taken at the estimated survival
 profile. The estimate is a moving average of the mean survival profile of drafted steps at least
 `lag` steps old (1 for dspark, 2 for dspark-async), started at each batch from the calibration's
-held-out survival rates when there is one (`prior`). While skipping they draft again after 1, 2,
-4, ... (at most `MAX_PROBE_GAP`; from the prior: PRIOR_GAP, 2·PRIOR_GAP, ...) skipped steps: a probe that
+held-out survival rates when there is one (`prior`). While skipping they draft again after 8, 16,
+32, ... (FIRST_PROBE_GAP doubling, at most `MAX_PROBE_GAP`; from the prior: PRIOR_GAP, 2·PRIOR_GAP,
+...) skipped steps: a probe that
 refreshes the estimate and verifies what Algorithm 1 admits on its current survivals. The gate
 reads that profile corrected by the acceptance verification realized on drafted steps at least
 `lag` old (`Policy.observe`; math/realized.py), since predicted survivals over-promise on task
@@ -41,7 +42,8 @@ from dsparkctl.math.admission import (admission, argmax_count, early_stop_count,
 from dsparkctl.math.realized import Realized
 from dsparkctl.math.sps import SPSTable, check_table_for
 
-MAX_PROBE_GAP = 256  # skipped steps between two probes, at most (the gap doubles from 1)
+MAX_PROBE_GAP = 256  # skipped steps between two probes, at most (the gap doubles from FIRST_PROBE_GAP)
+FIRST_PROBE_GAP = 8  # skipped steps before the first probe once the gate closes
 PRIOR_GAP = 64  # skipped steps before the first probe when the skip decision comes from the prior
 EMA_WEIGHT = 0.2  # weight of the newest drafted step in the gate's moving average survival profile
 GATE_MARGIN = 0.10  # drafting must beat a plain step by this share on paper (see `_Gated.drafting_pays`)
@@ -64,7 +66,7 @@ class PolicyState:
     step: int = 0
     drafted: list[tuple[int, dict]] = field(default_factory=list)
     skipped: int = 0
-    gap: int = 1
+    gap: int = FIRST_PROBE_GAP
     probe: bool = False
     profile: torch.Tensor | None = None  # moving average of the mean survival profile `[γ]` (the gate's estimate)
     unfolded: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # drafted steps not yet `lag` old
@@ -311,7 +313,7 @@ class _Gated(Policy):
             return True
         self._fold(state)
         if state.profile is None or self.drafting_pays(state, num_requests):
-            state.skipped, state.gap = 0, 1
+            state.skipped, state.gap = 0, FIRST_PROBE_GAP
             return True
         if state.skipped >= state.gap:  # a probe refreshes the estimate
             state.skipped, state.gap, state.probe = 0, min(2 * state.gap, MAX_PROBE_GAP), True
