@@ -348,17 +348,28 @@ def test_init_from_a_draft_folder_continues_it(tmp_path):
         torch.testing.assert_close(p, trainable(draft)[n], atol=2e-2, rtol=2e-2)  # bf16 file
 
 
-def test_init_from_a_shallower_draft_grows_it_as_identity_layers(tmp_path):
+@pytest.mark.parametrize("bias", [False, True])
+def test_init_from_a_shallower_draft_grows_it_as_identity_layers(tmp_path, bias):
     """A 1-layer draft continued as a 2-layer one: its layer is the first, the new layer adds
-    nothing to the residual stream at the start (same hidden states), and training moves it.
-    A deeper source than the recipe is refused by name."""
+    nothing to the residual stream at the start (same hidden states; with a target whose
+    projections have biases too, which init = target copies), and training moves it. A deeper
+    source than the recipe is refused by name."""
     from dsparkctl.models.draft_io import load_draft
     from dsparkctl.train.draft_init import GROWN_ZEROS, check_against_target, export_draft, load_init_draft
 
     model = tiny_target("llama", vocab=64, layers=4)
+    if bias:
+        from transformers import LlamaForCausalLM
+        cfg = model.config
+        cfg.attention_bias = cfg.mlp_bias = True
+        model = LlamaForCausalLM(cfg).eval()
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n.endswith(".bias"):
+                    p.uniform_(-0.5, 0.5)
     tgt = TargetAdapter(model, [0, 2])
-    base = ["layer_ids=[0, 2]", "block_size=3", "markov_rank=8", "mask_token_id=2", "vocab_size=0", "holdout=1",
-            "num_prompts=5", "tap_norm=false"]
+    base = ["layer_ids=[0, 2]", "block_size=3", "markov_rank=8", "mask_token_id=2", "vocab_size=0", "init=target",
+            "holdout=1", "num_prompts=5", "tap_norm=false"]
     shallow = init_draft(load_recipe(None, base + ["num_layers=1"]), tgt, 2)
     with torch.no_grad():  # a trained-looking source: nothing zero, so a copy is told from a fresh tensor
         for p in shallow.parameters():
@@ -368,6 +379,7 @@ def test_init_from_a_shallower_draft_grows_it_as_identity_layers(tmp_path):
     rec = load_recipe(None, base + ["num_layers=2", f"init_from={tmp_path / 'one'}"])
     check_against_target(rec, model)
     grown = init_draft(rec, tgt, 2)
+    assert not bias or grown.layers[1].self_attn.o_proj.bias.any()  # copied from the target: must be zeroed
     load_init_draft(rec, grown, tgt, None)
     src = load_draft(tmp_path / "one", tgt, dtype=torch.float32, device="cpu")
     feats = torch.randn(1, 6, 2 * 32, generator=torch.Generator().manual_seed(0))

@@ -20,7 +20,7 @@ incomplete gamma, `torch.special.gammaincc`, so no scipy is needed at run time).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import torch
@@ -107,6 +107,12 @@ def with_plain_step(s: MarkovSetting, seed: int = 0, verify: str = "padded") -> 
     sps = SPSTable(s.sps.batch_tokens, s.sps.steps_per_sec, grid=grid)
     return MarkovSetting(f"{s.name}+plain" + ("" if verify == "padded" else f"-{verify}"), s.p, s.q, s.conf_logit,
                          s.gamma, s.R, sps)
+
+
+def over_confident(s: MarkovSetting, shift: float = 3.0) -> MarkovSetting:
+    """`s` (priced by `with_plain_step`) with every confidence logit raised by `shift`: the drafts
+    promise more than they bring, so the skip gate's realized correction decides (`Policy.observe`)."""
+    return replace(s, name=f"{s.name}+overconfident", conf_logit=s.conf_logit + shift)
 
 
 def _categorical(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -250,8 +256,9 @@ def audit_policies(specs: Sequence[str], rounds: int, random_settings: int = 3, 
     """Every policy spec on Appendix A and on `random_settings` random settings, each also with a
     plain-step price (`with_plain_step`, `plain_rounds` request-rounds there; default `rounds`)
     in the padded layout, and the first random setting of ≥ 2 requests also in the ragged one
-    (the layouts differ only there); one result per pair, settings outer. Unknown specs fail before any simulation; every run is
-    seeded from `seed`. `progress(done, total)` is told after each run."""
+    (the layouts differ only there) and over-confident (`over_confident`); one result per pair,
+    settings outer. Unknown specs fail before any simulation; every run is seeded from `seed`.
+    `progress(done, total)` is told after each run."""
     check_alpha(alpha)
     settings = [appendix_a(), with_plain_step(appendix_a(), seed)]
     sgen = torch.Generator().manual_seed(10_000 + seed)
@@ -260,7 +267,7 @@ def audit_policies(specs: Sequence[str], rounds: int, random_settings: int = 3, 
         r = random_setting(sgen)
         settings += [r, with_plain_step(r, seed)]
         if r.R >= 2 and not ragged:  # the layouts differ only with ≥ 2 requests
-            settings.append(with_plain_step(r, seed, "ragged"))
+            settings += [with_plain_step(r, seed, "ragged"), over_confident(with_plain_step(r, seed))]
             ragged = True
     for spec in specs:
         parse_policy(spec, sps=settings[0].sps)

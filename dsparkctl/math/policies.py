@@ -159,6 +159,7 @@ class Policy:
                                  "pass block_size and num_requests, or the confidence logits")
             a = torch.zeros(1, num_requests, block_size, dtype=torch.float64)
         else:
+            conf_logits = conf_logits.detach().cpu()  # the schedulers' arithmetic is on the host (their state too)
             if conf_logits.dim() != 2:
                 raise UsageError(f"confidence logits must be [R, γ], got shape {tuple(conf_logits.shape)}",
                                  "pass one row of γ logits per request")

@@ -41,10 +41,14 @@ class Realized:
 
     def add(self, survival: torch.Tensor, lengths: torch.Tensor, accepted: torch.Tensor) -> None:
         """One drafted step: survivals `[R, γ]` the step was scheduled with, verify lengths `[R]`,
-        accepted drafts `[R]` (≤ lengths)."""
+        accepted drafts `[R]` (≤ lengths). A step that verified nothing teaches nothing and does
+        not decay what earlier steps taught."""
+        survival, lengths, accepted = survival.cpu(), lengths.cpu().long(), accepted.cpu().long()
+        if not bool((lengths > 0).any()):
+            return
         k = torch.arange(1, survival.shape[1] + 1)
-        verified = (k[None, :] <= lengths.cpu().long()[:, None]).double()  # [R, γ]
-        hit = (k[None, :] <= accepted.cpu().long()[:, None]).double() * verified
+        verified = (k[None, :] <= lengths[:, None]).double()  # [R, γ]
+        hit = (k[None, :] <= accepted[:, None]).double() * verified
         self.seen = DECAY * self.seen + (survival.double() * verified).sum(0)
         self.hit = DECAY * self.hit + hit.sum(0)
 
@@ -60,4 +64,4 @@ class Realized:
     def correct(self, profile: torch.Tensor) -> torch.Tensor:
         """The estimated survival profile `[γ]` with what verification showed: ρ·profile, in [0, 1],
         non-increasing."""
-        return torch.cummin((profile.double() * self.ratio()).clamp(0.0, 1.0), dim=0).values
+        return torch.cummin((profile.double().cpu() * self.ratio()).clamp(0.0, 1.0), dim=0).values

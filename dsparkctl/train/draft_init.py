@@ -98,7 +98,7 @@ INIT_FIELDS = {"block_size": "draft.block_size", "target_layer_ids": "draft.laye
 def check_init_source(have: DraftConfig, want: DraftConfig, source: str, skip: tuple[str, ...] = ()) -> None:
     """Refuse an init_from draft (`have`) that differs from the recipe's (`want`) on a field that
     changes what its tensors mean (INIT_FIELDS), shapes aside. A source with fewer layers is
-    accepted unless `num_hidden_layers` is checked by the caller: `grown_layers` says how."""
+    accepted (`load_init_draft` grows it) unless the caller skips nothing on purpose."""
     if "num_hidden_layers" not in skip and have.num_hidden_layers < want.num_hidden_layers:
         skip = (*skip, "num_hidden_layers")
     for name, key in INIT_FIELDS.items():
@@ -128,8 +128,9 @@ def copy_target_layers(draft: DSparkDraft, model: Any) -> None:
     draft.norm.weight.copy_(model.model.norm.weight)
 
 
-# A layer's two writes to the residual stream: zeroed, the layer adds nothing to it.
-GROWN_ZEROS = (".self_attn.o_proj.weight", ".mlp.down_proj.weight")
+# A layer's two writes to the residual stream (and their biases, where the target has them):
+# zeroed, the layer adds nothing to it.
+GROWN_ZEROS = (".self_attn.o_proj.weight", ".self_attn.o_proj.bias", ".mlp.down_proj.weight", ".mlp.down_proj.bias")
 
 
 def _layer_index(name: str) -> int:
@@ -140,7 +141,8 @@ def _layer_index(name: str) -> int:
 
 def load_init_draft(recipe: Recipe, draft: DSparkDraft, adapter: TargetAdapter,
                     scale: torch.Tensor | None) -> None:
-    """Start from a draft folder (`optim.init_from`) of the same shape; fc is unfolded by `scale`.
+    """Start from a draft folder (`optim.init_from`) of the same shape, or fewer layers; fc is
+    unfolded by `scale`.
 
     A source with fewer layers grows: its layers become the first ones, and each new layer keeps
     its fresh weights (`draft.init`) with its attention and MLP output projections zeroed, so the

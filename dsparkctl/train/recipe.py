@@ -88,7 +88,7 @@ class OptimSection:
     threads: int = 0  # torch CPU threads (0 = leave torch's default)
     seed: int = 0
     loss_weights: tuple[float, ...] = (0.1, 0.9, 1.0)  # CE, L1, BCE (the paper's)
-    init_from: str = ""  # a draft folder to start from (same shape); the optimizer starts fresh
+    init_from: str = ""  # a draft folder to start from (same shape, or fewer layers); the optimizer starts fresh
     precision: str = "auto"  # the draft's forward: bf16 autocast or fp32; auto = bf16 on a GPU, fp32 on a CPU
 
 
