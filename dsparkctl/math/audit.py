@@ -87,9 +87,10 @@ def random_setting(gen: torch.Generator, V: int | None = None, gamma: int | None
 
 
 def with_plain_step(s: MarkovSetting, seed: int = 0, verify: str = "padded") -> MarkovSetting:
-    """`s` with a step grid that knows a plain step's cost, priced so that dspark and
-    dspark-async skip the draft after about half the steps (the skip path and the probes both
-    run): the plain step's throughput is the median of the best drafted Θ over sampled blocks.
+    """`s` with a step grid that knows a plain step's cost, priced at the edge of what the
+    predicted survivals promise: the plain step's throughput is the median of the best drafted Θ
+    over sampled blocks. The skip gate corrects those survivals by realized acceptance, so it
+    closes (and probes) where drafts bring less than predicted and stays open where they bring more.
     `verify`: the grid's layout (padded: the policies admit whole levels; ragged: candidates)."""
     t = list(range(1, s.gamma + 2))
     ms = [1000.0 / float(s.sps.sps(torch.tensor(float(s.R * k)))) for k in t]
