@@ -25,7 +25,7 @@ import torch
 from provenance import provenance_of  # benchmarks/provenance.py
 
 from dsparkctl.engine.session import open_session
-from dsparkctl.files.atomic import cannot_create, write_json
+from dsparkctl.files.atomic import cannot_write_file, write_json
 from dsparkctl.math.sampling import SamplingParams
 from dsparkctl.models.target import TargetAdapter
 
@@ -38,7 +38,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "cpu_kernels.json")
     args = ap.parse_args()
-    if why := cannot_create(args.out):
+    if why := cannot_write_file(args.out):
         ap.error(f"--out {args.out} cannot be created: {why}")
     if args.threads:
         torch.set_num_threads(args.threads)

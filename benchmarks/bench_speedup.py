@@ -36,7 +36,7 @@ from dsparkctl.data.prompts import encode_prompts, load_prompts
 from dsparkctl.engine.policy_choice import load_policy
 from dsparkctl.engine.session import open_session
 from dsparkctl.engine.speculative import SpeculativeEngine, plain_generate
-from dsparkctl.files.atomic import cannot_create, write_json
+from dsparkctl.files.atomic import cannot_write_file, write_json
 from dsparkctl.formats.sps import load_sps_table
 from dsparkctl.math.sampling import SamplingParams
 from dsparkctl.models.loading import load_target
@@ -71,7 +71,7 @@ def main() -> None:
                     help="do not run plain decoding on the stock kernels (the kernel choice's own gain)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "speedup.json")
     args = ap.parse_args()
-    if why := cannot_create(args.out):
+    if why := cannot_write_file(args.out):
         ap.error(f"--out {args.out} cannot be created: {why}")
     if args.threads:
         torch.set_num_threads(args.threads)

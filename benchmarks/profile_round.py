@@ -44,7 +44,7 @@ from dsparkctl.data.prompts import encode_prompts, load_prompts
 from dsparkctl.engine.profile import DraftEvery
 from dsparkctl.engine.session import open_session
 from dsparkctl.engine.speculative import SpeculativeEngine
-from dsparkctl.files.atomic import cannot_create, write_json
+from dsparkctl.files.atomic import cannot_write_file, write_json
 from dsparkctl.math.sampling import SamplingParams
 
 # (stage, label): the rows of the table, in round order
@@ -259,7 +259,7 @@ def main() -> None:
     ap.add_argument("--cpu-kernels", choices=("auto", "packed", "stock"), default="auto")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "round_profile.json")
     args = ap.parse_args()
-    if why := cannot_create(args.out):
+    if why := cannot_write_file(args.out):
         ap.error(f"--out {args.out} cannot be created: {why}")
     batches = args.batch or [1, 8]
     if args.prompts < max(batches):

@@ -44,8 +44,10 @@ from dsparkctl.data.prompts import encode_prompts, load_prompts  # noqa: E402
 from dsparkctl.engine.policy_choice import load_policy  # noqa: E402
 from dsparkctl.engine.session import open_session  # noqa: E402
 from dsparkctl.engine.speculative import SpeculativeEngine  # noqa: E402
-from dsparkctl.files.atomic import cannot_create, write_json  # noqa: E402
+from dsparkctl.errors import DsparkError, UsageError  # noqa: E402
+from dsparkctl.files.atomic import cannot_write_file, write_json  # noqa: E402
 from dsparkctl.formats.sps import load_sps_table  # noqa: E402
+from dsparkctl.math.policy_spec import parse_policy  # noqa: E402
 from dsparkctl.math.realized import Realized  # noqa: E402
 from dsparkctl.math.sampling import SamplingParams  # noqa: E402
 
@@ -72,44 +74,61 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=12, help="per dataset")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--sps-table", required=True)
-    ap.add_argument("--static", default="2,3")
+    ap.add_argument("--static", default="2,3", help="static:K references, K comma-separated")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    if why := cannot_create(args.out):
+    if args.prompts < 1 or args.max_new_tokens < 2:
+        ap.error("--prompts must be ≥ 1 and --max-new-tokens ≥ 2")
+    if why := cannot_write_file(args.out):
         ap.error(f"--out {args.out} cannot be created: {why}")
+    specs = [*VARIANTS, *(f"static:{k.strip()}" for k in args.static.split(","))]
+    try:  # everything a user gave is checked before the target loads
+        sps = load_sps_table(args.sps_table)
+        if sps.plain_seconds(1) is None:
+            raise UsageError(f"{args.sps_table} has no plain-step price, so the gate never skips",
+                             "profile one with `dsparkctl profile-sps` (format 2)")
+        for spec in specs[len(VARIANTS):]:
+            parse_policy(spec)
+        texts = {ds: load_prompts(ds, limit=args.prompts) for ds in args.dataset}
+    except DsparkError as exc:
+        ap.error(exc.one_line())
     sess = open_session(None, None, "cpu", "fp32", log=lambda m: None)
-    sps = load_sps_table(args.sps_table)
-    gamma = sess.draft.block_size
     calibration = sess.default_calibration()
+    try:  # static:K past the draft's γ is refused here, before any decoding
+        engines = {spec: SpeculativeEngine(sess.adapter, sess.draft,
+                                           load_policy("dspark" if spec in VARIANTS else spec, sess.draft.block_size,
+                                                       None, calibration, sps=sps),
+                                           SamplingParams(0.0), stop_token_ids=sess.stop_ids)
+                   for spec in specs}
+    except DsparkError as exc:
+        ap.error(exc.one_line())
     plain_s = sps.plain_seconds(1)
-    specs = [*VARIANTS, *(f"static:{k}" for k in args.static.split(","))]
     rows = []
-    for ds in args.dataset:
-        prompts = encode_prompts(sess.target.tokenizer, load_prompts(ds, limit=args.prompts))
-        for i, p in enumerate(prompts):
+    for ds, prompts in texts.items():
+        for i, p in enumerate(encode_prompts(sess.target.tokenizer, prompts)):
             ref = None
-            for spec in specs:
+            for spec, engine in engines.items():
+                steps: list[tuple[bool, int]] = []  # (drafted, verify length) per engine step
                 with variant(spec) if spec in VARIANTS else contextlib.nullcontext():
-                    pol = load_policy("dspark" if spec in VARIANTS else spec, gamma, None, calibration, sps=sps)
-                    engine = SpeculativeEngine(sess.adapter, sess.draft, pol, SamplingParams(0.0),
-                                               stop_token_ids=sess.stop_ids)
-                    steps: list[tuple[bool, int]] = []
                     rep = engine.generate([p], args.max_new_tokens,
                                           on_round=lambda rs: steps.append((rs[0].drafted, rs[0].verify_length)))
                 toks = rep.outputs[0].tokens
-                if ref is None:
-                    ref = toks
-                elif toks != ref:
+                ref = toks if ref is None else ref
+                if toks != ref:
                     raise SystemExit(f"{spec}: greedy output differs from {specs[0]}'s on {ds} prompt {i}")
+                if not steps:  # the answer ended with its first token: nothing to decide
+                    break
                 seconds = sum(float(sps.lengths_seconds(torch.tensor([[ell]]))[0]) if drafted else plain_s
                               for drafted, ell in steps)
                 rows.append({"dataset": ds, "prompt": i, "variant": spec, "tokens": len(toks), "steps": len(steps),
-                             "drafted_share": sum(d for d, _ in steps) / max(len(steps), 1),
-                             "tau": (len(toks) - 1) / max(len(steps), 1),
-                             "modelled_speedup": (len(toks) - 1) * plain_s / seconds if seconds else None})
-            line = "  ".join(f"{r['variant']} {r['modelled_speedup']:.2f}×/{r['drafted_share']:.0%}"
-                             for r in rows[-len(specs):])
-            print(f"{ds} {i}: {line}", flush=True)
+                             "drafted_share": sum(d for d, _ in steps) / len(steps),
+                             "tau": (len(toks) - 1) / len(steps),
+                             "modelled_speedup": (len(toks) - 1) * plain_s / seconds})
+            else:
+                print(f"{ds} {i}: " + "  ".join(f"{r['variant']} {r['modelled_speedup']:.2f}×/{r['drafted_share']:.0%}"
+                                              for r in rows[-len(specs):]), flush=True)
+    if not rows:
+        raise SystemExit("no prompt's answer went past its first token: nothing to compare")
     summary = {}
     for spec in specs:
         mine = [r for r in rows if r["variant"] == spec]
@@ -117,7 +136,7 @@ def main() -> None:
             "median_modelled_speedup": statistics.median(r["modelled_speedup"] for r in mine),
             "mean_modelled_speedup": statistics.fmean(r["modelled_speedup"] for r in mine),
             "by_dataset": {ds: statistics.median(r["modelled_speedup"] for r in mine if r["dataset"] == ds)
-                           for ds in args.dataset},
+                           for ds in {r["dataset"] for r in mine}},
             "drafted_share": statistics.fmean(r["drafted_share"] for r in mine)}
         print(f"{spec:12s} median {summary[spec]['median_modelled_speedup']:.3f}×  mean "
               f"{summary[spec]['mean_modelled_speedup']:.3f}×  drafted {summary[spec]['drafted_share']:.0%}  " +

@@ -6,23 +6,21 @@ engine-facing call for one step, `choose_batched` runs G steps `[G, R, γ]` at o
 and the sweep). Each policy's `why` says why it is lossless, or why not. The spec grammar
 (`static:K`, `dspark`, ...) that builds them is math/policy_spec.py.
 
-Skipping the draft. Verifying nothing still pays for the draft; a step without one is a plain
-decoding step. Before each step the engine asks `Policy.plan(R)` whether to draft at all. The
-answer may use only what happened before this step (it is made before the current drafts
-exist), so any rule is lossless; a skipped step emits one target token per request, exactly
-as plain decoding does. `static:0` never drafts. `dspark` and `dspark-async` skip when their SPS
-table knows the plain step's cost (`SPSTable.has_plain`) and their estimate of what a draft brings
-says that no number of verified drafts beats a plain step at this load by the margin M (GATE_MARGIN;
-SOLO_MARGIN at one request): `max_{m≥1} τ*(m)/t_draft(R, R+m) ≤ (1 + M)·R/t_plain(R)` (a draft that
-verifies nothing never pays), every request taken at the estimated survival profile. The estimate is
-a moving average of the mean survival profile of drafted steps at least `lag` steps old (1 for
-dspark, 2 for dspark-async), started at each batch from the calibration's held-out survival rates
-when there is one (`prior`). While skipping they draft again after 8, 16, 32, ... (FIRST_PROBE_GAP
-doubling, at most `MAX_PROBE_GAP`; from the prior: PRIOR_GAP, 2·PRIOR_GAP, ...) skipped steps: a
-probe that refreshes the estimate and verifies what Algorithm 1 admits on its current survivals. The
-gate reads that profile corrected by the acceptance verification realized on drafted steps at least
-`lag` old (`Policy.observe`; math/realized.py), since predicted survivals over-promise on task
-families the calibration did not see (docs/scheduling.md: what did not work). `Policy.run_steps`
+Skipping the draft. Verifying nothing still pays for the draft; a step without one is a plain decoding step.
+Before each step the engine asks `Policy.plan(R)` whether to draft at all. The answer may use only what
+happened before this step (it is made before the current drafts exist), so any rule is lossless; a skipped
+step emits one target token per request, exactly as plain decoding does. `static:0` never drafts. `dspark` and
+`dspark-async` skip when their SPS table knows the plain step's cost (`SPSTable.has_plain`) and their estimate
+of what a draft brings says that no number of verified drafts beats a plain step at this load by the margin M
+(`gate_margin`): `max_{m≥1} τ*(m)/t_draft(R, R+m) ≤ (1 + M)·R/t_plain(R)` (a draft that verifies nothing never
+pays), every request taken at the estimated survival profile. The estimate is a moving average of the mean
+survival profile of drafted steps at least `lag` steps old (1 for dspark, 2 for dspark-async), started at each
+batch from the calibration's held-out survival rates when there is one (`prior`). While skipping they draft
+again after 8, 16, 32, ... (FIRST_PROBE_GAP doubling, at most `MAX_PROBE_GAP`; from the prior: PRIOR_GAP,
+2·PRIOR_GAP, ...) skipped steps: a probe that refreshes the estimate and verifies what Algorithm 1 admits on
+its current survivals. The gate reads that profile corrected by the acceptance verification realized on
+drafted steps at least `lag` old (`Policy.observe`; math/realized.py), since predicted survivals over-promise
+on task families the calibration did not see (docs/scheduling.md: what did not work). `Policy.run_steps`
 replays G consecutive steps (the sweep and the audit), one step at a time for such policies.
 """
 
@@ -45,6 +43,10 @@ PRIOR_GAP = 64  # skipped steps before the first probe when the skip decision co
 EMA_WEIGHT = 0.2  # weight of the newest drafted step in the gate's moving average survival profile
 GATE_MARGIN = 0.10  # drafting must beat a plain step by this share on paper (see `_Gated.drafting_pays`)
 SOLO_MARGIN = 0.0  # the same for one request: no ragged rows, cache holes or compaction to pay for
+
+
+def gate_margin(num_requests: int) -> float:  # what drafting must win by on paper at this load
+    return SOLO_MARGIN if num_requests == 1 else GATE_MARGIN
 
 
 @dataclass
@@ -281,17 +283,15 @@ class _Gated(Policy):
             state.unobserved.append((state.step, surv, lengths.cpu().clone(), accepted.cpu().clone()))
 
     def drafting_pays(self, state: PolicyState, R: int) -> bool:
-        """Does some number of verified drafts beat a plain step at R requests by GATE_MARGIN, with
-        the corrected moving average profile (R requests alike) as the estimate of what a draft
-        brings? The margin is for what the estimate leaves out, all of which errs one way: a drafted
-        step also pays for cache holes, ragged rows and compaction. One request has none of those
-        (SOLO_MARGIN: with 10% there the gate skipped where drafting won, experiments/gate_solo.py)."""
+        """Does some number of verified drafts beat a plain step at R requests by `gate_margin(R)`,
+        with the corrected moving average profile (R requests alike) as the estimate of what a draft
+        brings? The margin pays for what the estimate leaves out: cache holes, ragged rows and
+        compaction, none of which one request has (benchmarks/experiments/gate_solo.py). Cached per R."""
         got = state.verdicts.get(R)
         if got is None:
             profile = state.profile if state.realized is None else state.realized.correct(state.profile)
             theta, _ = admission(profile.expand(1, R, -1), self.sps)  # [1, n+1]; n = 0 verifies nothing
-            margin = SOLO_MARGIN if R == 1 else GATE_MARGIN
-            got = state.verdicts[R] = float(theta[:, 1:].max()) > (1 + margin) * plain_theta(R, self.sps)
+            got = state.verdicts[R] = float(theta[:, 1:].max()) > (1 + gate_margin(R)) * plain_theta(R, self.sps)
         return got
 
     def capacity(self, est: dict, R: int) -> int:
