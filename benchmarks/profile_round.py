@@ -18,7 +18,9 @@ streams hundreds of MB between two drafts). Stages without weights (policy, acce
 cache trim, Python) have floor 0 except the rule's argmax over the target's logits, timed alone.
 The draft's context-update floor counts the tokens committed (accepted + 1 per row, the median
 round's), not the padded width it runs; the Markov head's W2 counts once (it stays in L2 over
-the γ steps).
+the γ steps). Where every row's context has the same length (always at batch 1) the committed
+tokens' K/V are computed inside the layers' fused q/k/v products (`DraftLayer.forward_fused`):
+their time then shows under the layers, while their floor stays with the context update.
 
     OMP_NUM_THREADS=1 taskset -c 1 .venv/bin/python benchmarks/profile_round.py \
         [--batch 1 --batch 8] [--positions 32] [--repeats 3] [--drafts 2] [--cpu-kernels auto] \
@@ -49,8 +51,8 @@ from dsparkctl.math.sampling import SamplingParams
 
 # (stage, label): the rows of the table, in round order
 STAGES = [
-    ("ctx", "draft context update (append/flush)"),
-    ("layers", "draft backbone layers"),
+    ("ctx", "draft context update (fc, norm; append/flush)"),
+    ("layers", "draft backbone layers (+ context K/V if fused)"),
     ("backbone_glue", "draft backbone glue (embed, rotary, mask, norm)"),
     ("lm_head", "draft LM head"),
     ("markov", "Markov loop"),
@@ -92,10 +94,12 @@ def instrument(eng: SpeculativeEngine, timer: StageTimer) -> None:
     drf, tgt = eng.draft, eng.target
     timer.wrap(drf, "append_context", "ctx")
     timer.wrap(drf, "flush_context", "ctx")
+    timer.wrap(drf, "context_rows", "ctx")
     timer.wrap(drf, "backbone", "backbone_glue")
     for layer in drf.layers:
         timer.wrap(layer, "forward", "layers")
         timer.wrap(layer, "forward_cached", "layers")
+        timer.wrap(layer, "forward_fused", "layers")  # the committed tokens' K/V ride along here
     timer.wrap(drf.lm_head, "forward", "lm_head")
     timer.wrap(draft_mod, "sample_block", "markov")
     if drf.confidence_head is not None:
@@ -223,6 +227,7 @@ def profile_batch(eng: SpeculativeEngine, timer: StageTimer, prompts: list[list[
     seen = 0
     for grp in groups:
         live = eng.prefill(grp, budget, None)
+        eng.round(live, budget, None, _NoClock())  # steady state: a round's committed tokens wait for the next
         for _ in range(per_group):
             rewind = eng.mark(live)
             for _ in range(repeats):

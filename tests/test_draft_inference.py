@@ -50,3 +50,74 @@ def test_cached_backbone_matches_the_concatenating_one(lengths):
     for before, after in zip(keys_before, state.keys):  # the context itself is untouched
         for r, n in enumerate(lengths):
             assert torch.equal(after[r, :, :n], before[r, :, :n])
+
+
+def _state_with_pending(draft, tgt, lengths, pending, seed=0):
+    """A state holding `lengths` context tokens, with `pending` more tokens' features deferred
+    (one chunk per entry of `pending`, every row the same count) as the engine leaves it."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 64, (n + sum(pending),), generator=gen).tolist() for n in lengths]
+    pre = tgt.prefill(prompts)
+    R = len(lengths)
+    state = draft.new_state(R, "cpu", torch.float32, capacity=4)  # every append and block must make room
+    draft.append_context(state, pre.features[:, : max(lengths)], torch.tensor(lengths))
+    at = max(lengths)
+    for c in pending:
+        fed = pre.features[:, at: at + c + 1] if at + c + 1 <= pre.features.shape[1] else pre.features[:, at: at + c]
+        draft.defer_context(state, fed, torch.full((R,), c))  # a feed may be wider than what was kept
+        at += c
+    return state, torch.randint(3, 64, (R,), generator=gen)
+
+
+def _per_op(monkeypatch):
+    from dsparkctl.models.draft_layers import DraftLayer
+    monkeypatch.setattr(DraftLayer, "fused", lambda self: None)
+
+
+@pytest.mark.parametrize("lengths,pending", [([7], [3]), ([7], [1, 1, 2]), ([6, 6], [2]), ([6, 6], []),
+                                             ([5, 9], [2])], ids=["one row", "three chunks", "uniform",
+                                                                  "nothing pending", "ragged"])
+@torch.no_grad()
+def test_fused_backbone_matches_the_per_op_one(lengths, pending, monkeypatch):
+    """The pending context taken into the layers' fused q/k/v products gives what appending it
+    first and running each projection alone gives: hidden states, context K/V and lengths."""
+    tgt = TargetAdapter(tiny_target("qwen3", layers=4), [0, 1])
+    draft = random_draft(tgt, seed=3, block_size=4, markov_rank=4, layer_ids=[0, 1], num_layers=2)
+    from dsparkctl.models.draft_layers import DraftLayer
+    calls = []
+    fused_forward = DraftLayer.forward_fused
+    monkeypatch.setattr(DraftLayer, "forward_fused", lambda self, *a: calls.append(1) or fused_forward(self, *a))
+    runs = []
+    for fused in (True, False):
+        if not fused:
+            assert len(calls) == (2 if len(set(lengths)) == 1 else 0)  # uniform rows take the fused path
+            _per_op(monkeypatch)
+        state, anchors = _state_with_pending(draft, tgt, lengths, pending)
+        h = draft.backbone(state, anchors)
+        runs.append((h, state))
+    assert len(calls) == (2 if len(set(lengths)) == 1 else 0)
+    (h_f, s_f), (h_p, s_p) = runs
+    torch.testing.assert_close(h_f, h_p, rtol=1e-5, atol=1e-5)
+    assert s_f.ctx_len.tolist() == s_p.ctx_len.tolist() == [n + sum(pending) for n in lengths]
+    assert not s_f.pending and not s_p.pending
+    for kf, kp, vf, vp in zip(s_f.keys, s_p.keys, s_f.values, s_p.values):
+        for r, n in enumerate(s_f.ctx_len.tolist()):
+            torch.testing.assert_close(kf[r, :, :n], kp[r, :, :n], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(vf[r, :, :n], vp[r, :, :n], rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_fused_copies_follow_the_weights():
+    """Fused copies are remade when a weight changes in place (training between evaluations)."""
+    tgt = TargetAdapter(tiny_target("qwen3", layers=4), [0, 1])
+    draft = random_draft(tgt, seed=4, block_size=4, markov_rank=4, layer_ids=[0, 1], num_layers=2)
+    layer = draft.layers[0]
+    before = layer.fused()
+    assert before is not None and layer.fused()[0] is before[0]  # made once, then reused
+    layer.self_attn.k_proj.weight.mul_(2.0)
+    layer.self_attn.k_norm.weight.add_(0.5)
+    after = layer.fused()
+    assert after[0] is not before[0]
+    kv = layer.self_attn.n_heads * layer.self_attn.head_dim
+    assert torch.equal(after[0].weight[kv: kv + layer.self_attn.k_proj.out_features], layer.self_attn.k_proj.weight)
+    assert torch.equal(after[2][-1], layer.self_attn.k_norm.weight)

@@ -152,15 +152,14 @@ class SpeculativeEngine:
         zero = torch.zeros_like(one)
         return VerifyResult(accepted=zero, emitted=tok[:, None], num_emitted=one), out
 
-    def commit(self, live: LiveRows, res, out, drafted: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    def commit(self, live: LiveRows, res, out) -> tuple[torch.Tensor, torch.Tensor]:
         """Keep the accepted drafts + one token in both caches; the emitted token is the next anchor.
-        After a plain step the draft's context update waits for its next proposal.
-        Returns (kept [n], stopped [n])."""
+        The draft's context update waits for its next proposal, which takes it into its own first
+        products (models/draft_inference.py). Returns (kept [n], stopped [n])."""
         n = live.requests.numel()
         kept = _first_stop(res.emitted, res.num_emitted, self.stop_ids)  # tokens kept this round per row
         self.target.commit(res.accepted + 1)
-        (self.draft.append_context if drafted else self.draft.defer_context)(live.context, out.features,
-                                                                            res.accepted + 1)
+        self.draft.defer_context(live.context, out.features, res.accepted + 1)
         live.anchors = res.emitted[torch.arange(n, device=live.anchors.device), res.accepted]
         live.produced = live.produced + kept
         last = res.emitted.gather(1, (kept - 1)[:, None]).squeeze(1)
@@ -174,7 +173,7 @@ class SpeculativeEngine:
             clock.lap("schedule")
             res, out = self.plain_step(live, generator)
             verify_ms = clock.lap("verify")
-            kept, stopped = self.commit(live, res, out, drafted=False)
+            kept, stopped = self.commit(live, res, out)
             zero = torch.zeros(n, dtype=torch.long, device=live.anchors.device)
             return Round(verify_lengths=zero, budget_capped=torch.zeros_like(zero, dtype=torch.bool),
                          accepted=res.accepted, emitted=res.emitted, kept=kept, stopped=stopped,

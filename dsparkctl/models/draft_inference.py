@@ -109,13 +109,17 @@ class DraftInference:
         else:
             slot = torch.where(t[None, :] < lengths[:, None], pos, torch.full_like(pos, cap))  # invalid: trash slot
             write = BlockSlots(start=None, index=slot[:, None, :, None], span=cap + 1, mask=None)
-        ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))  # [R, T, H]
+        ctx = self.context_rows(features)  # [R, T, H]
         cos, sin = self.rotary.at(pos, cap + 1, ctx.dtype)
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.kv(ctx, cos, sin)  # [R, kvh, T, d]
             write.put(state.keys[i], k)
             write.put(state.values[i], v)
         state.ctx_len = state.ctx_len + lengths
+
+    def context_rows(self, features: Tensor) -> Tensor:
+        """Target features [R, T, n_taps*H] -> the rows the layers project to context K/V [R, T, H]."""
+        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
 
     MAX_PENDING = 64  # deferred appends held before they are applied anyway (bounds their memory)
 
@@ -138,19 +142,54 @@ class DraftInference:
         for f, n in chunks:
             self.append_context(state, f, n)
 
+    FUSE_ROWS = 16  # pending tokens a proposal takes into its first q/k/v product; more are appended first
+
+    def _take_pending(self, state: DraftState) -> Tensor | None:
+        """The pending features as one [R, T, F] when every row waits for the same tokens' count in
+        each chunk (always at batch 1) and T ≤ FUSE_ROWS: removed from `pending`, not yet applied.
+        Otherwise every pending chunk is applied now (`flush_context`) and None is returned."""
+        chunks = state.pending
+        if not chunks:
+            return None
+        counts = [int(n[0]) if n.numel() else 0 for _, n in chunks]
+        if 0 < sum(counts) <= self.FUSE_ROWS and all(bool((n == c).all()) for (_, n), c in zip(chunks, counts)):
+            state.pending = []
+            return torch.cat([f[:, :c] for (f, _), c in zip(chunks, counts)], dim=1)
+        self.flush_context(state)
+        return None
+
     @torch.no_grad()
     def backbone(self, state: DraftState, anchors: Tensor) -> Tensor:
-        """One parallel forward over [anchor, mask × (γ-1)] -> final-normed hidden [R, γ, H]."""
+        """Apply the pending context, then one parallel forward over [anchor, mask × (γ-1)] ->
+        final-normed hidden [R, γ, H]. When every row's context has the same length (always at
+        batch 1) the pending tokens ride along in the layers' q/k/v products
+        (`DraftLayer.forward_fused`); ragged rows append them first and read the buffers masked."""
         R, g = anchors.shape[0], self.cfg.block_size
         dev = anchors.device
+        feats = self._take_pending(state)
         ids = torch.full((R, g), self.cfg.mask_token_id, dtype=torch.long, device=dev)
         ids[:, 0] = anchors
         x = self.embed_tokens(ids).to(self.fc.weight.dtype)
         n = int(state.ctx_len.max())
+        uniform = R == 1 or bool((state.ctx_len == n).all())
+        fused = [layer.fused() for layer in self.layers] if uniform else None
+        if fused is not None and all(f is not None for f in fused):
+            T = 0 if feats is None else feats.shape[1]
+            self._ensure_capacity(state, n + T + g)
+            ctx = x[:, :0] if feats is None else self.context_rows(feats)
+            cos, sin = self.rotary.span(n, T + g, x.dtype)
+            for i, (layer, fz) in enumerate(zip(self.layers, fused)):
+                x = layer.forward_fused(x, ctx, cos, sin, state.keys[i], state.values[i], n, fz)
+            state.ctx_len = state.ctx_len + T
+            return self.norm(x)
+        if feats is not None:
+            self.append_context(state, feats, torch.full_like(state.ctx_len, feats.shape[1]))
+            n = int(state.ctx_len.max())
+            uniform = R == 1 or bool((state.ctx_len == n).all())
         self._ensure_capacity(state, n + g)
         pos = state.ctx_len[:, None] + torch.arange(g, device=dev)[None, :]  # [R, γ]
         cos, sin = self.rotary.at(pos, state.keys[0].shape[2], x.dtype)
-        if R == 1 or bool((state.ctx_len == n).all()):
+        if uniform:
             write = BlockSlots(start=n, index=None, span=n + g, mask=None)
         else:
             mask = (torch.arange(n + g, device=dev)[None, :] < (state.ctx_len + g)[:, None])[:, None, None, :]
@@ -164,8 +203,7 @@ class DraftInference:
                 generator: torch.Generator | None, need_probs: bool = True) -> DraftProposal:
         """Draft one block for every row: parallel backbone, serial Markov loop, confidences.
         `need_probs=False` (greedy verification, which never reads q): the block holds no probs."""
-        self.flush_context(state)
-        h = self.backbone(state, anchors)  # [R, γ, H]
+        h = self.backbone(state, anchors)  # [R, γ, H] (the pending context goes in first)
         base = self.lm_head(h.to(self.lm_head.weight.dtype)).float()  # [R, γ, V]
         need_h = self.markov_head is not None and self.markov_head.needs_hidden
         block = sample_block(base, anchors, self.markov_head, h if need_h else None, params, generator,

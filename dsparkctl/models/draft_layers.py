@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from dsparkctl.models.draft_config import DraftConfig
 from dsparkctl.models.draft_inference import BlockSlots
+from dsparkctl.models.packed_linear import EVERY_CALL, PackedLinear
 
 
 class RMSNorm(nn.Module):
@@ -26,6 +27,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.dtype == torch.float32 and not torch.is_grad_enabled():
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one op; the same fp32 arithmetic
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -53,16 +56,54 @@ class Rotary(nn.Module):
     def at(self, positions: Tensor, need: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """`forward` by lookup in a table of positions 0..need-1 (at least), built once and grown by
         doubling (inference: no cos/sin per round). positions: [R, T] (< need) -> cos, sin [R, 1, T, d]."""
+        tab = self._table_for(need, dtype)
+        return tab[0][positions][:, None], tab[1][positions][:, None]
+
+    def span(self, start: int, count: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """`at` for positions start .. start+count-1, the same for every row: cos, sin [1, 1, count, d],
+        views of the table."""
+        tab = self._table_for(start + count, dtype)
+        return tab[0][None, None, start:start + count], tab[1][None, None, start:start + count]
+
+    def _table_for(self, need: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         tab = self._table
         if tab is None or tab[0].shape[0] < need or tab[0].device != self.inv_freq.device or tab[0].dtype != dtype:
             P = max(need, 2 * tab[0].shape[0] if tab is not None else 256)
             cos, sin = self.forward(torch.arange(P, device=self.inv_freq.device)[None], dtype)
             self._table = tab = (cos[0, 0], sin[0, 0])
-        return tab[0][positions][:, None], tab[1][positions][:, None]
+        return tab
 
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotate_half(x) * sin
+
+
+FUSE_MAX_BYTES = 64 << 20  # a layer's fused inference copies are made only up to this size (small drafts:
+                            # op count matters there; a big draft would double the memory of its layers)
+
+
+def _weights_key(tensors: list[Tensor | None]) -> tuple | None:
+    """What a fused copy was made from: storage, version (in-place updates), dtype of each tensor;
+    None when one of them is not reachable (a packed linear that dropped its weight)."""
+    if any(t is None for t in tensors):
+        return None
+    return tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors)
+
+
+def fuse_linears(parts: list[nn.Module]) -> nn.Module:
+    """One linear whose output is the concatenation of `parts`' outputs (same input), running on the
+    kernel the first part runs on (packed for oneDNN, with its stock-rows routing, or stock)."""
+    w = torch.cat([p.weight.detach() for p in parts])
+    lin = nn.Linear(w.shape[1], w.shape[0], bias=parts[0].bias is not None, device="meta")
+    lin.weight = nn.Parameter(w, requires_grad=False)
+    if parts[0].bias is not None:
+        lin.bias = nn.Parameter(torch.cat([p.bias.detach() for p in parts]), requires_grad=False)
+    first = parts[0]
+    if isinstance(first, PackedLinear) and first.stock_rows != EVERY_CALL:
+        packed = PackedLinear(lin, keep_weight=True)
+        packed.stock_rows = first.stock_rows
+        return packed
+    return lin
 
 
 class DraftAttention(nn.Module):
@@ -139,12 +180,63 @@ class DraftMLP(nn.Module):
 
 
 class DraftLayer(nn.Module):
+    _fused: tuple | None = None  # (what it was made from, q/k/v linear, gate/up linear, q/k norm weights)
+
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         self.self_attn = DraftAttention(cfg)
         self.mlp = DraftMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def fused(self) -> tuple[nn.Module, nn.Module, Tensor | None] | None:
+        """Inference copies for `forward_fused`: q/k/v as one linear, gate/up as one, and the q and
+        k norms' weights side by side [heads + kv heads, d] (None without qk_norm). Made on first
+        use and again whenever a weight changed (training between evaluations); None when a
+        weight is not reachable or the two norms differ in eps (the per-op path then runs)."""
+        a, m = self.self_attn, self.mlp
+        lins = [a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj]
+        norms = [a.q_norm, a.k_norm] if a.q_norm is not None else []
+        if norms and a.q_norm.eps != a.k_norm.eps:
+            return None
+        key = _weights_key([getattr(p, "weight", None) for p in lins] + [p.bias for p in lins if p.bias is not None]
+                           + [n.weight for n in norms])
+        if key is None or sum(p.weight.numel() * p.weight.element_size() for p in lins) > FUSE_MAX_BYTES:
+            return None
+        if self._fused is None or self._fused[0] != key:
+            qk_w = None
+            if norms:
+                d = a.head_dim
+                qk_w = torch.cat([a.q_norm.weight.detach().expand(a.n_heads, d),
+                                  a.k_norm.weight.detach().expand(a.n_kv, d)])
+            self._fused = (key, fuse_linears(lins[:3]), fuse_linears(lins[3:]), qk_w)
+        return self._fused[1:]
+
+    def forward_fused(self, x: Tensor, ctx: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor,
+                      start: int, fused: tuple[nn.Module, nn.Module, Tensor | None]) -> Tensor:
+        """Inference when every row's context has the same length `start`, in fewer and larger ops:
+        the block x [R, γ, H] and ctx [R, T, H], the (projected, normed) features of the T tokens
+        committed since the last proposal (T may be 0), go through ONE q/k/v product; their K/V
+        fill slots start .. start+T+γ-1 of keys/values [R, kvh, C, d] (the tokens' for good, the
+        block's as scratch), and the block attends to the buffer up to there, unmasked. cos/sin:
+        [R|1, 1, T+γ, d] at those positions. The same products as `append_context` then
+        `forward_cached`. `fused`: what `fused()` returned (not None)."""
+        qkv_lin, gu_lin, qk_w = fused
+        a = self.self_attn
+        R, g, _ = x.shape
+        T, nq = ctx.shape[1], a.n_heads + a.n_kv
+        h = self.input_layernorm(x)
+        qkv = qkv_lin(torch.cat([ctx, h], dim=1) if T else h).view(R, T + g, nq + a.n_kv, a.head_dim)
+        qk = qkv[:, :, :nq]
+        if qk_w is not None:
+            qk = F.rms_norm(qk, (a.head_dim,), None, a.q_norm.eps) * qk_w
+        qk = rope(qk.transpose(1, 2), cos, sin)  # [R, heads + kvh, T+γ, d]
+        end = start + T + g
+        keys[:, :, start:end] = qk[:, a.n_heads:]
+        values[:, :, start:end] = qkv[:, :, nq:].transpose(1, 2)
+        x = x + a.attend(qk[:, : a.n_heads, T:], keys[:, :, :end], values[:, :, :end], None)
+        gate, up = gu_lin(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        return x + self.mlp.down_proj(F.silu(gate) * up)
 
     def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
