@@ -256,3 +256,22 @@ def test_control_rule_in_test_harness_is_exact():
     P, Q = _tables(11, *WARPS["T=1 both"])
     p1, p12 = _pvalues(P, Q, _wrong_verify("exact"))
     assert p1 > 1e-3 and p12 > 1e-3
+
+
+def test_greedy_single_request_path_matches_the_vectorised_one():
+    """`verify` takes one greedy request through a list-based path; it must give exactly what the
+    vectorised form gives, for every ℓ, with ties in the target's rows and drafts that match."""
+    gen = torch.Generator().manual_seed(11)
+    g, v = 5, 7
+    for trial in range(300):
+        tp = torch.randint(0, 3, (1, g + 1, v), generator=gen).float()  # ties are common
+        best = tp.argmax(dim=-1)[0]
+        tok = torch.randint(0, v, (1, g), generator=gen)
+        agree = torch.rand(g, generator=gen) < 0.6
+        tok[0] = torch.where(agree, best[:g], tok[0])  # long accepted prefixes too
+        ell = torch.tensor([trial % (g + 1)])
+        fast = verify(tp, None, tok, ell, None, True)
+        ref = _verify_with_noise(tp, None, tok, ell, None, None, True)
+        assert torch.equal(fast.accepted, ref.accepted)
+        assert torch.equal(fast.emitted, ref.emitted)
+        assert torch.equal(fast.num_emitted, ref.num_emitted)

@@ -275,6 +275,14 @@ class TargetAdapter:
         """Keep the first keep[r] tokens of the last feed for row r; the rest become holes."""
         S, T = self._pending
         self._pending = None
+        if self.valid.shape[0] == 1:  # one row holds no holes: keep its first keep[0] fed slots, crop the rest
+            k = int(keep[0])
+            if 0 < k <= T:
+                self.seq_len = self.seq_len + k
+                if k < T:
+                    self.cache.crop(k - T)
+                self.valid = self.valid[:, : S + k]
+                return
         ar = torch.arange(T, device=self.device)
         self.valid[:, S:] &= ar[None, :] < keep[:, None]
         self.seq_len = self.seq_len + keep
