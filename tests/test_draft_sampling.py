@@ -99,3 +99,27 @@ def test_without_probs_the_same_tokens_and_embeds_are_drawn(kind, params):
         assert torch.equal(lean.markov_embeds, full.markov_embeds)
     with pytest.raises(ValueError, match="without its probabilities"):
         lean.full_probs(V)
+
+
+@pytest.mark.parametrize("reduced", [False, True], ids=["full vocabulary", "reduced vocabulary"])
+@torch.no_grad()
+def test_greedy_vanilla_fast_loop_draws_what_the_general_loop_draws(reduced):
+    """Inference's greedy loop for a vanilla head (no probs kept) gives the tokens and embeddings
+    the general loop gives (which keeps the one-hot q)."""
+    from dsparkctl.math import draft_sampling
+    torch.manual_seed(1)
+    vocab = torch.tensor([0, 2, 3, 5, 8, 9, 11, 16]) if reduced else None
+    head = MarkovHead(V, RANK, H, "vanilla", out_size=8 if reduced else None)
+    gen = torch.Generator().manual_seed(6)
+    base = torch.randn(R, G, 8 if reduced else V, generator=gen)
+    anchors = torch.randint(0, V, (R,), generator=gen)
+    calls = []
+    real = draft_sampling._greedy_vanilla
+    draft_sampling._greedy_vanilla = lambda *a: calls.append(1) or real(*a)
+    try:
+        lean = sample_block(base, anchors, head, None, SamplingParams(), None, vocab_ids=vocab, need_probs=False)
+    finally:
+        draft_sampling._greedy_vanilla = real
+    full = sample_block(base, anchors, head, None, SamplingParams(), None, vocab_ids=vocab)
+    assert calls and lean.probs is None
+    assert torch.equal(lean.tokens, full.tokens) and torch.equal(lean.markov_embeds, full.markov_embeds)

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from dsparkctl.math.sampling import SamplingParams, draw, warp_probs
@@ -77,6 +78,10 @@ def sample_block(
         return DraftBlock(tokens=to_target(draw(probs, params, generator, warped=True)),
                           probs=probs if need_probs else None, markov_embeds=None, vocab_ids=vocab_ids)
 
+    if argmax_only and head.kind == "vanilla" and not torch.is_grad_enabled():
+        fast = _greedy_vanilla(base_logits, anchors, head, vocab_ids)
+        if fast is not None:
+            return fast
     device = base_logits.device
     tokens = torch.empty((R, g), dtype=torch.long, device=device)
     probs = torch.empty((R, g, V), dtype=torch.float32, device=device) if need_probs else None
@@ -99,3 +104,23 @@ def sample_block(
             tokens[:, k] = prev
             embeds[:, k] = embed
     return DraftBlock(tokens=tokens, probs=probs, markov_embeds=embeds, vocab_ids=vocab_ids)
+
+
+def _greedy_vanilla(base_logits: Tensor, anchors: Tensor, head, vocab_ids: Tensor | None) -> DraftBlock | None:
+    """The serial loop for the common inference case (greedy draft, vanilla head, no probs kept):
+    per step one lookup, one addmm over W2ᵀ and one argmax, the blocks stacked at the end. The
+    same values as `MarkovHead.step_logits`' inference path; None where that path would not run."""
+    w1, w2 = head.markov_w1.weight, getattr(head.markov_w2, "weight", None)
+    if not isinstance(w2, Tensor) or not (base_logits.dtype == w2.dtype == w1.dtype):
+        return None
+    w2t = head._w2_t(w2)
+    prev = anchors.to(device=base_logits.device, dtype=torch.long)
+    tokens, embeds = [], []
+    for k in range(base_logits.shape[1]):
+        embed = F.embedding(prev, w1)                                       # [R, r] W1[x_{k-1}]
+        idx = torch.addmm(base_logits[:, k], embed, w2t).argmax(dim=-1)    # [R]
+        prev = idx if vocab_ids is None else vocab_ids[idx]
+        tokens.append(prev)
+        embeds.append(embed)
+    return DraftBlock(tokens=torch.stack(tokens, dim=1), probs=None, markov_embeds=torch.stack(embeds, dim=1),
+                      vocab_ids=vocab_ids)
