@@ -121,3 +121,34 @@ def test_fused_copies_follow_the_weights():
     kv = layer.self_attn.n_heads * layer.self_attn.head_dim
     assert torch.equal(after[0].weight[kv: kv + layer.self_attn.k_proj.out_features], layer.self_attn.k_proj.weight)
     assert torch.equal(after[2][-1], layer.self_attn.k_norm.weight)
+
+
+@pytest.mark.parametrize("change", [{"qk_norm": False}, {"attention_bias": True}, {"num_key_value_heads": 4}],
+                         ids=["no qk norm", "attention bias", "no grouped heads"])
+@torch.no_grad()
+def test_fused_path_covers_other_layer_shapes(change, monkeypatch):
+    """Without q/k norms, with projection biases, or with as many K/V heads as query heads, the
+    fused path still gives the per-op path's hidden states."""
+    import dataclasses
+
+    from dsparkctl.models.draft import DSparkDraft
+    from dsparkctl.models.draft_io import init_weights, random_draft_config
+    tgt = TargetAdapter(tiny_target("qwen3", layers=4), [0, 1])
+    cfg = dataclasses.replace(random_draft_config(tgt, block_size=4, markov_rank=4, layer_ids=[0, 1], num_layers=2),
+                              **change)
+    draft = DSparkDraft(cfg)
+    init_weights(draft, torch.Generator().manual_seed(0))
+    for layer in draft.layers:
+        for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            if lin.bias is not None:
+                lin.bias.normal_()
+    draft.share_target_embeddings(tgt.embed_tokens(), tgt.lm_head())
+    draft.eval()
+    assert all(layer.fused() is not None for layer in draft.layers)
+    hs = []
+    for fused in (True, False):
+        if not fused:
+            _per_op(monkeypatch)
+        state, anchors = _state_with_pending(draft, tgt, [6], [2])
+        hs.append(draft.backbone(state, anchors))
+    torch.testing.assert_close(hs[0], hs[1], rtol=1e-5, atol=1e-5)
