@@ -62,7 +62,7 @@ CASES = [
                                         "target-forward"],
      "--context-len 100000 + 8 tokens per request = 100008 positions, beyond the model's 2048"),
     ("--context-len at the edge", [*MODEL, "--context-len", "2047", "--tokens-per-request", "1,2"],
-     "= 2049 positions, beyond the model's 2048"),
+     "+ 2 tokens per request + 2 committed first = 2051 positions, beyond the model's 2048"),
 ]
 
 

@@ -121,6 +121,15 @@ def test_fused_copies_follow_the_weights():
     kv = layer.self_attn.n_heads * layer.self_attn.head_dim
     assert torch.equal(after[0].weight[kv: kv + layer.self_attn.k_proj.out_features], layer.self_attn.k_proj.weight)
     assert torch.equal(after[2][-1], layer.self_attn.k_norm.weight)
+    # an update that bumps no version (fused AdamW writes that way; here through .data) is caught by
+    # train(), which every training loop calls, and by the trainer after each step
+    layer.mlp.up_proj.weight.data.add_(1.0)
+    assert layer.fused()[1] is after[1]
+    draft.train()
+    draft.eval()
+    fresh = layer.fused()
+    up = layer.mlp.up_proj
+    assert fresh[1] is not after[1] and torch.equal(fresh[1].weight[-up.out_features:], up.weight)
 
 
 @pytest.mark.parametrize("change", [{"qk_norm": False}, {"attention_bias": True}, {"num_key_value_heads": 4}],

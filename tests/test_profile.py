@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dsparkctl.cli.main import app
-from dsparkctl.engine.profile import profile_whole_step
+from dsparkctl.engine.profile import SETTLE_TOKENS, profile_whole_step
 from dsparkctl.engine.speculative import SpeculativeEngine
 from dsparkctl.errors import UsageError
 from dsparkctl.math.policy_spec import parse_policy
@@ -31,7 +31,9 @@ def test_whole_step_points_roll_back_exactly():
         (1, 1, False), (1, 3, False), (1, 5, False), (1, 1, True), (3, 1, False), (3, 3, False), (3, 5, False),
         (3, 1, True)]  # the plain step (no draft) per request count
     assert all(len(p.ms) == 2 and min(p.ms) > 0 for p in points)
-    assert {s[2] for s in seen} == {16} and {s[3] for s in seen} == {16}  # the cache never grew
+    for R in (1, 3):  # after the settling round, every probe rolls back: the cache never grew
+        at = {(s[2], s[3]) for s in seen if s[0] == R}
+        assert len(at) == 1 and 16 < min(at)[0] <= 16 + SETTLE_TOKENS and min(at)[1] >= min(at)[0]
     assert eng.policy.spec == "static:4"  # the engine's own policy is back after profiling
     with pytest.raises(UsageError, match="verifies more than"):
         profile_whole_step(eng, [1], [6], context_len=8)

@@ -12,8 +12,8 @@ from typing import Any, Callable
 
 from dsparkctl.app.preflight import Output, check_outputs, local_inputs
 from dsparkctl.distributed import one_process
-from dsparkctl.engine.profile import (MEASURES, check_batch_tokens, check_context, check_grid, check_verify_width,
-                                      profile_table)
+from dsparkctl.engine.profile import (MEASURES, SETTLE_TOKENS, check_batch_tokens, check_context, check_grid,
+                                      check_verify_width, profile_table)
 from dsparkctl.engine.session import ModelSettings, open_session, open_target
 from dsparkctl.errors import UsageError, option
 from dsparkctl.files.atomic import staged
@@ -70,7 +70,7 @@ def run_profile_sps(spec: ProfileSpec, *,
     else:
         sess = open_target(spec.target, spec.device, spec.dtype, spec.revision, spec.trust_remote_code, log=log,
                            cpu_kernels=spec.cpu_kernels, settle=False)
-    check_context(sess.target.model, spec.context_len, toks)
+    check_context(sess.target.model, spec.context_len, toks, settle=SETTLE_TOKENS if whole else 0)
     sess.settle_kernels(log)  # every input is checked: the timing is not wasted
     done = itertools.count(1)
     n_points = len(set(reqs)) * (len(set(toks)) + whole)

@@ -73,14 +73,19 @@ class SPSPoint:
         return lower_quartile(self.ms)
 
 
-def check_context(model: torch.nn.Module, context_len: int, tokens_per_request: Sequence[int]) -> None:
-    """Refuse a grid that runs past the model's positions: context + the longest step must fit."""
+def check_context(model: torch.nn.Module, context_len: int, tokens_per_request: Sequence[int],
+                  settle: int = 0) -> None:
+    """Refuse a grid that runs past the model's positions: context + `settle` tokens committed before
+    the timed steps + the longest step must fit."""
     limit = position_limit(model)
-    need = context_len + max(tokens_per_request)
+    step = max(tokens_per_request) + settle
+    need = context_len + step
     if limit is not None and need > limit:
-        raise UsageError(f"{option('context_len')} {context_len} + {max(tokens_per_request)} tokens per request = {need} "
+        first = f" + {settle} committed first" if settle else ""
+        raise UsageError(f"{option('context_len')} {context_len} + {max(tokens_per_request)} tokens per request{first}"
+                         f" = {need} "
                          f"positions, beyond the model's {limit} (max_position_embeddings)",
-                         f"use {option('context_len')} ≤ {limit - max(tokens_per_request)}")
+                         f"use {option('context_len')} ≤ {limit - step}")
 
 
 def check_verify_width(block_size: int, tokens_per_request: Sequence[int]) -> None:
@@ -161,6 +166,9 @@ class DraftEvery(Static):
         return True
 
 
+SETTLE_TOKENS = 2  # committed by the drafted round a whole-step profile runs before its timed ones
+
+
 @torch.no_grad()
 def profile_whole_step(engine: Any, requests: Sequence[int], tokens_per_request: Sequence[int], context_len: int,
                        repeats: int = 5, warmup: int = 2, seed: int = 0,
@@ -169,14 +177,16 @@ def profile_whole_step(engine: Any, requests: Sequence[int], tokens_per_request:
     """Time the engine's own round (plan → draft → schedule → verify → commit, `SpeculativeEngine.round`)
     per grid point, verifying tokens_per_request - 1 drafts per request, and its plain step (no
     draft) per request count; each timed round is rewound (`SpeculativeEngine.mark`) so every
-    repeat starts from the same context. `on_sweep(done, total)` after each pass over one request
+    repeat starts from the same context, one drafted round after the prefill (so a timed proposal
+    takes in the tokens its predecessor committed, as in decoding). `on_sweep(done, total)` after
+    each pass over one request
     count's probes (warm-up passes included)."""
     gamma = engine.draft.block_size
     check_verify_width(gamma, tokens_per_request)
-    check_context(engine.target.model, context_len, tokens_per_request)
+    check_context(engine.target.model, context_len, tokens_per_request, settle=SETTLE_TOKENS)
     gen = torch.Generator().manual_seed(seed)
     dev = engine.target.device
-    budget = gamma + 2  # ℓ ≤ γ is never capped by the token budget
+    budget = gamma + 4  # after the settling round (≤ 2 tokens) ℓ ≤ γ is never capped by the token budget
     probes = {t: DraftEvery(t - 1) for t in set(tokens_per_request)}
     plain = parse_policy("static:0")  # no draft: the plain step
     points: list[SPSPoint] = []
@@ -185,6 +195,8 @@ def profile_whole_step(engine: Any, requests: Sequence[int], tokens_per_request:
         for R in sorted(set(requests)):
             prompts = torch.randint(0, engine.target.vocab_size, (R, context_len), generator=gen).tolist()
             live = engine.prefill(prompts, budget, None)
+            engine.policy = DraftEvery(1)  # settle: a drafted round's committed tokens wait for the next
+            engine.round(live, budget, None, Clock(dev))  # proposal, which takes them in (as when decoding)
             rewind = engine.mark(live)
             here = [SPSPoint(R, t, []) for t in sorted(set(tokens_per_request))] + [SPSPoint(R, 1, [], plain=True)]
             for i in range(warmup + repeats):

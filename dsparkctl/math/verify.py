@@ -146,7 +146,7 @@ def _verify_greedy_one(target_probs: Tensor, draft_tokens: Tensor, verify_length
     """Greedy `verify` of one request (a user's batch 1): one argmax, then the comparison on
     Python lists, instead of the vectorised form's two dozen small tensor ops. Same result."""
     _, g, _ = _check_shapes(target_probs, None, draft_tokens, verify_lengths)
-    ell = int(verify_lengths[0])
+    ell = min(max(int(verify_lengths[0]), 0), g)  # as the vectorised form reads it
     best = target_probs[0, : ell + 1].argmax(dim=-1).tolist()
     drafts = draft_tokens[0, :ell].tolist()
     a = 0

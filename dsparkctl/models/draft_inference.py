@@ -1,11 +1,13 @@
 """The draft at inference: its per-row context K/V cache and one round's proposal.
 
 In inference the context keys/values are cached per layer and per row (`DraftState`): each
-round appends the features of the tokens the target just committed (`append_context`, or
-`defer_context` after a plain step), then `propose` drafts one block for every row: one
-parallel backbone pass over [anchor, mask × (γ-1)] whose block K/V go into scratch slots after
-each row's context (`BlockSlots`), the serial Markov loop (math/draft_sampling.py), and the
-confidence logits. Rows are ragged.
+step defers the features of the tokens the target just committed (`defer_context`), and the next
+`propose` takes them in and drafts one block for every row: one parallel backbone pass over
+[anchor, mask × (γ-1)] whose block K/V go into scratch slots after each row's context
+(`BlockSlots`), the serial Markov loop (math/draft_sampling.py), and the confidence logits. When
+every row's context has the same length the pending tokens ride along in the layers' fused
+products (`DraftLayer.forward_fused`); otherwise they are appended first (`append_context`).
+Rows are ragged.
 
 `DraftInference` holds these methods for `DSparkDraft` (models/draft.py), whose modules
 (`cfg`, `embed_tokens`, `fc`, `hidden_norm`, `layers`, `norm`, `rotary`, `lm_head`,
@@ -29,8 +31,8 @@ class DraftState:
     slots after it are scratch, where each round's block K/V go (`BlockSlots`) until the
     committed tokens' context overwrites them.
 
-    `pending` holds target features of tokens committed by steps that ran no draft (deferred
-    `append_context` calls, oldest first): they enter the K/V cache, in order, before the next
+    `pending` holds target features of tokens committed since the last proposal (deferred
+    `append_context` calls, oldest first): they enter the K/V cache, in order, at the next
     proposal, so a run of plain steps costs the draft nothing."""
 
     keys: list[Tensor]  # per layer [R, kvh, C, d]

@@ -78,16 +78,19 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotate_half(x) * sin
 
 
-FUSE_MAX_BYTES = 64 << 20  # a layer's fused inference copies are made only up to this size (small drafts:
-                            # op count matters there; a big draft would double the memory of its layers)
+FUSE_MAX_BYTES = 64 << 20  # fused copies only for layers whose q/k/v and gate/up weights stay under this (small
+                            # drafts: op count matters there; a big draft would double those weights' memory)
 
 
-def _weights_key(tensors: list[Tensor | None]) -> tuple | None:
-    """What a fused copy was made from: storage, version (in-place updates), dtype of each tensor;
-    None when one of them is not reachable (a packed linear that dropped its weight)."""
+def _weights_key(tensors: list[Tensor | None], lins: list[nn.Module]) -> tuple | None:
+    """What a fused copy was made from: each tensor itself (compared by identity) with its storage,
+    version and dtype, and each linear's kernel route; None when a tensor is not reachable (a
+    packed linear that dropped its weight). Optimizers that update in place without a version
+    bump (fused AdamW) are covered by `drop_inference_caches`, which `train()` and the trainer call."""
     if any(t is None for t in tensors):
         return None
-    return tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors)
+    return (tuple((id(t), t.data_ptr(), t._version, t.dtype, t.device) for t in tensors)
+            + tuple((type(m).__name__, getattr(m, "stock_rows", None)) for m in lins))
 
 
 def fuse_linears(parts: list[nn.Module]) -> nn.Module:
@@ -100,7 +103,7 @@ def fuse_linears(parts: list[nn.Module]) -> nn.Module:
         lin.bias = nn.Parameter(torch.cat([p.bias.detach() for p in parts]), requires_grad=False)
     first = parts[0]
     if isinstance(first, PackedLinear) and first.stock_rows != EVERY_CALL:
-        packed = PackedLinear(lin, keep_weight=True)
+        packed = PackedLinear(lin, keep_weight=bool(first.stock_rows))  # the joined weight only where it is read
         packed.stock_rows = first.stock_rows
         return packed
     return lin
@@ -180,7 +183,7 @@ class DraftMLP(nn.Module):
 
 
 class DraftLayer(nn.Module):
-    _fused: tuple | None = None  # (what it was made from, q/k/v linear, gate/up linear, q/k norm weights)
+    _fused: tuple | None = None  # (key, q/k/v linear, gate/up linear, q/k norm weights, source tensors)
 
     def __init__(self, cfg: DraftConfig):
         super().__init__()
@@ -199,9 +202,11 @@ class DraftLayer(nn.Module):
         norms = [a.q_norm, a.k_norm] if a.q_norm is not None else []
         if norms and a.q_norm.eps != a.k_norm.eps:
             return None
-        key = _weights_key([getattr(p, "weight", None) for p in lins] + [p.bias for p in lins if p.bias is not None]
-                           + [n.weight for n in norms])
+        tensors = ([getattr(p, "weight", None) for p in lins] + [p.bias for p in lins if p.bias is not None]
+                   + [n.weight for n in norms])
+        key = _weights_key(tensors, lins)
         if key is None or sum(p.weight.numel() * p.weight.element_size() for p in lins) > FUSE_MAX_BYTES:
+            self._fused = None
             return None
         if self._fused is None or self._fused[0] != key:
             qk_w = None
@@ -209,8 +214,15 @@ class DraftLayer(nn.Module):
                 d = a.head_dim
                 qk_w = torch.cat([a.q_norm.weight.detach().expand(a.n_heads, d),
                                   a.k_norm.weight.detach().expand(a.n_kv, d)])
-            self._fused = (key, fuse_linears(lins[:3]), fuse_linears(lins[3:]), qk_w)
-        return self._fused[1:]
+            self._fused = (key, fuse_linears(lins[:3]), fuse_linears(lins[3:]), qk_w, tensors)  # held: ids stay valid
+        return self._fused[1:4]
+
+    def drop_inference_caches(self) -> None:
+        self._fused = None
+
+    def train(self, mode: bool = True):
+        self.drop_inference_caches()  # weights are about to change: the next inference rebuilds
+        return super().train(mode)
 
     def forward_fused(self, x: Tensor, ctx: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor,
                       start: int, fused: tuple[nn.Module, nn.Module, Tensor | None]) -> Tensor:

@@ -126,6 +126,13 @@ class MarkovHead(nn.Module):
 
     _w2t: tuple[Tensor, int, Tensor] | None = None  # (W2 it was made from, its version, W2ᵀ contiguous)
 
+    def drop_inference_caches(self) -> None:
+        self._w2t = None
+
+    def train(self, mode: bool = True):
+        self.drop_inference_caches()  # W2 is about to change (fused AdamW bumps no version)
+        return super().train(mode)
+
     def _w2_t(self, w: Tensor) -> Tensor:
         """W2ᵀ [r, V'] contiguous, remade when W2 is another tensor or was changed in place."""
         c = self._w2t

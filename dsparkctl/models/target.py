@@ -275,7 +275,7 @@ class TargetAdapter:
         """Keep the first keep[r] tokens of the last feed for row r; the rest become holes."""
         S, T = self._pending
         self._pending = None
-        if self.valid.shape[0] == 1:  # one row holds no holes: keep its first keep[0] fed slots, crop the rest
+        if self.valid.shape[0] == 1:  # one row: keep the first keep[0] slots of the last feed, crop the rest
             k = int(keep[0])
             if 0 < k <= T:
                 self.seq_len = self.seq_len + k

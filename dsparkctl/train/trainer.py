@@ -228,6 +228,9 @@ class Trainer:
             raise NonFiniteLoss(f"the gradient became {float(norm)} at step {self.step + 1}",
                                 "lower optim.lr; the last checkpoint is intact")
         self.opt.step()
+        for m in self.draft.modules():  # inference copies of the weights (fused AdamW bumps no version)
+            if hasattr(m, "drop_inference_caches"):
+                m.drop_inference_caches()
         self.step += 1
         t4 = time.perf_counter()
         return StepLog(self.step, loss, parts.ce, parts.l1, parts.bce, lr, parts.overlap,
