@@ -179,8 +179,7 @@ def profile_whole_step(engine: Any, requests: Sequence[int], tokens_per_request:
     draft) per request count; each timed round is rewound (`SpeculativeEngine.mark`) so every
     repeat starts from the same context, one drafted round after the prefill (so a timed proposal
     takes in the tokens its predecessor committed, as in decoding). `on_sweep(done, total)` after
-    each pass over one request
-    count's probes (warm-up passes included)."""
+    each pass over one request count's probes (warm-up passes included)."""
     gamma = engine.draft.block_size
     check_verify_width(gamma, tokens_per_request)
     check_context(engine.target.model, context_len, tokens_per_request, settle=SETTLE_TOKENS)

@@ -133,31 +133,39 @@ class DraftInference:
 
     @torch.no_grad()
     def flush_context(self, state: DraftState) -> None:
-        """Apply every deferred append, in order; uniform one-token chunks go in one call."""
-        if not state.pending:
-            return
-        chunks, state.pending = state.pending, []
-        if all(bool((n == f.shape[1]).all()) for f, n in chunks):
-            feats = torch.cat([f for f, _ in chunks], dim=1)
-            self.append_context(state, feats, torch.full_like(chunks[0][1], feats.shape[1]))
-            return
-        for f, n in chunks:
-            self.append_context(state, f, n)
+        """Apply every deferred append, in order; chunks whose rows agree on their counts go in one call."""
+        if state.pending:
+            chunks, state.pending = state.pending, []
+            self._append_chunks(state, chunks, self._joined(chunks))
+
+    @staticmethod
+    def _joined(chunks: list[tuple[Tensor, Tensor]]) -> Tensor | None:
+        """The chunks' kept features as one [R, T, F] when, in each chunk, every row kept the same
+        count (always at batch 1; a feed may be wider than what was kept); else None."""
+        counts = [int(n[0]) if n.numel() else 0 for _, n in chunks]
+        if not all(bool((n == c).all()) for (_, n), c in zip(chunks, counts)):
+            return None
+        return torch.cat([f[:, :c] for (f, _), c in zip(chunks, counts)], dim=1)
+
+    def _append_chunks(self, state: DraftState, chunks: list[tuple[Tensor, Tensor]], joined: Tensor | None) -> None:
+        if joined is None:
+            for f, n in chunks:
+                self.append_context(state, f, n)
+        elif joined.shape[1]:
+            self.append_context(state, joined, torch.full_like(chunks[0][1], joined.shape[1]))
 
     FUSE_ROWS = 16  # pending tokens a proposal takes into its first q/k/v product; more are appended first
 
     def _take_pending(self, state: DraftState) -> Tensor | None:
-        """The pending features as one [R, T, F] when every row waits for the same tokens' count in
-        each chunk (always at batch 1) and T ≤ FUSE_ROWS: removed from `pending`, not yet applied.
-        Otherwise every pending chunk is applied now (`flush_context`) and None is returned."""
-        chunks = state.pending
-        if not chunks:
+        """The pending features as one [R, T, F] (`_joined`) when T ≤ FUSE_ROWS: removed from
+        `pending`, not yet applied. Otherwise every pending chunk is applied now and None is returned."""
+        if not state.pending:
             return None
-        counts = [int(n[0]) if n.numel() else 0 for _, n in chunks]
-        if 0 < sum(counts) <= self.FUSE_ROWS and all(bool((n == c).all()) for (_, n), c in zip(chunks, counts)):
-            state.pending = []
-            return torch.cat([f[:, :c] for (f, _), c in zip(chunks, counts)], dim=1)
-        self.flush_context(state)
+        chunks, state.pending = state.pending, []
+        joined = self._joined(chunks)
+        if joined is not None and 0 < joined.shape[1] <= self.FUSE_ROWS:
+            return joined
+        self._append_chunks(state, chunks, joined)
         return None
 
     @torch.no_grad()

@@ -275,18 +275,11 @@ class TargetAdapter:
         """Keep the first keep[r] tokens of the last feed for row r; the rest become holes."""
         S, T = self._pending
         self._pending = None
-        if self.valid.shape[0] == 1:  # one row: keep the first keep[0] slots of the last feed, crop the rest
-            k = int(keep[0])
-            if 0 < k <= T:
-                self.seq_len = self.seq_len + k
-                if k < T:
-                    self.cache.crop(k - T)
-                self.valid = self.valid[:, : S + k]
-                return
         ar = torch.arange(T, device=self.device)
         self.valid[:, S:] &= ar[None, :] < keep[:, None]
         self.seq_len = self.seq_len + keep
-        self._trim()
+        kept = int(keep.max()) if keep.numel() else 0
+        self._trim(S + min(kept, T) if kept > 0 else None)  # the last used slot is known: no scan
 
     def mark(self) -> tuple[torch.Tensor, torch.Tensor, int, int]:
         """The committed state, for `rewind` after trial rounds (profiling)."""
@@ -313,10 +306,13 @@ class TargetAdapter:
                 )
             yield layer
 
-    def _trim(self) -> None:
+    def _trim(self, last: int | None = None) -> None:
+        """Crop the holes every row shares at the tail (`last`: the used width, when the caller knows
+        it), then compact if holes exceed a quarter of the cache."""
         S = self.valid.shape[1]
-        used = self.valid.any(dim=0)
-        last = int(used.nonzero().max()) + 1 if bool(used.any()) else 0
+        if last is None:
+            used = self.valid.any(dim=0)
+            last = int(used.nonzero().max()) + 1 if bool(used.any()) else 0
         if last < S:
             self.cache.crop(-(S - last))
             self.valid = self.valid[:, :last]
