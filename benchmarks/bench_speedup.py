@@ -7,7 +7,9 @@ three alike:
            transformers (torch's stock kernels): what a user runs without us
   * plain  dsparkctl's plain decoding (`plain_generate`, the engine's baseline)
   * spec   dsparkctl's speculative engine with the draft and policy given (repeat --policy to
-           compare several in the same run: spec:<policy> each; the first is "spec")
+           compare several in the same run: spec:<policy> each; the first is "spec"). Each runs
+           with `--siblings` (default auto, as `generate`); a policy written `SPEC,siblings=N`
+           overrides it for that decoder, e.g. `--policy dspark --policy dspark,siblings=0`.
   * plain-stock  (unless --cpu-kernels stock; the default is auto) our plain decoding on the
            stock model, so the gain of the kernel choice and the gain of speculation are reported
            apart: spec/plain is speculation alone (same kernels), plain/plain-stock the kernels alone.
@@ -64,6 +66,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--policy", action="append", default=None, help="default static:γ (repeatable)")
     ap.add_argument("--sps-table", default=None, help="SPS table for dspark policies")
+    ap.add_argument("--siblings", default="auto", help="siblings of x1 (engine/siblings.py): auto or a count")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--cpu-kernels", choices=("auto", "packed", "stock"), default="auto",
                     help="kernels of our decoders (HF generate always runs the stock model)")
@@ -85,10 +88,13 @@ def main() -> None:
     greedy = SamplingParams(0.0)
     sps = load_sps_table(args.sps_table) if args.sps_table else None
     calibration = sess.default_calibration()  # as generate: the draft's own calibration when it ships one
-    engines = {pol: SpeculativeEngine(sess.adapter, sess.draft,
-                                      load_policy(pol, sess.draft.block_size, None, calibration, sps=sps), greedy,
-                                      stop_token_ids=sess.stop_ids)
-               for pol in policies}
+
+    def engine(pol: str) -> SpeculativeEngine:
+        spec, _, sibs = pol.partition(",siblings=")
+        return SpeculativeEngine(sess.adapter, sess.draft, load_policy(spec, sess.draft.block_size, None, calibration,
+                                                                       sps=sps), greedy,
+                                 stop_token_ids=sess.stop_ids, siblings=sibs or args.siblings)
+    engines = {pol: engine(pol) for pol in policies}
     plain_adapter = sess.plain_adapter()
     N = args.max_new_tokens
 
@@ -173,7 +179,7 @@ def main() -> None:
     primary = rounds[spec_policy]
     draft_share = statistics.median(d / (d + v) for d, v in primary) if primary else None
     result = {
-        "draft": sess.draft_name, "policy": spec_policy, "calibration": str(calibration) if calibration else None, "dataset": args.dataset, "prompts": len(prompts),
+        "draft": sess.draft_name, "policy": spec_policy, "siblings": args.siblings, "calibration": str(calibration) if calibration else None, "dataset": args.dataset, "prompts": len(prompts),
         "repeats": args.repeats, "max_new_tokens": N, "threads": torch.get_num_threads(),
         "cpu_kernels": sess.cpu_kernels,
         "median_tok_s": med, "median_ratio": ratio, "median_ratio_interval95": interval,

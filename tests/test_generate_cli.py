@@ -128,6 +128,12 @@ def _bad(tmp_path, models, kind):
         return [*base, "--top-p", "1.5", "w1"], "--top-p must be"
     if kind == "zero max tokens":
         return [*base[:-1], "0", "w1"], "max-new-tokens"
+    if kind == "siblings while sampling":
+        return [*base, "--siblings", "2", "--temperature", "0.7", "w1"], "only greedy decoding"
+    if kind == "siblings not a count":
+        return [*base, "--siblings", "many", "w1"], "neither auto nor a whole number"
+    if kind == "siblings beside a trace":  # the test adds --trace to every case
+        return [*base, "--siblings", "2", "w1"], "records the draft's chain"
     if kind == "dspark with a missing table":
         return [*base, "--policy", "dspark", "--sps-table", "/nonexistent/sps.json", "w1"], "does not exist"
     raise AssertionError(kind)
@@ -136,7 +142,8 @@ def _bad(tmp_path, models, kind):
 BAD = ["unknown target", "unknown draft", "hidden mismatch", "vocab mismatch", "wrong tensor shape",
        "unexpected tensor", "tap beyond target", "static beyond block", "unknown policy",
        "empty prompt file", "empty jsonl row", "missing field", "negative temperature",
-       "top-p out of range", "zero max tokens", "dspark with a missing table"]
+       "top-p out of range", "zero max tokens", "dspark with a missing table", "siblings while sampling",
+       "siblings not a count", "siblings beside a trace"]
 
 
 @pytest.mark.parametrize("kind", BAD)

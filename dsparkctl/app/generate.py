@@ -21,8 +21,9 @@ from dsparkctl.engine.policy_choice import (calibration_notes, default_policy, p
                                             recording_policy)
 from dsparkctl.engine.report import GenerateOptions, generate_report
 from dsparkctl.engine.session import ModelSettings, open_session
+from dsparkctl.engine.siblings import AUTO, parse_siblings
 from dsparkctl.engine.sps_cache import machine_sps_table
-from dsparkctl.errors import option
+from dsparkctl.errors import UsageError, option
 from dsparkctl.math.sampling import SamplingParams
 from dsparkctl.models.target import check_positions
 from dsparkctl.provenance import provenance
@@ -51,6 +52,7 @@ class GenerateSpec(ModelSettings):
     trace: Path | None = None  # per-round trace (JSON lines)
     baseline: bool = False  # also plain decoding of the same prompts
     repeats: int = 1  # timed runs of each decoder (GenerateOptions)
+    siblings: str = "auto"  # greedy: x1's siblings verified beside the chain (engine/siblings.py): auto or a count
 
 
 def _quiet(message: str) -> None:
@@ -72,6 +74,12 @@ def run_generate(spec: GenerateSpec, *,
     preset, temperature, max_new_tokens = with_preset(spec.preset, spec.temperature, spec.max_new_tokens)
     sampling = SamplingParams(temperature=temperature, top_k=spec.top_k, top_p=spec.top_p)
     check_positive(spec.batch_size, "batch_size")
+    siblings = parse_siblings(spec.siblings, greedy=sampling.greedy)
+    if spec.trace is not None and siblings != 0:  # a trace records the chain alone, for calibrate and sweep-scheduler
+        if siblings != AUTO:
+            raise UsageError(f"{option('trace')} records the draft's chain for calibration; siblings would mix "
+                             "into it", f"drop {option('siblings')} (a trace runs without siblings)")
+        siblings = 0
     if spec.trace is not None:
         check_outputs([Output(spec.trace, option("trace"))],
                       local_inputs(spec.prompts_file, spec.sps_table, spec.calibration, spec.dataset,
@@ -108,7 +116,7 @@ def run_generate(spec: GenerateSpec, *,
         note(m)
     opts = GenerateOptions(
         sampling=sampling, max_new_tokens=max_new_tokens, batch_size=1 if spec.stream else spec.batch_size,
-        seed=spec.seed, policy=pol, baseline=spec.baseline, repeats=spec.repeats, trace=spec.trace,
+        seed=spec.seed, policy=pol, siblings=siblings, baseline=spec.baseline, repeats=spec.repeats, trace=spec.trace,
         trace_header=provenance(target=sess.target.name, draft=sess.draft_name, draft_fingerprint=sess.draft.fingerprint(),
                                 dataset=spec.dataset or (str(spec.prompts_file) if spec.prompts_file else "args"),
                                 temperature=temperature, top_p=spec.top_p, top_k=spec.top_k, seed=spec.seed,

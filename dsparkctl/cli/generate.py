@@ -77,6 +77,9 @@ def generate(
                                          "(with --baseline interleaved: speculative, plain, speculative, ...); "
                                          "tokens/s and the speedup are medians. With N > 1, text, τ and the trace "
                                          "come from one more, untimed run.")] = 1,
+    siblings: Annotated[str, typer.Option("--siblings", help="Greedy only: also verify the draft's next-best "
+                                          "tokens for the first position beside its chain, as a tree (one forward); "
+                                          "auto prices them with the SPS table, a number fixes how many, 0 is off.")] = "auto",
     chat: Annotated[bool, typer.Option("--chat/--no-chat", help="Wrap prompts in the target's chat template.")] = True,
     show_text: Annotated[bool, typer.Option("--text/--no-text", help="Print the generated text.")] = True,
     trust_remote_code: TrustRemoteCodeOpt = False,
@@ -91,7 +94,7 @@ def generate(
         target_parallel=target_parallel, device=device.value, dtype=dtype.value, cpu_kernels=cpu_kernels.value,
         policy=policy, sps_table=sps_table, calibration=calibration, preset=preset, temperature=temperature,
         top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed, stream=stream,
-        chat=chat, trace=trace, baseline=baseline, repeats=repeats)
+        chat=chat, trace=trace, baseline=baseline, repeats=repeats, siblings=siblings)
     show = lambda m: err.print(styled((m, "dim")))  # noqa: E731
     with progress_bar("generate", None, unit="prompts", enabled=not stream) as update:
         report = run_generate(spec, log=show if not json_out or show_progress() else lambda m: None,
@@ -148,6 +151,10 @@ def summary_table(report: dict[str, Any]) -> Table:
     t.add_row("rounds / engine steps", f"{acc['rounds']} / {report['engine_steps']}")
     if "drafted_steps" in report:
         t.add_row("engine steps that ran the draft", f"{report['drafted_steps']} / {report['engine_steps']}")
+    sib = report.get("siblings") or {}
+    if sib.get("rows_verified_with"):
+        t.add_row("rows verified with siblings of x1 / that took one",
+                  f"{sib['rows_verified_with']} / {sib['rows_that_took_one']}")
     t.add_row("generated tokens", str(report["generated_tokens"]))
     runs = f" (median of {report['repeats']})" if report.get("repeats", 1) > 1 else ""
     t.add_row(f"speculative tokens/s{runs}", f"{report['tokens_per_s']:.1f}")

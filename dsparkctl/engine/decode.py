@@ -65,6 +65,7 @@ class PromptsResult:
     times_ms: dict[str, float] = field(default_factory=dict)  # summed engine phase times
     rounds: int = 0  # engine steps
     drafted_steps: int = 0  # engine steps that ran the draft (the policy planned the rest as plain steps)
+    siblings: dict[str, int] = field(default_factory=dict)  # rows verified with siblings / that took one
     wall_s: float = 0.0
     trace_rows: list[TraceRound] = field(default_factory=list)  # merged runs only (distributed)
 
@@ -73,7 +74,7 @@ class PromptsResult:
         return sum(len(o.tokens) for o in self.outputs if o is not None)
 
     def add(self, outputs: Iterable[tuple[int, RequestOutput]], stats: AcceptanceStats | None, rounds: int,
-            times_ms: dict[str, float], drafted_steps: int = 0) -> None:
+            times_ms: dict[str, float], drafted_steps: int = 0, siblings: dict[str, int] | None = None) -> None:
         """Fold in one batch's or one rank's part: outputs by prompt index, summed statistics and times."""
         for i, o in outputs:
             self.outputs[i] = o
@@ -81,6 +82,8 @@ class PromptsResult:
             self.stats = self.stats.merge(stats)
         self.rounds += rounds
         self.drafted_steps += drafted_steps
+        for k, v in (siblings or {}).items():
+            self.siblings[k] = self.siblings.get(k, 0) + v
         for k, v in times_ms.items():
             self.times_ms[k] = self.times_ms.get(k, 0.0) + v
 
@@ -113,7 +116,8 @@ def run_prompts(decode: Decoder, prompts: Sequence[Sequence[int]], batch_size: i
                          ) if on_round else None
         shifted_tokens = (lambda r, toks, base=base: on_tokens(r + base, toks)) if on_tokens else None
         rep = decode([list(prompts[i]) for i in idx], batch_generator(device, seed, b), shifted_round, shifted_tokens)
-        res.add(zip(idx, rep.outputs), rep.stats, rep.rounds, rep.times_ms, rep.drafted_steps)
+        res.add(zip(idx, rep.outputs), rep.stats, rep.rounds, rep.times_ms, rep.drafted_steps,
+                getattr(rep, "siblings", None))
         if on_batch:
             on_batch(done, len(todo))
     res.wall_s = time.perf_counter() - t0
@@ -130,7 +134,7 @@ def _merge(pieces: list[tuple[PromptsResult, list[TraceRound]]], n: int, block_s
     out = PromptsResult(outputs=[None] * n, stats=AcceptanceStats(block_size=block_size) if block_size else None)
     for part, _ in pieces:
         out.add(((i, o) for i, o in enumerate(part.outputs) if o is not None), part.stats, part.rounds, part.times_ms,
-                part.drafted_steps)
+                part.drafted_steps, part.siblings)
         out.wall_s = max(out.wall_s, part.wall_s)
     out.trace_rows = sorted((r for _, rows in pieces for r in rows), key=lambda r: (r.request, r.round))
     return out

@@ -3,7 +3,8 @@
     prefill(prompt) ─► anchor x0 (sampled by the target)
     repeat:  draft block x1..xγ (one parallel forward + serial Markov loop)
              ℓ_r = policy(confidences)              (capped by the request's remaining budget)
-             target forward over [x0, x1..xℓ]        (one call for the whole batch)
+             target forward over [x0, x1..xℓ]        (one call for the whole batch; greedy may add
+                                                      siblings of x1 as a tree: engine/siblings.py)
              verify → accepted a_r, one recovered/bonus token
              commit a_r+1 tokens to both caches; the emitted token is the next anchor
 Each round emits `accepted + 1` tokens per request. Finished requests (EOS or budget) leave
@@ -18,6 +19,7 @@ from typing import Callable, Sequence
 import torch
 
 from dsparkctl.checks import check_positive
+from dsparkctl.engine import siblings as sib
 from dsparkctl.engine.clock import Clock
 from dsparkctl.formats.trace import TraceRound
 from dsparkctl.math.policies import Policy
@@ -45,6 +47,7 @@ class RunReport:
     times_ms: dict[str, float]  # speculative: prefill, draft, schedule, verify, accept, total; plain: prefill, decode, total
     rounds: int  # batched rounds (engine steps)
     drafted_steps: int = 0  # engine steps that ran the draft (the rest were plain steps the policy chose)
+    siblings: dict[str, int] = field(default_factory=dict)  # rows verified with siblings, rows that took one
 
     @property
     def generated(self) -> int:
@@ -80,7 +83,8 @@ class LiveRows:
 class Round:
     """What one round did for each live row."""
 
-    verify_lengths: torch.Tensor  # [n] ℓ after the budget cap
+    verify_lengths: torch.Tensor  # [n] ℓ after the budget cap (1 where a sibling of x1 was taken: its round
+                                  # verified one position, by the chain's x1 and its siblings together)
     budget_capped: torch.Tensor  # [n] bool, ℓ was cut below the policy's choice by the token budget
     accepted: torch.Tensor  # [n] drafts accepted
     emitted: torch.Tensor  # [n, γ+1] accepted drafts then one recovered/bonus token (-1 padded)
@@ -90,6 +94,8 @@ class Round:
     draft_ms: float
     verify_ms: float
     drafted: bool = True  # False: the policy skipped the draft (a plain step, ℓ = 0 for every row)
+    siblings: int = 0  # siblings of x1 verified per row (engine/siblings.py)
+    sibling_taken: torch.Tensor | None = None  # [n] the sibling each row accepted, -1 none
 
 
 class SpeculativeEngine:
@@ -97,7 +103,7 @@ class SpeculativeEngine:
 
     def __init__(self, target: TargetAdapter, draft: DSparkDraft, policy: Policy,
                  sampling: SamplingParams, stop_token_ids: Sequence[int] = (),
-                 draft_sampling: SamplingParams | None = None):
+                 draft_sampling: SamplingParams | None = None, siblings: int | str = 0):
         if not isinstance(policy, Policy):
             raise TypeError(f"policy must be a dsparkctl Policy, got {type(policy).__name__}")
         self.target, self.draft, self.policy = target, draft, policy
@@ -106,6 +112,27 @@ class SpeculativeEngine:
         self.stop_ids = torch.tensor(sorted(set(int(t) for t in stop_token_ids)) or [-1],
                                      device=target.device)
         check_fits(policy, draft.block_size)
+        self.siblings = sib.parse_siblings(siblings, greedy=sampling.greedy and self.draft_sampling.greedy)
+
+    def _proposed_siblings(self) -> int:
+        """How many runners-up the draft keeps: none unless both sides are greedy; for `auto`
+        none without an SPS table to price them."""
+        if not (self.sampling.greedy and self.draft_sampling.greedy):
+            return 0
+        if self.siblings == sib.AUTO:
+            return sib.MAX_SIBLINGS if self.policy.sps is not None else 0
+        return int(self.siblings)
+
+    def sibling_feed(self, block, conf: torch.Tensor | None, ell: torch.Tensor) -> sib.SiblingFeed | None:
+        """This round's siblings: a fixed count, or `auto`'s priced one (needs confidences)."""
+        if block.alternatives is None:
+            return None
+        n = int(block.alternatives.shape[1])
+        if self.siblings == sib.AUTO:
+            if conf is None:
+                return None
+            n = sib.count(self.policy.survival(conf.detach().cpu()), ell, block.first_probs, self.policy.sps, n)
+        return sib.sibling_feed(block.alternatives, ell, n)
 
     # ------------------------------------------------------------------ stages
     def prefill(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
@@ -131,16 +158,26 @@ class SpeculativeEngine:
         budget = (max_new_tokens - live.produced - 1).clamp(min=0)  # a round emits ℓ+1 at most
         return torch.minimum(ell, budget), ell > budget
 
-    def verify(self, live: LiveRows, block, ell: torch.Tensor, generator: torch.Generator | None):
-        """One target forward over [x0, x1..xℓ] per row, then the lossless acceptance rule.
-        Returns (VerifyResult, TargetOutput)."""
+    def verify(self, live: LiveRows, block, ell: torch.Tensor, generator: torch.Generator | None,
+               feed: sib.SiblingFeed | None = None):
+        """One target forward over [x0, x1..xℓ] per row (and x1's siblings, greedy), then the
+        lossless acceptance rule. Returns (VerifyResult, TargetOutput, sibling taken [n] or None)."""
         T = int(ell.max()) + 1
         ids = torch.cat([live.anchors[:, None], block.tokens[:, : T - 1]], dim=1)  # [n, T]
-        out = self.target.extend(ids, ell + 1)
+        if feed is None:
+            out = self.target.extend(ids, ell + 1)
+        else:
+            chain = torch.arange(T, device=ids.device)[None, :] < (ell + 1)[:, None]
+            out = self.target.extend(torch.cat([ids, feed.tokens], dim=1), ell + 1,
+                                     tree=lambda cached, seq_len: sib.tree_layout(feed, chain, cached, seq_len))
         greedy = self.sampling.greedy
-        p = out.logits if greedy else warp_probs(out.logits, self.sampling)  # greedy: argmax of the logits
+        p = out.logits[:, :T] if greedy else warp_probs(out.logits, self.sampling)  # greedy: argmax of the logits
         q = None if greedy else block.full_probs(p.shape[-1])[:, : T - 1]  # [n, T-1, V]
-        return verify(p, q, block.tokens[:, : T - 1], ell, generator, greedy), out
+        res = verify(p, q, block.tokens[:, : T - 1], ell, generator, greedy)
+        if feed is None:
+            return res, out, None
+        res, taken = sib.rescue(res, out.logits, feed)
+        return res, out, taken
 
     def plain_step(self, live: LiveRows, generator: torch.Generator | None):
         """A step without a draft: one target forward over the anchors, one token drawn from p
@@ -152,14 +189,23 @@ class SpeculativeEngine:
         zero = torch.zeros_like(one)
         return VerifyResult(accepted=zero, emitted=tok[:, None], num_emitted=one), out
 
-    def commit(self, live: LiveRows, res, out) -> tuple[torch.Tensor, torch.Tensor]:
+    def commit(self, live: LiveRows, res, out, feed: sib.SiblingFeed | None = None,
+               taken: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keep the accepted drafts + one token in both caches; the emitted token is the next anchor.
         The draft's context update waits for its next proposal, which takes it into its own first
-        products (models/draft_inference.py). Returns (kept [n], stopped [n])."""
+        products (models/draft_inference.py). A tree feed keeps x0 and the sibling a row took
+        (`taken`), the draft reading their features. Returns (kept [n], stopped [n])."""
         n = live.requests.numel()
         kept = _first_stop(res.emitted, res.num_emitted, self.stop_ids)  # tokens kept this round per row
-        self.target.commit(res.accepted + 1)
-        self.draft.defer_context(live.context, out.features, res.accepted + 1)
+        features = out.features
+        if feed is None:
+            self.target.commit(res.accepted + 1)
+        else:
+            slots, order = sib.kept_slots(res.accepted, taken, feed)
+            self.target.commit(res.accepted + 1, slots=slots)
+            if features is not None and bool((taken >= 0).any()):
+                features = features.gather(1, order[:, :, None].expand(-1, -1, features.shape[-1]))
+        self.draft.defer_context(live.context, features, res.accepted + 1)
         live.anchors = res.emitted[torch.arange(n, device=live.anchors.device), res.accepted]
         live.produced = live.produced + kept
         last = res.emitted.gather(1, (kept - 1)[:, None]).squeeze(1)
@@ -179,16 +225,23 @@ class SpeculativeEngine:
                          accepted=res.accepted, emitted=res.emitted, kept=kept, stopped=stopped,
                          confidence_logits=None, draft_ms=0.0, verify_ms=verify_ms, drafted=False)
         prop = self.draft.propose(live.context, live.anchors, self.draft_sampling, generator,
-                                  need_probs=not self.sampling.greedy)  # greedy verification never reads q
+                                  need_probs=not self.sampling.greedy,  # greedy verification never reads q
+                                  alternatives=self._proposed_siblings())
         draft_ms = clock.lap("draft")
         ell, capped = self.schedule(prop.confidence_logits, live, max_new_tokens)
+        feed = self.sibling_feed(prop.block, prop.confidence_logits, ell)
         clock.lap("schedule")
-        res, out = self.verify(live, prop.block, ell, generator)
+        res, out, taken = self.verify(live, prop.block, ell, generator, feed)
         verify_ms = clock.lap("verify")
-        self.policy.observe(ell, res.accepted)  # what this draft brought, for later skip decisions
-        kept, stopped = self.commit(live, res, out)
+        # what this draft's chain brought, for later skip decisions (a sibling's token not counted: the
+        # gate errs toward plain steps)
+        self.policy.observe(ell, res.accepted if taken is None else torch.where(taken >= 0, 0, res.accepted))
+        kept, stopped = self.commit(live, res, out, feed, taken)
+        if taken is not None:
+            ell = torch.where(taken >= 0, 1, ell)
         return Round(verify_lengths=ell, budget_capped=capped, accepted=res.accepted, emitted=res.emitted, kept=kept,
-                     stopped=stopped, confidence_logits=prop.confidence_logits, draft_ms=draft_ms, verify_ms=verify_ms)
+                     stopped=stopped, confidence_logits=prop.confidence_logits, draft_ms=draft_ms, verify_ms=verify_ms,
+                     siblings=0 if feed is None else int(feed.tokens.shape[1]), sibling_taken=taken)
 
     def mark(self, live: LiveRows) -> Callable[[], None]:
         """Where the rows stand now; calling the result rewinds target, draft and rows there, so a
@@ -232,6 +285,7 @@ class SpeculativeEngine:
         finished = torch.tensor([t in stop or max_new_tokens <= 1 for t in first], device=live.anchors.device)
         round_no = [0] * len(prompts)
         steps = drafted_steps = 0
+        sibs: dict[str, int] = {}
         while True:
             if bool(finished.any()):
                 rows = (~finished).nonzero().flatten()
@@ -244,6 +298,9 @@ class SpeculativeEngine:
             stats.add_rounds(rd.verify_lengths, rd.accepted)
             steps += 1
             drafted_steps += rd.drafted
+            if rd.siblings:
+                sibs["rows"] = sibs.get("rows", 0) + int((rd.verify_lengths >= 1).sum())  # ℓ ≥ 1: siblings fed
+                sibs["taken"] = sibs.get("taken", 0) + int((rd.sibling_taken >= 0).sum())
             emitted, kept, requests = rd.emitted.tolist(), rd.kept.tolist(), live.requests.tolist()
             for i, req in enumerate(requests):
                 toks = emitted[i][: kept[i]]
@@ -260,7 +317,8 @@ class SpeculativeEngine:
         clock.lap("accept")
         times = dict(clock.totals)
         times["total"] = sum(clock.totals.values())
-        return RunReport(outputs=outputs, stats=stats, times_ms=times, rounds=steps, drafted_steps=drafted_steps)
+        return RunReport(outputs=outputs, stats=stats, times_ms=times, rounds=steps, drafted_steps=drafted_steps,
+                         siblings=sibs)
 
 
 def trace_rows(rd: Round, requests: list[int], round_no: list[int], gamma: int) -> list[TraceRound]:

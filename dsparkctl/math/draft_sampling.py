@@ -41,6 +41,8 @@ class DraftBlock:
                                  # None when not asked for (need_probs=False)
     markov_embeds: Tensor | None # [R, γ, r] W1[x_{k-1}] per slot (confidence-head input); None for DFlash
     vocab_ids: Tensor | None = None  # [K] target id of each draft index; None = the full vocabulary
+    alternatives: Tensor | None = None  # [R, N] target ids: position 1's runners-up after x_1 (siblings)
+    first_probs: Tensor | None = None   # [R, 1 + N] the draft's probabilities of x_1 and those runners-up
 
     def full_probs(self, vocab_size: int) -> Tensor:
         """q over the target vocabulary [R, γ, V]: zero outside the draft's subset."""
@@ -62,6 +64,7 @@ def sample_block(
     generator: torch.Generator | None,
     vocab_ids: Tensor | None = None,  # [K] target ids of the logits' columns; None = full vocabulary
     need_probs: bool = True,      # False: the block's q is never read (greedy verification); not stored
+    alternatives: int = 0,        # greedy: also keep position 1's next-best N tokens (engine/siblings.py)
 ) -> DraftBlock:
     """Run the serial Markov loop (or the parallel DFlash draw) and return the draft block."""
     R, g, V = base_logits.shape
@@ -72,16 +75,19 @@ def sample_block(
 
     if head is None:
         if argmax_only:
-            return DraftBlock(tokens=to_target(base_logits.argmax(dim=-1)), probs=None, markov_embeds=None,
-                              vocab_ids=vocab_ids)
+            idx = base_logits.argmax(dim=-1)
+            alts, first = _runners_up(base_logits[:, 0], idx[:, 0], alternatives, vocab_ids) if alternatives else (None, None)
+            return DraftBlock(tokens=to_target(idx), probs=None, markov_embeds=None, vocab_ids=vocab_ids,
+                              alternatives=alts, first_probs=first)
         probs = warp_probs(base_logits, params)                              # [R, γ, K]
         return DraftBlock(tokens=to_target(draw(probs, params, generator, warped=True)),
                           probs=probs if need_probs else None, markov_embeds=None, vocab_ids=vocab_ids)
 
     if argmax_only and head.kind == "vanilla" and not torch.is_grad_enabled():
-        fast = _greedy_vanilla(base_logits, anchors, head, vocab_ids)
+        fast = _greedy_vanilla(base_logits, anchors, head, vocab_ids, alternatives)
         if fast is not None:
             return fast
+    runners_up = None
     device = base_logits.device
     tokens = torch.empty((R, g), dtype=torch.long, device=device)
     probs = torch.empty((R, g, V), dtype=torch.float32, device=device) if need_probs else None
@@ -95,6 +101,8 @@ def sample_block(
                                                     state)                   # new tensor [R, V]
             if argmax_only:
                 idx = logits.argmax(dim=-1)                                  # [R]
+                if k == 0 and alternatives:
+                    runners_up = _runners_up(logits, idx, alternatives, vocab_ids)
             else:
                 p = warp_probs(logits, params)                               # [R, K] float32
                 idx = draw(p, params, generator, warped=True)                # [R]
@@ -103,10 +111,26 @@ def sample_block(
             prev = to_target(idx)                                            # [R] target ids
             tokens[:, k] = prev
             embeds[:, k] = embed
-    return DraftBlock(tokens=tokens, probs=probs, markov_embeds=embeds, vocab_ids=vocab_ids)
+    alts, first = runners_up if runners_up is not None else (None, None)
+    return DraftBlock(tokens=tokens, probs=probs, markov_embeds=embeds, vocab_ids=vocab_ids,
+                      alternatives=alts, first_probs=first)
 
 
-def _greedy_vanilla(base_logits: Tensor, anchors: Tensor, head, vocab_ids: Tensor | None) -> DraftBlock | None:
+def _runners_up(logits: Tensor, idx: Tensor, n: int, vocab_ids: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Position 1's N best tokens after the chosen `idx` (target ids) and the draft's probabilities
+    of [idx, those N] → ([R, N], [R, 1 + N]). `idx` is the argmax: ties resolve as the argmax did."""
+    n = min(n, logits.shape[-1] - 1)
+    probs = torch.softmax(logits.float(), dim=-1)
+    top = probs.topk(n + 1, dim=-1).indices  # [R, n + 1]
+    others = top != idx[:, None]
+    pick = others.to(torch.int8).argsort(dim=1, descending=True, stable=True)[:, :n]  # the first n that are not idx
+    alt = top.gather(1, pick)
+    first = torch.cat([probs.gather(1, idx[:, None]), probs.gather(1, alt)], dim=1)
+    return (alt if vocab_ids is None else vocab_ids[alt]), first
+
+
+def _greedy_vanilla(base_logits: Tensor, anchors: Tensor, head, vocab_ids: Tensor | None,
+                    alternatives: int = 0) -> DraftBlock | None:
     """The serial loop for the common inference case (greedy draft, vanilla head, no probs kept):
     per step one lookup, one addmm over W2ᵀ and one argmax, the blocks stacked at the end. The
     same values as `MarkovHead.step_logits`' inference path; None where that path would not run."""
@@ -115,12 +139,15 @@ def _greedy_vanilla(base_logits: Tensor, anchors: Tensor, head, vocab_ids: Tenso
         return None
     w2t = head._w2_t(w2)
     prev = anchors.to(device=base_logits.device, dtype=torch.long)
-    tokens, embeds = [], []
+    tokens, embeds, runners_up = [], [], (None, None)
     for k in range(base_logits.shape[1]):
         embed = F.embedding(prev, w1)                                       # [R, r] W1[x_{k-1}]
-        idx = torch.addmm(base_logits[:, k], embed, w2t).argmax(dim=-1)    # [R]
+        logits = torch.addmm(base_logits[:, k], embed, w2t)
+        idx = logits.argmax(dim=-1)                                         # [R]
+        if k == 0 and alternatives:
+            runners_up = _runners_up(logits, idx, alternatives, vocab_ids)
         prev = idx if vocab_ids is None else vocab_ids[idx]
         tokens.append(prev)
         embeds.append(embed)
     return DraftBlock(tokens=torch.stack(tokens, dim=1), probs=None, markov_embeds=torch.stack(embeds, dim=1),
-                      vocab_ids=vocab_ids)
+                      vocab_ids=vocab_ids, alternatives=runners_up[0], first_probs=runners_up[1])

@@ -210,14 +210,16 @@ class DraftInference:
 
     @torch.no_grad()
     def propose(self, state: DraftState, anchors: Tensor, params: SamplingParams,
-                generator: torch.Generator | None, need_probs: bool = True) -> DraftProposal:
+                generator: torch.Generator | None, need_probs: bool = True, alternatives: int = 0) -> DraftProposal:
         """Draft one block for every row: parallel backbone, serial Markov loop, confidences.
-        `need_probs=False` (greedy verification, which never reads q): the block holds no probs."""
+        `need_probs=False` (greedy verification, which never reads q): the block holds no probs.
+        `alternatives` (greedy): also position 1's next-best tokens, the engine's siblings."""
         h = self.backbone(state, anchors)  # [R, γ, H] (the pending context goes in first)
         base = self.lm_head(h.to(self.lm_head.weight.dtype)).float()  # [R, γ, V]
         need_h = self.markov_head is not None and self.markov_head.needs_hidden
         block = sample_block(base, anchors, self.markov_head, h if need_h else None, params, generator,
-                             vocab_ids=self.draft_vocab_ids, need_probs=need_probs)
+                             vocab_ids=self.draft_vocab_ids, need_probs=need_probs,
+                             alternatives=alternatives if params.greedy and not need_probs else 0)
         conf = None
         if self.confidence_head is not None:
             feats = h

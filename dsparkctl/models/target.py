@@ -94,10 +94,10 @@ def cached_forward(module: torch.nn.Module, ids: torch.Tensor, mask: torch.Tenso
                    layer_ids: Sequence[int] = ()) -> tuple[Any, torch.Tensor | None]:
     """One forward of `module` (a causal LM, or its base model) over ids [R, T] at positions pos
     [R, T], appending their K/V to `cache`; mask [R, S+T] says which slots (cached, then these) hold
-    a token. Returns (the transformers output, the tapped layers' outputs [R, T, n_taps*H] on ids'
-    device, or None without `layer_ids`)."""
-    kw = dict(input_ids=ids, attention_mask=mask.to(torch.long), position_ids=pos, **with_cache(module, cache),
-              use_cache=True)
+    a token, or is a prepared [R, 1, T, S+T] bool mask (a tree feed). Returns (the transformers
+    output, the tapped layers' outputs [R, T, n_taps*H] on ids' device, or None without `layer_ids`)."""
+    kw = dict(input_ids=ids, attention_mask=mask if mask.dim() == 4 else mask.to(torch.long), position_ids=pos,
+              **with_cache(module, cache), use_cache=True)
     if not layer_ids:
         return module(**kw), None
     return forward_taps(module, layer_ids, ids.device, **kw)
@@ -254,32 +254,44 @@ class TargetAdapter:
         return out
 
     @torch.no_grad()
-    def extend(self, ids: torch.Tensor, lengths: torch.Tensor) -> TargetOutput:
+    def extend(self, ids: torch.Tensor, lengths: torch.Tensor, tree=None) -> TargetOutput:
         """Feed `ids[r, :lengths[r]]` after row r's committed tokens.  ids: [R, T], lengths: [R].
-
+        `tree` (a tree feed, engine/siblings.py): (cached slots' validity [R, S], committed counts
+        [R]) -> (mask [R, 1, T, S+T] bool, positions [R, T], the fed slots' validity [R, T]).
         The fed tokens are provisional until `commit`.
         """
         assert self._pending is None, "commit() the previous feed first"
         R, T = ids.shape
         S = self.valid.shape[1]
         ar = torch.arange(T, device=self.device)
-        new_valid = ar[None, :] < lengths[:, None]  # [R, T]
-        attn = torch.cat([self.valid, new_valid], dim=1)  # [R, S+T]
-        pos = self.seq_len[:, None] + ar[None, :]  # [R, T]
-        out = self._run(ids, attn, pos)
+        if tree is None:
+            new_valid = ar[None, :] < lengths[:, None]  # [R, T]
+            attn = torch.cat([self.valid, new_valid], dim=1)  # [R, S+T]
+            pos = self.seq_len[:, None] + ar[None, :]  # [R, T]
+            out = self._run(ids, attn, pos)
+        else:
+            mask, pos, new_valid = tree(self.valid, self.seq_len)
+            out = self._run(ids, mask, pos)
+            attn = torch.cat([self.valid, new_valid], dim=1)
         self.valid = attn
         self._pending = (S, T)
         return out
 
-    def commit(self, keep: torch.Tensor) -> None:
-        """Keep the first keep[r] tokens of the last feed for row r; the rest become holes."""
+    def commit(self, keep: torch.Tensor, slots: torch.Tensor | None = None) -> None:
+        """Keep the first keep[r] tokens of the last feed for row r; the rest become holes.
+        `slots` [R, T] bool (a tree feed): keep exactly those slots of the feed instead."""
         S, T = self._pending
         self._pending = None
-        ar = torch.arange(T, device=self.device)
-        self.valid[:, S:] &= ar[None, :] < keep[:, None]
-        self.seq_len = self.seq_len + keep
-        kept = int(keep.max()) if keep.numel() else 0
-        self._trim(S + min(kept, T) if kept > 0 else None)  # the last used slot is known: no scan
+        if slots is None:
+            ar = torch.arange(T, device=self.device)
+            self.valid[:, S:] &= ar[None, :] < keep[:, None]
+            self.seq_len = self.seq_len + keep
+            kept = int(keep.max()) if keep.numel() else 0
+            self._trim(S + min(kept, T) if kept > 0 else None)  # the last used slot is known: no scan
+            return
+        self.valid[:, S:] &= slots
+        self.seq_len = self.seq_len + slots.sum(dim=1)
+        self._trim()
 
     def mark(self) -> tuple[torch.Tensor, torch.Tensor, int, int]:
         """The committed state, for `rewind` after trial rounds (profiling)."""

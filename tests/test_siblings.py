@@ -1,0 +1,155 @@
+"""Siblings of x1 (engine/siblings.py): the tree feed scores each sibling as its own chain would,
+greedy output stays identical to plain decoding, and the pieces (rescue, kept slots, count) do
+what they say."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsparkctl.engine import siblings as sib
+from dsparkctl.engine.speculative import SpeculativeEngine, plain_generate
+from dsparkctl.errors import UsageError
+from dsparkctl.math.policy_spec import parse_policy
+from dsparkctl.math.sampling import SamplingParams
+from dsparkctl.math.sps import SPSTable
+from dsparkctl.math.verify import VerifyResult
+from dsparkctl.models.draft_io import random_draft
+from dsparkctl.models.target import TargetAdapter
+from tests.tiny_models import bigram_oracle_draft, tiny_target
+
+PROMPTS = [[5, 6, 7, 8, 9], [3, 4], [10, 11, 12, 13, 14, 15, 16, 17], [20]]
+FLAT = SPSTable([1, 2, 4, 8, 16, 32, 64], [100.0] * 7)  # extra tokens cost nothing: siblings always pay
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_tree_feed_scores_each_sibling_as_its_own_chain(family):
+    model = tiny_target(family)
+    prompts = [[5, 6, 7, 8, 9], [3, 4, 11]]
+    tree = TargetAdapter(model, [0, 1])
+    tree.prefill(prompts)
+    x = torch.tensor([[21, 22, 23], [31, 32, 33]])  # x0 x1 x2 per row; row 1 verifies one draft only
+    ell = torch.tensor([2, 1])
+    feed = sib.sibling_feed(torch.tensor([[40, 41], [42, 43]]), ell, 2)
+    valid = torch.arange(3)[None, :] < (ell + 1)[:, None]
+    out = tree.extend(torch.cat([x, feed.tokens], 1), ell + 1,
+                      tree=lambda cached, seq_len: sib.tree_layout(feed, valid, cached, seq_len))
+    for r, p in enumerate(prompts):
+        for j in range(2):  # sibling j alone after x0: the chain [x0, s_j]
+            chain = TargetAdapter(model, [0, 1])
+            chain.prefill([p])
+            ref = chain.extend(torch.tensor([[int(x[r, 0]), int(feed.tokens[r, j])]]), torch.tensor([2]))
+            torch.testing.assert_close(out.logits[r, 3 + j], ref.logits[0, 1], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(out.features[r, 3 + j], ref.features[0, 1], atol=1e-5, rtol=1e-5)
+        chain = TargetAdapter(model, [0, 1])
+        chain.prefill([p])  # and the chain's own slots as a plain verify scores them
+        n = int(ell[r]) + 1
+        ref = chain.extend(x[r: r + 1, :n], torch.tensor([n]))
+        torch.testing.assert_close(out.logits[r, :n], ref.logits[0], atol=1e-5, rtol=1e-5)
+
+
+def test_a_kept_sibling_leaves_the_cache_as_its_chain_would():
+    """Commit x0 and sibling 1, then decode on: the next forward sees exactly [prompt, x0, s1]."""
+    model = tiny_target("llama")
+    p = [5, 6, 7, 8, 9]
+    a, b = TargetAdapter(model, [0, 1]), TargetAdapter(model, [0, 1])
+    a.prefill([p])
+    ell = torch.tensor([3])
+    feed = sib.sibling_feed(torch.tensor([[40, 41]]), ell, 2)
+    valid = torch.ones(1, 4, dtype=torch.bool)
+    a.extend(torch.tensor([[21, 22, 23, 24, 40, 41]]), ell + 1,
+             tree=lambda cached, seq_len: sib.tree_layout(feed, valid, cached, seq_len))
+    slots, _ = sib.kept_slots(torch.tensor([1]), torch.tensor([1]), feed)
+    assert slots.tolist() == [[True, False, False, False, False, True]]
+    a.commit(torch.tensor([2]), slots=slots)
+    b.prefill([p + [21, 41]])
+    assert int(a.seq_len[0]) == len(p) + 2
+    got = a.extend(torch.tensor([[50]]), torch.tensor([1]))
+    ref = b.extend(torch.tensor([[50]]), torch.tensor([1]))
+    torch.testing.assert_close(got.logits, ref.logits, atol=1e-5, rtol=1e-5)
+
+
+def _engine(family, oracle, siblings, policy="static:3", table=FLAT):
+    model = tiny_target(family)
+    tgt = TargetAdapter(model, [0, 1])
+    draft = (bigram_oracle_draft(tgt, PROMPTS, block_size=4, layer_ids=[0, 1]) if oracle else
+             random_draft(tgt, seed=3, block_size=4, markov_rank=8, layer_ids=[0, 1]))
+    return model, SpeculativeEngine(tgt, draft, parse_policy(policy, sps=table), SamplingParams(0.0),
+                                    siblings=siblings)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("oracle,siblings,policy", [(False, 3, "static:3"), (True, 2, "static:2"),
+                                                     (False, "auto", "dspark"), (True, "auto", "dspark"),
+                                                     (False, 16, "static:1")])
+def test_greedy_identity_with_siblings(family, oracle, siblings, policy):
+    model, eng = _engine(family, oracle, siblings, policy)
+    base = plain_generate(TargetAdapter(model), PROMPTS, 40, SamplingParams(0.0))
+    rep = eng.generate(PROMPTS, 40)
+    for i, (a, b) in enumerate(zip(rep.outputs, base.outputs)):
+        assert a.tokens == b.tokens, f"request {i} differs"
+    single = eng.generate([PROMPTS[2]], 40)
+    assert single.outputs[0].tokens == base.outputs[2].tokens
+    assert rep.siblings.get("rows", 0) > 0  # siblings were verified
+    # τ counts every emitted token: rounds' tokens add up to what was generated after the prefill's
+    assert rep.stats.tokens == sum(len(o.tokens) - 1 for o in rep.outputs)
+    if not oracle:  # a random draft misses x1 often: its runners-up must have been taken somewhere
+        assert rep.siblings["taken"] > 0, rep.siblings
+
+
+def test_siblings_off_or_refused_when_sampling():
+    model = tiny_target("llama")
+    tgt = TargetAdapter(model, [0, 1])
+    draft = random_draft(tgt, seed=3, block_size=4, markov_rank=8, layer_ids=[0, 1])
+    hot = SamplingParams(0.8)
+    with pytest.raises(UsageError, match="only greedy"):
+        SpeculativeEngine(tgt, draft, parse_policy("static:2"), hot, siblings=2)
+    eng = SpeculativeEngine(tgt, draft, parse_policy("dspark", sps=FLAT), hot, siblings="auto")
+    rep = eng.generate(PROMPTS[:2], 12, generator=torch.Generator().manual_seed(0))
+    assert rep.siblings == {}
+    # auto without a table to price them proposes none; 0 proposes none
+    for s, pol in (("auto", "static:2"), (0, "static:2")):
+        e = SpeculativeEngine(tgt, draft, parse_policy(pol), SamplingParams(0.0), siblings=s)
+        assert e._proposed_siblings() == 0 and e.generate(PROMPTS[:1], 8).siblings == {}
+
+
+@pytest.mark.parametrize("bad", ["many", "-1", "17", "2.5"])
+def test_parse_siblings_refuses_nonsense(bad):
+    with pytest.raises(UsageError):
+        sib.parse_siblings(bad)
+
+
+def test_parse_siblings():
+    assert sib.parse_siblings(None) == sib.parse_siblings(" Auto ") == sib.AUTO
+    assert sib.parse_siblings("0", greedy=False) == 0 and sib.parse_siblings(3) == 3
+
+
+def test_rescue_takes_the_sibling_the_target_chose():
+    V = 10
+    logits = torch.zeros(3, 5, V)  # chain columns 0..2, siblings 3..4
+    feed = sib.SiblingFeed(tokens=torch.tensor([[4, 5], [4, 5], [4, 5]]), valid=torch.tensor([[1, 1], [1, 1], [0, 0]]).bool(),
+                           chain=3)
+    logits[:, 0, 5] = 1.0  # every row's target token after x0 is 5: sibling 1
+    logits[:, 4, 7] = 1.0  # and after sibling 1 the target says 7
+    res = VerifyResult(accepted=torch.tensor([0, 2, 0]), emitted=torch.tensor([[5, -1, -1], [1, 2, 3], [5, -1, -1]]),
+                       num_emitted=torch.tensor([1, 3, 1]))
+    out, taken = sib.rescue(res, logits, feed)
+    assert taken.tolist() == [1, -1, -1]  # row 1 kept its chain; row 2 had no siblings
+    assert out.accepted.tolist() == [1, 2, 0] and out.num_emitted.tolist() == [2, 3, 1]
+    assert out.emitted[0, :2].tolist() == [5, 7] and out.emitted[1].tolist() == [1, 2, 3]
+    slots, order = sib.kept_slots(out.accepted, taken, feed)
+    assert slots.tolist() == [[True, False, False, False, True], [True, True, True, False, False],
+                              [True, False, False, False, False]]
+    assert order[0, :2].tolist() == [0, 4] and order[1, :3].tolist() == [0, 1, 2]
+
+
+def test_count_prices_siblings_with_the_table():
+    surv = torch.tensor([[0.4, 0.2, 0.1]])
+    q = torch.tensor([[0.5, 0.2, 0.1, 0.01]])
+    ell = torch.tensor([2])
+    assert sib.count(surv, ell, q, FLAT, 3) == 3  # free tokens: every sibling that can bring one
+    steep = SPSTable([1, 2, 3, 4, 5, 6], [100.0, 90.0, 80.0, 40.0, 20.0, 10.0])
+    assert sib.count(surv, ell, q, steep, 3) == 0  # a fourth token halves the step rate: none pays
+    gentle = SPSTable([1, 2, 3, 4, 5, 6], [100.0, 99.0, 98.0, 96.0, 92.0, 60.0])
+    assert sib.count(surv, ell, q, gentle, 3) == 2  # the third, at 1% for a large step, does not
+    assert sib.count(surv, torch.tensor([0]), q, FLAT, 3) == 0  # nothing verified: no siblings
