@@ -8,7 +8,8 @@ per group so drift on a shared machine hits all alike:
     threshold:t     stop at the first conditional confidence below t (t chosen beforehand on the
                     calibration traces, --threshold; never on this prompt set)
     dspark          Algorithm 1 on the current survivals; the draft skipped when the last drafted
-                    step's survivals say a plain step is faster
+                    step's survivals say a plain step is faster; with x1's siblings as `generate`
+                    runs it (--siblings, default auto; the replay predicts its chain alone)
     dspark-async    capacity from survivals two steps old, the same skip rule (paper §5.2)
 The confidence policies use the calibration (--calibration, default the shipped draft's) and the
 SPS table (--sps-table, profiled on this machine minutes before).
@@ -114,6 +115,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--sps-table", required=True)
     ap.add_argument("--calibration", default=None, help="default: the shipped draft's")
+    ap.add_argument("--siblings", default="auto", help="dspark's siblings of x1 (generate's default: auto); the "
+                    "other policies run their chains alone")
     ap.add_argument("--threshold", type=float, default=0.4)
     ap.add_argument("--static", default=None, help="static:k lengths (default 1..γ)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "policies.json")
@@ -157,7 +160,8 @@ def main() -> None:
     greedy = SamplingParams(0.0)
     engines = {s: SpeculativeEngine(sess.adapter, sess.draft, parse_policy(s, sps=sps, temperatures=temps,
                                                                            prior=prior), greedy,
-                                    stop_token_ids=sess.stop_ids) for s in specs}
+                                    stop_token_ids=sess.stop_ids, siblings=args.siblings if s == "dspark" else 0)
+               for s in specs}
     plain_adapter = sess.plain_adapter()
     prompts = encode_prompts(sess.target.tokenizer, load_prompts(args.dataset))
     N = args.max_new_tokens

@@ -49,7 +49,8 @@ def test_tree_feed_scores_each_sibling_as_its_own_chain(family):
 
 
 def test_a_kept_sibling_leaves_the_cache_as_its_chain_would():
-    """Commit x0 and sibling 1, then decode on: the next forward sees exactly [prompt, x0, s1]."""
+    """Take sibling 1 (it moves to x1's column), commit x0 and it, then decode on: the next forward
+    sees exactly [prompt, x0, s1], and the cache holds no holes."""
     model = tiny_target("llama")
     p = [5, 6, 7, 8, 9]
     a, b = TargetAdapter(model, [0, 1]), TargetAdapter(model, [0, 1])
@@ -59,11 +60,12 @@ def test_a_kept_sibling_leaves_the_cache_as_its_chain_would():
     valid = torch.ones(1, 4, dtype=torch.bool)
     a.extend(torch.tensor([[21, 22, 23, 24, 40, 41]]), ell + 1,
              tree=lambda cached, seq_len: sib.tree_layout(feed, valid, cached, seq_len))
-    slots, _ = sib.kept_slots(torch.tensor([1]), torch.tensor([1]), feed)
-    assert slots.tolist() == [[True, False, False, False, False, True]]
-    a.commit(torch.tensor([2]), slots=slots)
+    rows, cols = sib.taken_columns(torch.tensor([1]), feed)
+    assert rows.tolist() == [0] and cols.tolist() == [5]
+    a.relocate(rows, cols, torch.ones_like(cols))
+    a.commit(torch.tensor([2]))
+    assert int(a.seq_len[0]) == len(p) + 2 and a.cache_slots() == len(p) + 2 and bool(a.valid.all())
     b.prefill([p + [21, 41]])
-    assert int(a.seq_len[0]) == len(p) + 2
     got = a.extend(torch.tensor([[50]]), torch.tensor([1]))
     ref = b.extend(torch.tensor([[50]]), torch.tensor([1]))
     torch.testing.assert_close(got.logits, ref.logits, atol=1e-5, rtol=1e-5)
@@ -82,7 +84,8 @@ def _engine(family, oracle, siblings, policy="static:3", table=FLAT):
 @pytest.mark.parametrize("oracle,siblings,policy", [(False, 3, "static:3"), (True, 2, "static:2"),
                                                      (False, "auto", "dspark"), (True, "auto", "dspark"),
                                                      (False, 16, "static:1")])
-def test_greedy_identity_with_siblings(family, oracle, siblings, policy):
+def test_greedy_identity_with_siblings(family, oracle, siblings, policy, monkeypatch):
+    monkeypatch.setattr(sib, "RESOLUTION", 0.0)  # FLAT prices every sibling free: auto then always takes some
     model, eng = _engine(family, oracle, siblings, policy)
     base = plain_generate(TargetAdapter(model), PROMPTS, 40, SamplingParams(0.0))
     rep = eng.generate(PROMPTS, 40)
@@ -137,19 +140,42 @@ def test_rescue_takes_the_sibling_the_target_chose():
     assert taken.tolist() == [1, -1, -1]  # row 1 kept its chain; row 2 had no siblings
     assert out.accepted.tolist() == [1, 2, 0] and out.num_emitted.tolist() == [2, 3, 1]
     assert out.emitted[0, :2].tolist() == [5, 7] and out.emitted[1].tolist() == [1, 2, 3]
-    slots, order = sib.kept_slots(out.accepted, taken, feed)
-    assert slots.tolist() == [[True, False, False, False, True], [True, True, True, False, False],
-                              [True, False, False, False, False]]
-    assert order[0, :2].tolist() == [0, 4] and order[1, :3].tolist() == [0, 1, 2]
+    rows, cols = sib.taken_columns(taken, feed)
+    assert rows.tolist() == [0] and cols.tolist() == [4]
 
 
-def test_count_prices_siblings_with_the_table():
-    surv = torch.tensor([[0.4, 0.2, 0.1]])
+def test_plan_prices_chain_and_siblings_with_the_table():
+    surv = torch.tensor([[0.4, 0.25, 0.1]])
     q = torch.tensor([[0.5, 0.2, 0.1, 0.01]])
     ell = torch.tensor([2])
-    assert sib.count(surv, ell, q, FLAT, 3) == 3  # free tokens: every sibling that can bring one
+    wide = SPSTable([1, 2, 4, 8, 16], [100.0] * 5)  # no grid: 16 tokens measured at one request
+    assert sib.plan(surv, ell, q, wide, 3) == (2, 2)  # free tokens: the chain and the siblings that bring
+    # more than the table resolves (the third's 0.01 of ~2 tokens does not)
+    assert sib.plan(surv, ell, q, SPSTable([1, 2, 3, 4], [100.0] * 4), 3) == (2, 1)  # 4 tokens measured: 1 + 2 + 1
     steep = SPSTable([1, 2, 3, 4, 5, 6], [100.0, 90.0, 80.0, 40.0, 20.0, 10.0])
-    assert sib.count(surv, ell, q, steep, 3) == 0  # a fourth token halves the step rate: none pays
-    gentle = SPSTable([1, 2, 3, 4, 5, 6], [100.0, 99.0, 98.0, 96.0, 92.0, 60.0])
-    assert sib.count(surv, ell, q, gentle, 3) == 2  # the third, at 1% for a large step, does not
-    assert sib.count(surv, torch.tensor([0]), q, FLAT, 3) == 0  # nothing verified: no siblings
+    assert sib.plan(surv, ell, q, steep, 3) == (2, 0)  # a fourth token halves the step rate: none pays
+    gentle = SPSTable([1, 2, 3, 4, 5, 6], [100.0, 99.0, 98.0, 97.0, 96.0, 60.0])
+    assert sib.plan(surv, ell, q, gentle, 3) == (2, 2)  # the third sibling, 1% at a 35% dearer step, does not
+    # a chain whose second draft is unlikely gives its slot to a sibling that is likelier
+    short = SPSTable([1, 2, 3, 4], [100.0, 99.0, 98.0, 60.0])
+    assert sib.plan(torch.tensor([[0.4, 0.02, 0.01]]), ell, q, short, 3) == (1, 1)
+    assert sib.plan(surv, torch.tensor([0]), q, FLAT, 3) == (0, 0)  # nothing verified: no siblings
+    # within the table's resolution of the best, the narrowest step: 1% more tokens for 4 more is no choice
+    assert sib.plan(surv, ell, torch.tensor([[0.5, 0.01, 0.005, 0.001]]), wide, 3) == (2, 0)
+
+
+def test_sibling_rate_learns_what_runners_up_bring():
+    rate = sib.SiblingRate()
+    assert rate.scale == sib.PRIOR_SCALE
+    feed = sib.SiblingFeed(tokens=torch.tensor([[4, 5]]), valid=torch.tensor([[True, True]]), chain=3)
+    q = torch.tensor([[0.5, 0.3, 0.2]])
+    for _ in range(20):  # promised 0.5 a round, never taken
+        rate.add(q, feed, torch.tensor([-1]))
+    assert rate.scale < 0.1
+    surv, ell = torch.tensor([[0.4, 0.25, 0.1]]), torch.tensor([2])
+    dearer = SPSTable([1, 2, 3, 4, 5, 6], [100.0, 100.0, 100.0, 97.0, 94.0, 91.0])  # 3% a token past 3
+    assert sib.plan(surv, ell, q, dearer, 2) == (2, 2)
+    assert sib.plan(surv, ell, q, dearer, 2, scale=rate.scale) == (2, 0)  # what they never brought is not priced in
+    for _ in range(40):  # now taken every round
+        rate.add(q, feed, torch.tensor([0]))
+    assert rate.scale > 1.0

@@ -45,7 +45,7 @@ for R in (1, 4):
             prop = drf.propose(live.context, live.anchors, eng.draft_sampling, None)
             eng.policy.choose(prop.confidence_logits, block_size=gamma, num_requests=R)
             ell = torch.full((R,), t - 1, dtype=torch.long)
-            r, out = eng.verify(live, prop.block, ell, None)
+            r, out, _ = eng.verify(live, prop.block, ell, None)
             drf.append_context(live.context, out.features, r.accepted + 1)
             dt_old = (time.perf_counter() - t0) * 1000
             tgt.commit(zero); live.context.ctx_len = ctx_len.clone()

@@ -11,12 +11,17 @@ of one). Nothing but the target's argmax is ever emitted, so output stays identi
 greedy decoding; siblings are for greedy verification only (a sampled tree needs a multi-draft
 acceptance rule, which this is not).
 
-How many (`count`): the N that maximises expected tokens per second of the step, the SPS table
-pricing a step of 1 + max ℓ + N tokens per request, a sibling bringing one token with the
-probability the draft gives it at position 1. (The shipped draft's runners-up on MT-Bench, teacher-
-forced: mean probability 0.134, 0.060, 0.035 against 0.101, 0.052, 0.029 observed, so a little
-generous, as its top choice is: 0.59 against 0.42.) Decided from the draft alone, before the
-target sees anything.
+How many (`plan`, for `auto`): the chain length L (at most what the policy chose) and sibling
+count N that maximise expected tokens per second of the step, the SPS table pricing a step of
+1 + L + N tokens per request, and never wider than the table measured (a tree wider than its
+probes would be priced by extrapolation, which on this CPU undercharges: a 7-token forward costs
+markedly more than the 6-token probe's slope says). The chain's tokens come from the calibrated
+survivals, as the policy's own; a sibling brings one token with the probability the draft gives it
+at position 1, times what the runners-up have realised of their probabilities so far in this
+batch (`SiblingRate`: taken / promised, starting from a weak prior of one half). The draft's own
+probabilities are generous: on MT-Bench the shipped draft's runners-up have mean probability 0.134,
+0.060, 0.035 against 0.101, 0.052, 0.029 taken teacher-forced, and live, where its context is its
+own target's text, fewer still. Decided before the target sees this round's drafts.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from dsparkctl.math.verify import VerifyResult
 
 AUTO = "auto"
 MAX_SIBLINGS = 4  # what `auto` may choose, and what the draft proposes for it
+PRIOR_PROMISED, PRIOR_SCALE = 2.0, 0.5  # SiblingRate's prior: worth 2 tokens promised, half of them taken
+RESOLUTION = 0.02  # what a step-cost table resolves at one request (its probes' quartiles differ by ~1 ms in 38)
 
 
 def parse_siblings(value: str | int | None, greedy: bool = True) -> int | str:
@@ -116,35 +123,63 @@ def rescue(res: VerifyResult, logits: Tensor, feed: SiblingFeed) -> tuple[Verify
     return VerifyResult(accepted=accepted, emitted=emitted, num_emitted=num), took
 
 
-def kept_slots(accepted: Tensor, took: Tensor, feed: SiblingFeed) -> tuple[Tensor, Tensor]:
-    """(kept [R, T] bool: the feed's slots each row keeps; order [R, T] long: the kept slots first,
-    in position order, the index into the forward's outputs for the draft's context)."""
-    R, T = accepted.shape[0], feed.width
-    ar = torch.arange(T, device=accepted.device)
-    kept = ar[None, :] <= accepted[:, None]
-    order = ar[None, :].expand(R, T).clone()
+def taken_columns(took: Tensor, feed: SiblingFeed) -> tuple[Tensor, Tensor]:
+    """(rows that took a sibling, the feed column each one's sibling sits in): what moves to column
+    1, x1's, so that every row keeps a prefix of the feed (`TargetAdapter.relocate`)."""
     rows = (took >= 0).nonzero().flatten()
-    if rows.numel():
-        kept[rows] = False
-        kept[rows, 0] = True
-        kept[rows, feed.chain + took[rows]] = True
-        order[rows, 1] = feed.chain + took[rows]
-    return kept, order
+    return rows, feed.chain + took[rows]
 
 
-def count(survival: Tensor, ell: Tensor, q: Tensor, sps: SPSTable, most: int) -> int:
-    """The sibling count 0..most with the most expected tokens per second (the smallest such).
-    survival [R, γ] calibrated; ell [R]; q [R, 1 + most]: the draft's probabilities of x1 and its
-    runners-up at position 1 (`DraftBlock.first_probs`)."""
-    R = int(ell.shape[0])
+@dataclass
+class SiblingRate:
+    """How many tokens the runners-up brought against the draft probabilities they were verified
+    with, over a batch's rounds so far: `plan` scales q by it."""
+
+    promised: float = PRIOR_PROMISED
+    taken: float = PRIOR_PROMISED * PRIOR_SCALE
+
+    @property
+    def scale(self) -> float:
+        return self.taken / self.promised
+
+    def add(self, q: Tensor, feed: SiblingFeed, took: Tensor) -> None:
+        """One round's siblings: q [R, 1 + M] as `plan` saw it, the feed, the sibling each row took."""
+        n = int(feed.tokens.shape[1])
+        self.promised += float((q[:, 1: n + 1].to(torch.float64) * feed.valid.to(q.device)).sum())
+        self.taken += float((took >= 0).sum())
+
+
+def measured_width(sps: SPSTable, requests: int) -> int:
+    """The widest step (tokens per request) the table measured at `requests` requests."""
+    if sps.grid is not None:
+        return int(sps.grid.tokens[-1])
+    return max(1, int(sps.measured_tokens) // max(1, requests))
+
+
+def plan(survival: Tensor, ell: Tensor, q: Tensor, sps: SPSTable, most: int, scale: float = 1.0) -> tuple[int, int]:
+    """(L, N): verify at most L chain drafts per row (L ≤ max ℓ) and N siblings, the pair with the
+    most expected tokens per second within the table's measured width; of pairs within RESOLUTION
+    of the best (which the table cannot tell apart), the narrowest step.
+    survival [R, γ] calibrated; ell [R] the policy's lengths; q [R, 1 + most]: the draft's
+    probabilities of x1 and its runners-up at position 1 (`DraftBlock.first_probs`), times `scale`
+    (`SiblingRate.scale`) for what a runner-up brings."""
+    R, top = int(ell.shape[0]), int(ell.max())
     most = min(most, int(q.shape[1]) - 1)
-    ell = ell.cpu()
-    if most <= 0 or not bool((ell >= 1).any()):
-        return 0
-    s = survival.to(torch.float64).cpu()
-    chain = (1.0 + (s * (torch.arange(s.shape[1])[None, :] < ell[:, None])).sum(1)).sum()
-    gain = (q.to(torch.float64).cpu()[:, 1: most + 1] * (ell >= 1)[:, None]).sum(0).cumsum(0)  # [most]
-    tokens = torch.cat([chain[None], chain + gain])  # [most + 1]
-    width = 1 + int(ell.max()) + torch.arange(most + 1, dtype=torch.float64)
-    theta = tokens / sps.step_seconds(R, R * width)
-    return int(theta.argmax())
+    if most <= 0 or top <= 0:
+        return top, 0
+    ell, s = ell.cpu(), survival.to(torch.float64).cpu()
+    gamma = s.shape[1]
+    levels = torch.arange(top + 1)
+    upto = torch.minimum(ell[None, :], levels[:, None])  # [L + 1, R] each row's chain at cap L
+    chain = (1.0 + (s[None] * (torch.arange(gamma)[None, None, :] < upto[:, :, None])).sum(-1)).sum(-1)  # [L + 1]
+    gain = scale * q.to(torch.float64).cpu()[:, 1: most + 1].cumsum(1)  # [R, most] tokens N siblings bring a row
+    rows_with = (upto >= 1).to(torch.float64)  # [L + 1, R] rows that verify a draft (siblings need one)
+    tokens = chain[:, None] + torch.cat([torch.zeros(top + 1, 1, dtype=torch.float64), rows_with @ gain], dim=1)
+    width = 1 + levels[:, None] + torch.arange(most + 1)[None, :]  # [L + 1, N + 1] tokens per request
+    theta = tokens / sps.step_seconds(R, (R * width).to(torch.float64))
+    theta[width > max(measured_width(sps, R), 1 + top)] = -1.0  # never wider than measured (the chain alone may be)
+    near = theta >= (1.0 - RESOLUTION) * theta.max()
+    narrowest = int(width[near].min())
+    theta[~near | (width != narrowest)] = -1.0
+    best = int(theta.flatten().argmax())
+    return best // (most + 1), best % (most + 1)

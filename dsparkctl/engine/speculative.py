@@ -113,6 +113,7 @@ class SpeculativeEngine:
                                      device=target.device)
         check_fits(policy, draft.block_size)
         self.siblings = sib.parse_siblings(siblings, greedy=sampling.greedy and self.draft_sampling.greedy)
+        self.sibling_rate = sib.SiblingRate()  # what runners-up realised this batch (`auto`; reset per batch)
 
     def _proposed_siblings(self) -> int:
         """How many runners-up the draft keeps: none unless both sides are greedy; for `auto`
@@ -123,16 +124,20 @@ class SpeculativeEngine:
             return sib.MAX_SIBLINGS if self.policy.sps is not None else 0
         return int(self.siblings)
 
-    def sibling_feed(self, block, conf: torch.Tensor | None, ell: torch.Tensor) -> sib.SiblingFeed | None:
-        """This round's siblings: a fixed count, or `auto`'s priced one (needs confidences)."""
+    def sibling_feed(self, block, conf: torch.Tensor | None,
+                     ell: torch.Tensor) -> tuple[sib.SiblingFeed | None, torch.Tensor]:
+        """This round's siblings and the verify lengths beside them: a fixed count (the policy's
+        lengths kept), or `auto`'s plan, which may shorten the chain to make room (needs confidences)."""
         if block.alternatives is None:
-            return None
+            return None, ell
         n = int(block.alternatives.shape[1])
         if self.siblings == sib.AUTO:
             if conf is None:
-                return None
-            n = sib.count(self.policy.survival(conf.detach().cpu()), ell, block.first_probs, self.policy.sps, n)
-        return sib.sibling_feed(block.alternatives, ell, n)
+                return None, ell
+            cap, n = sib.plan(self.policy.survival(conf.detach().cpu()), ell, block.first_probs, self.policy.sps, n,
+                              self.sibling_rate.scale)
+            ell = ell.clamp(max=cap)
+        return sib.sibling_feed(block.alternatives, ell, n), ell
 
     # ------------------------------------------------------------------ stages
     def prefill(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
@@ -177,6 +182,8 @@ class SpeculativeEngine:
         if feed is None:
             return res, out, None
         res, taken = sib.rescue(res, out.logits, feed)
+        if block.first_probs is not None:
+            self.sibling_rate.add(block.first_probs, feed, taken)
         return res, out, taken
 
     def plain_step(self, live: LiveRows, generator: torch.Generator | None):
@@ -198,13 +205,13 @@ class SpeculativeEngine:
         n = live.requests.numel()
         kept = _first_stop(res.emitted, res.num_emitted, self.stop_ids)  # tokens kept this round per row
         features = out.features
-        if feed is None:
-            self.target.commit(res.accepted + 1)
-        else:
-            slots, order = sib.kept_slots(res.accepted, taken, feed)
-            self.target.commit(res.accepted + 1, slots=slots)
-            if features is not None and bool((taken >= 0).any()):
-                features = features.gather(1, order[:, :, None].expand(-1, -1, features.shape[-1]))
+        if feed is not None and bool((taken >= 0).any()):  # the sibling takes x1's column in both caches
+            rows, cols = sib.taken_columns(taken, feed)
+            self.target.relocate(rows, cols, torch.ones_like(cols))
+            if features is not None:
+                features = features.clone()
+                features[rows, 1] = features[rows, cols]
+        self.target.commit(res.accepted + 1)
         self.draft.defer_context(live.context, features, res.accepted + 1)
         live.anchors = res.emitted[torch.arange(n, device=live.anchors.device), res.accepted]
         live.produced = live.produced + kept
@@ -229,7 +236,7 @@ class SpeculativeEngine:
                                   alternatives=self._proposed_siblings())
         draft_ms = clock.lap("draft")
         ell, capped = self.schedule(prop.confidence_logits, live, max_new_tokens)
-        feed = self.sibling_feed(prop.block, prop.confidence_logits, ell)
+        feed, ell = self.sibling_feed(prop.block, prop.confidence_logits, ell)
         clock.lap("schedule")
         res, out, taken = self.verify(live, prop.block, ell, generator, feed)
         verify_ms = clock.lap("verify")
@@ -274,6 +281,7 @@ class SpeculativeEngine:
         live = self.prefill(prompts, max_new_tokens, generator)
         clock.lap("prefill")
         self.policy.reset()
+        self.sibling_rate = sib.SiblingRate()
         first = live.anchors.tolist()
         stop = set(self.stop_ids.tolist())
         for r, t in enumerate(first):

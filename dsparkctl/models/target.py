@@ -277,21 +277,24 @@ class TargetAdapter:
         self._pending = (S, T)
         return out
 
-    def commit(self, keep: torch.Tensor, slots: torch.Tensor | None = None) -> None:
-        """Keep the first keep[r] tokens of the last feed for row r; the rest become holes.
-        `slots` [R, T] bool (a tree feed): keep exactly those slots of the feed instead."""
+    def commit(self, keep: torch.Tensor) -> None:
+        """Keep the first keep[r] tokens of the last feed for row r; the rest become holes."""
         S, T = self._pending
         self._pending = None
-        if slots is None:
-            ar = torch.arange(T, device=self.device)
-            self.valid[:, S:] &= ar[None, :] < keep[:, None]
-            self.seq_len = self.seq_len + keep
-            kept = int(keep.max()) if keep.numel() else 0
-            self._trim(S + min(kept, T) if kept > 0 else None)  # the last used slot is known: no scan
-            return
-        self.valid[:, S:] &= slots
-        self.seq_len = self.seq_len + slots.sum(dim=1)
-        self._trim()
+        ar = torch.arange(T, device=self.device)
+        self.valid[:, S:] &= ar[None, :] < keep[:, None]
+        self.seq_len = self.seq_len + keep
+        kept = int(keep.max()) if keep.numel() else 0
+        self._trim(S + min(kept, T) if kept > 0 else None)  # the last used slot is known: no scan
+
+    def relocate(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Before `commit`: copy the last feed's K/V at column src[i] to column dst[i] of row rows[i]
+        (a tree feed's accepted sibling takes the place of the chain token it replaces, so what is
+        kept stays a prefix of the feed and leaves no holes). Positions are in the K/V already."""
+        S, _ = self._pending
+        for layer in self._layers():
+            layer.keys[rows, :, S + dst] = layer.keys[rows, :, S + src]
+            layer.values[rows, :, S + dst] = layer.values[rows, :, S + src]
 
     def mark(self) -> tuple[torch.Tensor, torch.Tensor, int, int]:
         """The committed state, for `rewind` after trial rounds (profiling)."""
