@@ -169,13 +169,35 @@ def test_sibling_rate_learns_what_runners_up_bring():
     assert rate.scale == sib.PRIOR_SCALE
     feed = sib.SiblingFeed(tokens=torch.tensor([[4, 5]]), valid=torch.tensor([[True, True]]), chain=3)
     q = torch.tensor([[0.5, 0.3, 0.2]])
-    for _ in range(20):  # promised 0.5 a round, never taken
+    for _ in range(40):  # promised 0.5 a round, never taken
         rate.add(q, feed, torch.tensor([-1]))
     assert rate.scale < 0.1
     surv, ell = torch.tensor([[0.4, 0.25, 0.1]]), torch.tensor([2])
     dearer = SPSTable([1, 2, 3, 4, 5, 6], [100.0, 100.0, 100.0, 97.0, 94.0, 91.0])  # 3% a token past 3
     assert sib.plan(surv, ell, q, dearer, 2) == (2, 2)
     assert sib.plan(surv, ell, q, dearer, 2, scale=rate.scale) == (2, 0)  # what they never brought is not priced in
-    for _ in range(40):  # now taken every round
+    for _ in range(80):  # now taken every round
         rate.add(q, feed, torch.tensor([0]))
     assert rate.scale > 1.0
+
+
+@pytest.mark.parametrize("kw", [{"markov_head_type": "gated"}, {"draft_vocab_size": 24},
+                                {"markov_rank": 0, "confidence": False}])
+def test_siblings_with_other_heads_and_a_reduced_vocabulary(kw):
+    """The general Markov loop, a reduced draft vocabulary (runners-up mapped to target ids) and a
+    DFlash draft (no Markov head) all propose siblings, and output stays the target's."""
+    model = tiny_target("qwen3")
+    tgt = TargetAdapter(model, [0, 1])
+    draft = random_draft(tgt, seed=5, block_size=4, layer_ids=[0, 1], **{"markov_rank": 8, **kw})
+    eng = SpeculativeEngine(tgt, draft, parse_policy("static:2"), SamplingParams(0.0), siblings=2)
+    rep = eng.generate(PROMPTS, 32)
+    base = plain_generate(TargetAdapter(model), PROMPTS, 32, SamplingParams(0.0))
+    assert [o.tokens for o in rep.outputs] == [o.tokens for o in base.outputs]
+    assert rep.siblings["rows"] > 0
+    prop = draft.propose(eng.draft.new_state(1, "cpu", torch.float32), torch.tensor([5]), SamplingParams(0.0), None,
+                         need_probs=False, alternatives=3)
+    alts = prop.block.alternatives
+    assert alts.shape == (1, 3) and len(set(alts[0].tolist()) | {int(prop.block.tokens[0, 0])}) == 4
+    if draft.draft_vocab_ids is not None:
+        assert set(alts[0].tolist()) <= set(draft.draft_vocab_ids.tolist())
+    assert prop.block.first_probs.shape == (1, 4) and bool((prop.block.first_probs[0, :-1] >= prop.block.first_probs[0, 1:]).all())

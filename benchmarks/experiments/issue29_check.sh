@@ -16,11 +16,12 @@ ROOT=$PWD
 # this machine's step costs at 1..32 requests (what generate profiles for itself, wider)
 run .venv/bin/dsparkctl profile-sps --requests 1,4,8,16,32 --out $R/sps_issue29.json
 # batch 1, greedy, 128 tokens, 8 prompts x 2 repeats: dspark (the default policy, with the draft's
-# calibration) and static:2, each against our plain decoding and HF generate
+# calibration and generate's default --siblings auto), dspark without siblings and static:2, each
+# against our plain decoding and HF generate
 for ds in humaneval mt-bench; do
   run .venv/bin/python benchmarks/bench_speedup.py --dataset $ds --prompts 8 --repeats 2 --max-new-tokens 128 \
-      --policy dspark --policy static:2 --policy static:3 --sps-table $R/sps_issue29.json --skip-stock \
-      --out $R/speedup_issue29_$ds.json
+      --policy dspark --policy dspark,siblings=0 --policy static:2,siblings=0 --sps-table $R/sps_issue29.json \
+      --skip-stock --out $R/speedup_issue29_$ds.json
 done
 # under load: dspark against plain (and the other policies) at 1/4/8/16/32 requests
 run .venv/bin/python benchmarks/bench_policies.py --sps-table $R/sps_issue29.json --static 2,5 \
@@ -51,5 +52,5 @@ open(sys.argv[2], "w").write("".join(json.dumps({"prompt": q}) + "\n" for q in k
 PY
 fi
 run .venv/bin/python benchmarks/bench_speedup.py --dataset "$wb" --prompts 4 --repeats 2 --max-new-tokens 128 \
-    --policy dspark --policy static:2 --sps-table $R/sps_issue29.json --skip-stock \
+    --policy dspark --policy dspark,siblings=0 --sps-table $R/sps_issue29.json --skip-stock \
     --out $R/speedup_issue29_writingbench.json

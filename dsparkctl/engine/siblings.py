@@ -18,7 +18,8 @@ probes would be priced by extrapolation, which on this CPU undercharges: a 7-tok
 markedly more than the 6-token probe's slope says). The chain's tokens come from the calibrated
 survivals, as the policy's own; a sibling brings one token with the probability the draft gives it
 at position 1, times what the runners-up have realised of their probabilities so far in this
-batch (`SiblingRate`: taken / promised, starting from a weak prior of one half). The draft's own
+batch (`SiblingRate`: taken / promised, starting from the draft's own word, a prior worth two
+tokens: starting lower would choose no siblings, and so never learn). The draft's own
 probabilities are generous: on MT-Bench the shipped draft's runners-up have mean probability 0.134,
 0.060, 0.035 against 0.101, 0.052, 0.029 taken teacher-forced, and live, where its context is its
 own target's text, fewer still. Decided before the target sees this round's drafts.
@@ -37,7 +38,7 @@ from dsparkctl.math.verify import VerifyResult
 
 AUTO = "auto"
 MAX_SIBLINGS = 4  # what `auto` may choose, and what the draft proposes for it
-PRIOR_PROMISED, PRIOR_SCALE = 2.0, 0.5  # SiblingRate's prior: worth 2 tokens promised, half of them taken
+PRIOR_PROMISED, PRIOR_SCALE = 2.0, 1.0  # SiblingRate's prior: the draft's own word, worth 2 tokens promised
 RESOLUTION = 0.02  # what a step-cost table resolves at one request (its probes' quartiles differ by ~1 ms in 38)
 
 
