@@ -201,3 +201,27 @@ def test_siblings_with_other_heads_and_a_reduced_vocabulary(kw):
     if draft.draft_vocab_ids is not None:
         assert set(alts[0].tolist()) <= set(draft.draft_vocab_ids.tolist())
     assert prop.block.first_probs.shape == (1, 4) and bool((prop.block.first_probs[0, :-1] >= prop.block.first_probs[0, 1:]).all())
+
+
+def test_plan_keeps_the_policys_chain_when_no_sibling_pays():
+    # five flat-priced widths: the table cannot tell a 3-draft chain from a 5-draft one, yet without a
+    # sibling to make room for, the policy's 5 drafts stand
+    flat6 = SPSTable([1, 2, 3, 4, 5, 6], [100.0] * 6)
+    surv = torch.tensor([[0.4, 0.01, 0.005, 0.001, 0.0005]])
+    assert sib.plan(surv, torch.tensor([5]), torch.tensor([[0.9, 0.001, 0.001]]), flat6, 2) == (5, 0)
+
+
+def test_an_eager_target_keeps_its_chain():
+    """Eager attention adds a mask to its scores: a boolean tree mask would mask nothing there."""
+    model = tiny_target("llama")
+    model.set_attn_implementation("eager")
+    tgt = TargetAdapter(model, [0, 1])
+    assert not tgt.takes_trees
+    draft = random_draft(tgt, seed=3, block_size=4, markov_rank=8, layer_ids=[0, 1])
+    with pytest.raises(UsageError, match="SDPA"):
+        SpeculativeEngine(tgt, draft, parse_policy("static:2"), SamplingParams(0.0), siblings=2)
+    eng = SpeculativeEngine(tgt, draft, parse_policy("dspark", sps=FLAT), SamplingParams(0.0), siblings="auto")
+    rep = eng.generate(PROMPTS[:2], 16)
+    assert rep.siblings == {}
+    assert [o.tokens for o in rep.outputs] == [o.tokens for o in plain_generate(TargetAdapter(model), PROMPTS[:2], 16,
+                                                                                SamplingParams(0.0)).outputs]

@@ -160,7 +160,8 @@ def measured_width(sps: SPSTable, requests: int) -> int:
 def plan(survival: Tensor, ell: Tensor, q: Tensor, sps: SPSTable, most: int, scale: float = 1.0) -> tuple[int, int]:
     """(L, N): verify at most L chain drafts per row (L ≤ max ℓ) and N siblings, the pair with the
     most expected tokens per second within the table's measured width; of pairs within RESOLUTION
-    of the best (which the table cannot tell apart), the narrowest step.
+    of the best (which the table cannot tell apart), the narrowest step. Without siblings the chain
+    is the policy's own (L = max ℓ): only room for a sibling shortens it.
     survival [R, γ] calibrated; ell [R] the policy's lengths; q [R, 1 + most]: the draft's
     probabilities of x1 and its runners-up at position 1 (`DraftBlock.first_probs`), times `scale`
     (`SiblingRate.scale`) for what a runner-up brings."""
@@ -183,4 +184,6 @@ def plan(survival: Tensor, ell: Tensor, q: Tensor, sps: SPSTable, most: int, sca
     narrowest = int(width[near].min())
     theta[~near | (width != narrowest)] = -1.0
     best = int(theta.flatten().argmax())
+    if best % (most + 1) == 0:  # no sibling pays: the policy's chain as it chose it
+        return top, 0
     return best // (most + 1), best % (most + 1)

@@ -21,6 +21,7 @@ import torch
 from dsparkctl.checks import check_positive
 from dsparkctl.engine import siblings as sib
 from dsparkctl.engine.clock import Clock
+from dsparkctl.errors import UsageError, option
 from dsparkctl.formats.trace import TraceRound
 from dsparkctl.math.policies import Policy
 from dsparkctl.math.policy_spec import check_fits
@@ -113,12 +114,16 @@ class SpeculativeEngine:
                                      device=target.device)
         check_fits(policy, draft.block_size)
         self.siblings = sib.parse_siblings(siblings, greedy=sampling.greedy and self.draft_sampling.greedy)
+        if self.siblings not in (0, sib.AUTO) and not target.takes_trees:
+            raise UsageError(f"{option('siblings')} {self.siblings} needs a target on SDPA attention (this one runs "
+                             f"{getattr(target.model.config, '_attn_implementation', None)!r}): a tree's mask is "
+                             "boolean", f"use {option('siblings')} 0 (auto leaves such a target its chain)")
         self.sibling_rate = sib.SiblingRate()  # what runners-up realised this batch (`auto`; reset per batch)
 
     def _proposed_siblings(self) -> int:
         """How many runners-up the draft keeps: none unless both sides are greedy; for `auto`
         none without an SPS table to price them."""
-        if not (self.sampling.greedy and self.draft_sampling.greedy):
+        if not (self.sampling.greedy and self.draft_sampling.greedy) or not self.target.takes_trees:
             return 0
         if self.siblings == sib.AUTO:
             return sib.MAX_SIBLINGS if self.policy.sps is not None else 0

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import torch
 
 from dsparkctl.errors import ModelMismatchError, UsageError, option
-from dsparkctl.models.target_attention import fold_gqa
+from dsparkctl.models.target_attention import fold_gqa, reads_bool_masks
 
 
 def _growing_layer_class():
@@ -293,8 +293,14 @@ class TargetAdapter:
         kept stays a prefix of the feed and leaves no holes). Positions are in the K/V already."""
         S, _ = self._pending
         for layer in self._layers():
-            layer.keys[rows, :, S + dst] = layer.keys[rows, :, S + src]
-            layer.values[rows, :, S + dst] = layer.values[rows, :, S + src]
+            r, s, d = rows.to(layer.keys.device), (S + src).to(layer.keys.device), (S + dst).to(layer.keys.device)
+            layer.keys[r, :, d] = layer.keys[r, :, s]
+            layer.values[r, :, d] = layer.values[r, :, s]
+
+    @property
+    def takes_trees(self) -> bool:
+        """Whether `extend(tree=...)` works here: the target's attention reads its boolean mask."""
+        return reads_bool_masks(self.model)
 
     def mark(self) -> tuple[torch.Tensor, torch.Tensor, int, int]:
         """The committed state, for `rewind` after trial rounds (profiling)."""

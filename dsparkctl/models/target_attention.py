@@ -72,6 +72,13 @@ def _register() -> bool:
     return True
 
 
+def reads_bool_masks(model: torch.nn.Module) -> bool:
+    """Whether `model`'s attention reads a prepared boolean [B, 1, T, S] mask as "may attend" (SDPA
+    and `dsparkctl-sdpa`; eager attention adds a mask to its scores, so a boolean one masks nothing)."""
+    cfg = getattr(model, "config", None)
+    return getattr(cfg, "_attn_implementation", None) in ("sdpa", NAME)
+
+
 def fold_gqa(model: torch.nn.Module) -> bool:
     """Route `model`'s SDPA attention through `folded_sdpa` (a grouped-query target only).
     Returns whether it did; a model on another attention (eager, flash, flex) is left alone."""
