@@ -74,12 +74,7 @@ def run_generate(spec: GenerateSpec, *,
     preset, temperature, max_new_tokens = with_preset(spec.preset, spec.temperature, spec.max_new_tokens)
     sampling = SamplingParams(temperature=temperature, top_k=spec.top_k, top_p=spec.top_p)
     check_positive(spec.batch_size, "batch_size")
-    siblings = parse_siblings(spec.siblings, greedy=sampling.greedy)
-    if spec.trace is not None and siblings != 0:  # a trace records the chain alone, for calibrate and sweep-scheduler
-        if siblings != AUTO:
-            raise UsageError(f"{option('trace')} records the draft's chain for calibration; siblings would mix "
-                             "into it", f"drop {option('siblings')} (a trace runs without siblings)")
-        siblings = 0
+    siblings = _siblings(spec, sampling.greedy)
     if spec.trace is not None:
         check_outputs([Output(spec.trace, option("trace"))],
                       local_inputs(spec.prompts_file, spec.sps_table, spec.calibration, spec.dataset,
@@ -128,6 +123,18 @@ def run_generate(spec: GenerateSpec, *,
         sess.notes.append(report["trace_note"])
         note(report["trace_note"])
     return report
+
+
+def _siblings(spec: GenerateSpec, greedy: bool) -> int | str:
+    """`--siblings` checked; none with `--trace`, which records the chain alone (for calibrate and
+    sweep-scheduler): auto is turned off there, and a fixed count refused."""
+    siblings = parse_siblings(spec.siblings, greedy=greedy)
+    if spec.trace is None or siblings == 0:
+        return siblings
+    if siblings != AUTO:
+        raise UsageError(f"{option('trace')} records the draft's chain for calibration; siblings would mix into it",
+                         f"drop {option('siblings')} (a trace runs without siblings)")
+    return 0
 
 
 def _text_stream(tokenizer: Any, on_text: Callable[[int, str], None]) -> OnTokens:

@@ -311,9 +311,7 @@ class SpeculativeEngine:
             stats.add_rounds(rd.verify_lengths, rd.accepted)
             steps += 1
             drafted_steps += rd.drafted
-            if rd.siblings:
-                sibs["rows"] = sibs.get("rows", 0) + int((rd.verify_lengths >= 1).sum())  # ℓ ≥ 1: siblings fed
-                sibs["taken"] = sibs.get("taken", 0) + int((rd.sibling_taken >= 0).sum())
+            _count_siblings(sibs, rd)
             emitted, kept, requests = rd.emitted.tolist(), rd.kept.tolist(), live.requests.tolist()
             for i, req in enumerate(requests):
                 toks = emitted[i][: kept[i]]
@@ -332,6 +330,13 @@ class SpeculativeEngine:
         times["total"] = sum(clock.totals.values())
         return RunReport(outputs=outputs, stats=stats, times_ms=times, rounds=steps, drafted_steps=drafted_steps,
                          siblings=sibs)
+
+
+def _count_siblings(sibs: dict[str, int], rd: Round) -> None:
+    """Add a round's rows verified with siblings (ℓ ≥ 1 where siblings were fed) and rows that took one."""
+    if rd.siblings:
+        sibs["rows"] = sibs.get("rows", 0) + int((rd.verify_lengths >= 1).sum())
+        sibs["taken"] = sibs.get("taken", 0) + int((rd.sibling_taken >= 0).sum())
 
 
 def trace_rows(rd: Round, requests: list[int], round_no: list[int], gamma: int) -> list[TraceRound]:
