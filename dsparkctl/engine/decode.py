@@ -117,7 +117,7 @@ def run_prompts(decode: Decoder, prompts: Sequence[Sequence[int]], batch_size: i
         shifted_tokens = (lambda r, toks, base=base: on_tokens(r + base, toks)) if on_tokens else None
         rep = decode([list(prompts[i]) for i in idx], batch_generator(device, seed, b), shifted_round, shifted_tokens)
         res.add(zip(idx, rep.outputs), rep.stats, rep.rounds, rep.times_ms, rep.drafted_steps,
-                getattr(rep, "siblings", None))
+                rep.siblings)
         if on_batch:
             on_batch(done, len(todo))
     res.wall_s = time.perf_counter() - t0

@@ -69,10 +69,6 @@ class SiblingFeed:
     valid: Tensor
     chain: int  # Tc = 1 + max ℓ
 
-    @property
-    def width(self) -> int:
-        return self.chain + int(self.tokens.shape[1])
-
 
 def sibling_feed(alternatives: Tensor, ell: Tensor, count: int) -> SiblingFeed | None:
     """The first `count` alternatives of rows that verify at least one draft; None when none do."""
