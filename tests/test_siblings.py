@@ -225,3 +225,23 @@ def test_an_eager_target_keeps_its_chain():
     assert rep.siblings == {}
     assert [o.tokens for o in rep.outputs] == [o.tokens for o in plain_generate(TargetAdapter(model), PROMPTS[:2], 16,
                                                                                 SamplingParams(0.0)).outputs]
+
+
+def test_the_gate_counts_a_taken_sibling_as_what_the_round_brought():
+    """A row that took a sibling emitted two tokens, as if x1 had been accepted: the skip gate's
+    realized acceptance must see position 1 accepted there, else siblings talk it into plain steps."""
+    _, eng = _engine("llama", False, 3, "static:3")
+    seen: list[tuple[list[int], list[int]]] = []
+    orig = eng.policy.observe
+    eng.policy.observe = lambda ell, acc, state=None: (seen.append((ell.tolist(), acc.tolist())), orig(ell, acc, state))
+    taken: list[list[int]] = []
+    orig_commit = eng.commit
+
+    def commit(live, res, out, feed=None, took=None):
+        taken.append([-1] * res.accepted.numel() if took is None else took.tolist())
+        return orig_commit(live, res, out, feed, took)
+    eng.commit = commit
+    eng.generate(PROMPTS, 30)
+    rows = [(ell, acc, t) for (ells, accs), ts in zip(seen, taken) for ell, acc, t in zip(ells, accs, ts) if t >= 0]
+    assert rows, "no sibling was taken: the test needs a draft that misses x1"
+    assert all(acc == 1 and ell >= 1 for ell, acc, _ in rows), rows

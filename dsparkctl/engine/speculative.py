@@ -245,9 +245,10 @@ class SpeculativeEngine:
         clock.lap("schedule")
         res, out, taken = self.verify(live, prop.block, ell, generator, feed)
         verify_ms = clock.lap("verify")
-        # what this draft's chain brought, for later skip decisions (a sibling's token not counted: the
-        # gate errs toward plain steps)
-        self.policy.observe(ell, res.accepted if taken is None else torch.where(taken >= 0, 0, res.accepted))
+        # what this drafted step brought, for later skip decisions: a taken sibling counts as position 1
+        # accepted (the round emitted two tokens, as if x1 had been), since the gate's question is whether
+        # drafting pays, siblings and all
+        self.policy.observe(ell, res.accepted)
         kept, stopped = self.commit(live, res, out, feed, taken)
         if taken is not None:
             ell = torch.where(taken >= 0, 1, ell)
