@@ -146,7 +146,7 @@ def main() -> None:
     groups = [int(x) for x in args.groups.split(",")]
     if len(groups) != len(sizes):
         ap.error("--groups needs one count per batch size")
-    sess = open_session(None, None, "cpu", "fp32", log=lambda m: None, cpu_kernels="auto")
+    sess = open_session(None, None, "cpu", "fp32", log=lambda m: None, cpu_kernels="auto", draft_weights="auto")
     gamma = sess.draft.block_size
     cal = args.calibration or sess.default_calibration()
     temps = load_temperatures(cal, gamma) if cal else None

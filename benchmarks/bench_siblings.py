@@ -105,7 +105,7 @@ def main() -> None:
     if why := cannot_write_file(args.out):
         ap.error(f"--out {args.out} cannot be created: {why}")
     torch.set_num_threads(1)
-    sess = open_session(None, None, "cpu", "fp32", log=lambda m: None, cpu_kernels="auto")
+    sess = open_session(None, None, "cpu", "fp32", log=lambda m: None, cpu_kernels="auto", draft_weights="auto")
     with torch.no_grad():
         cov = coverage(sess, args.dataset, args.prompts)
     print("within the draft's top k (rows: position 1..γ; columns: k = 1..6):")

@@ -70,6 +70,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--cpu-kernels", choices=("auto", "packed", "stock"), default="auto",
                     help="kernels of our decoders (HF generate always runs the stock model)")
+    ap.add_argument("--draft-weights", choices=("auto", "fp32", "int8"), default="auto",
+                    help="the draft's linears (models/quant_linear.py), as generate's --draft-weights")
     ap.add_argument("--skip-stock", action="store_true",
                     help="do not run plain decoding on the stock kernels (the kernel choice's own gain)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "speedup.json")
@@ -78,7 +80,8 @@ def main() -> None:
         ap.error(f"--out {args.out} cannot be created: {why}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    sess = open_session(None, args.draft, "cpu", "fp32", log=lambda m: None, cpu_kernels=args.cpu_kernels)
+    sess = open_session(None, args.draft, "cpu", "fp32", log=lambda m: None, cpu_kernels=args.cpu_kernels,
+                        draft_weights=args.draft_weights)
     tok = sess.target.tokenizer
     model = sess.target.model if sess.cpu_kernels == "stock" else load_target(None, torch.device("cpu"),
                                                                              torch.float32, log=lambda m: None).model
@@ -181,7 +184,7 @@ def main() -> None:
     result = {
         "draft": sess.draft_name, "policy": spec_policy, "siblings": args.siblings, "calibration": str(calibration) if calibration else None, "dataset": args.dataset, "prompts": len(prompts),
         "repeats": args.repeats, "max_new_tokens": N, "threads": torch.get_num_threads(),
-        "cpu_kernels": sess.cpu_kernels,
+        "cpu_kernels": sess.cpu_kernels, "draft_weights": sess.draft_precision,
         "median_tok_s": med, "median_ratio": ratio, "median_ratio_interval95": interval,
         "tau_median": statistics.median(r["tau"] for r in runs),
         "draft_share_of_round_median": draft_share,

@@ -262,6 +262,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="timed rounds per position (rewound)")
     ap.add_argument("--drafts", type=int, default=2, help="drafts verified per row (t = drafts + 1)")
     ap.add_argument("--cpu-kernels", choices=("auto", "packed", "stock"), default="auto")
+    ap.add_argument("--draft-weights", choices=("auto", "fp32", "int8"), default="auto",
+                    help="the draft's linears, as generate's --draft-weights (floors stay fp32's: 4 bytes a weight)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "round_profile.json")
     args = ap.parse_args()
     if why := cannot_write_file(args.out):
@@ -270,7 +272,8 @@ def main() -> None:
     if args.prompts < max(batches):
         ap.error(f"--prompts {args.prompts} is fewer than the largest --batch {max(batches)}")
     torch.set_num_threads(1)
-    sess = open_session(None, None, "cpu", "fp32", log=lambda m: None, cpu_kernels=args.cpu_kernels)
+    sess = open_session(None, None, "cpu", "fp32", log=lambda m: None, cpu_kernels=args.cpu_kernels,
+                        draft_weights=args.draft_weights)
     prompts = encode_prompts(sess.target.tokenizer, load_prompts("mt-bench", limit=args.prompts))
     eng = SpeculativeEngine(sess.adapter, sess.draft, DraftEvery(args.drafts), SamplingParams(0.0),
                             stop_token_ids=sess.stop_ids)
@@ -293,7 +296,8 @@ def main() -> None:
     doc = {"what": "per-stage profile of one speculative round (engine.round) beside arithmetic floors",
            "dataset": "mt-bench", "prompts": args.prompts, "greedy": True, "drafts_verified": args.drafts,
            "tokens_per_request": args.drafts + 1, "positions": args.positions, "repeats": args.repeats,
-           "draft": sess.draft_name, "cpu_kernels": sess.cpu_kernels, "threads": torch.get_num_threads(),
+           "draft": sess.draft_name, "cpu_kernels": sess.cpu_kernels, "draft_weights": sess.draft_precision,
+           "threads": torch.get_num_threads(),
            "note": "stage medians are taken separately, so they need not add up to the median total",
            "batches": results, "rates": rates.table(), **provenance_of(__file__)}
     for res in results:

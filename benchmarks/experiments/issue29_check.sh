@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 29's speed figures on the final tree: one thread pinned to core 0, nothing else running
 # (the other core idle: the target's forward is memory-bound and a busy neighbour slows it).
-#   bash benchmarks/experiments/issue29_check.sh            (about 35 minutes on a 2-core VM)
+#   bash benchmarks/experiments/issue29_check.sh            (about 45 minutes on a 2-core VM)
 #   BEFORE=<commit> bash ...   profiles the round of another commit too (default: 7172484, before issue 29)
 # Writes benchmarks/results/{sps_issue29*, speedup_issue29_*.json, policies_issue29.json|png,
 # round_profile*.json, train_step*.json}. The most important figures come first.
@@ -23,6 +23,9 @@ for ds in humaneval mt-bench; do
       --policy dspark --policy dspark,siblings=0 --policy static:2,siblings=0 --sps-table $R/sps_issue29.json \
       --skip-stock --out $R/speedup_issue29_$ds.json
 done
+# the draft in fp32 against int8 (generate's default --draft-weights auto): a proposal's cost, paired, and live τ
+run .venv/bin/python benchmarks/bench_int8_draft.py --dataset mt-bench --dataset humaneval --prompts 16 \
+    --out $R/int8_draft.json
 # under load: dspark against plain (and the other policies) at 1/4/8/16/32 requests
 run .venv/bin/python benchmarks/bench_policies.py --sps-table $R/sps_issue29.json --static 2,5 \
     --batch-sizes 1,4,8,16,32 --groups 3,2,2,2,2 --max-new-tokens 48 \
@@ -34,6 +37,7 @@ before=${TMPDIR:-/tmp}/dsparkctl-round-$BEFORE
 (cd "$before" && PYTHONPATH="$before:$ROOT/benchmarks" run "$ROOT/.venv/bin/python" benchmarks/profile_round.py \
     --positions 16 --out "$ROOT/$R/round_profile_before_$BEFORE.json")
 run .venv/bin/python benchmarks/profile_round.py --positions 16 --out $R/round_profile.json
+run .venv/bin/python benchmarks/profile_round.py --positions 16 --draft-weights fp32 --out $R/round_profile_fp32_draft.json
 # a training step (shipped draft's shape, 4 x 32 blocks): fp32 and bf16 against the GEMM rate, 1 and 2 threads
 run .venv/bin/python benchmarks/bench_train_step.py --threads 1 --anchors 32 --out $R/train_step.json
 OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_train_step.py --threads 2 --anchors 32 --out $R/train_step_2threads.json

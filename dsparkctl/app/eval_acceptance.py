@@ -64,7 +64,8 @@ def run_eval_acceptance(spec: EvalSpec, *,
     # prompts first: bad prompt files fail before any model loads
     texts = {ds: apply_preset_wrap(preset, ds, load_prompts(ds, spec.field, spec.limit)) for ds in spec.datasets}
     sess = open_target(spec.target, spec.device, spec.dtype, spec.revision, spec.trust_remote_code, log=log,
-                       parallel=spec.target_parallel, cpu_kernels=spec.cpu_kernels, settle=False)
+                       parallel=spec.target_parallel, cpu_kernels=spec.cpu_kernels, settle=False,
+                       draft_weights=spec.draft_weights)
     drafts, notes = drafts_under_test(sess, sources, spec.labels, spec.revision, spec.seed)
     if spec.trace is not None and live:  # the per-pair files, checked like the trace itself
         check_outputs([Output(p, option("trace")) for p in

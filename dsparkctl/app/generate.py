@@ -83,7 +83,8 @@ def run_generate(spec: GenerateSpec, *,
                               prompt_texts(list(spec.prompts), spec.prompts_file, spec.dataset, spec.field, spec.limit,
                                            default="Write a short poem about speculative decoding."))
     sess = open_session(spec.target, spec.draft, spec.device, spec.dtype, spec.revision, spec.trust_remote_code,
-                        spec.seed, log=log, parallel=spec.target_parallel, cpu_kernels=spec.cpu_kernels, settle=False)
+                        spec.seed, log=log, parallel=spec.target_parallel, cpu_kernels=spec.cpu_kernels, settle=False,
+                        draft_weights=spec.draft_weights)
     for m in sess.notes:
         note(m)
     ids = encode_prompts(sess.target.tokenizer, texts, chat=spec.chat)

@@ -61,7 +61,8 @@ def run_profile_sps(spec: ProfileSpec, *,
     check_batch_tokens(reqs, toks or [8], spec.context_len)
     if whole:
         sess = open_session(spec.target, spec.draft, spec.device, spec.dtype, spec.revision, spec.trust_remote_code,
-                            spec.seed, log=log, cpu_kernels=spec.cpu_kernels, settle=False)
+                            spec.seed, log=log, cpu_kernels=spec.cpu_kernels, settle=False,
+                            draft_weights=spec.draft_weights)
         gamma = sess.draft.block_size
         if toks is None:
             toks = list(range(1, gamma + 2))
@@ -69,7 +70,7 @@ def run_profile_sps(spec: ProfileSpec, *,
         check_verify_width(gamma, toks)
     else:
         sess = open_target(spec.target, spec.device, spec.dtype, spec.revision, spec.trust_remote_code, log=log,
-                           cpu_kernels=spec.cpu_kernels, settle=False)
+                           cpu_kernels=spec.cpu_kernels, settle=False, draft_weights=spec.draft_weights)
     check_context(sess.target.model, spec.context_len, toks, settle=SETTLE_TOKENS if whole else 0)
     sess.settle_kernels(log)  # every input is checked: the timing is not wasted
     done = itertools.count(1)

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from dsparkctl.cli.console import err, note, out, print_json
 from dsparkctl.cli.guard import guarded
-from dsparkctl.cli.options import (CpuKernels, CpuKernelsOpt, Device, DeviceOpt, DType, DTypeOpt, JsonOpt,
+from dsparkctl.cli.options import (CpuKernels, CpuKernelsOpt, DraftWeights, DraftWeightsOpt, Device, DeviceOpt, DType, DTypeOpt, JsonOpt,
                                    MaxNewTokensOpt, PresetOpt, RevisionOpt, SeedOpt, TargetOpt, TargetParallelOpt,
                                    TemperatureOpt, TrustRemoteCodeOpt, choices)
 from dsparkctl.evaluation.acceptance import MODES
@@ -76,6 +76,7 @@ def eval_acceptance(
     trust_remote_code: TrustRemoteCodeOpt = False,
     target_parallel: TargetParallelOpt = "none",
     cpu_kernels: CpuKernelsOpt = CpuKernels.auto,
+    draft_weights: DraftWeightsOpt = DraftWeights.auto,
     device: DeviceOpt = Device.auto,
     dtype: DTypeOpt = DType.auto,
     seed: SeedOpt = 0,
@@ -88,7 +89,7 @@ def eval_acceptance(
                     temperature=temperature, max_new_tokens=max_new_tokens, mode=mode.value, batch_size=batch_size,
                     chat=chat, plot=plot, trace=trace, out=out_path, revision=revision,
                     trust_remote_code=trust_remote_code, target_parallel=target_parallel,
-                    cpu_kernels=cpu_kernels.value, device=device.value, dtype=dtype.value, seed=seed)
+                    cpu_kernels=cpu_kernels.value, draft_weights=draft_weights.value, device=device.value, dtype=dtype.value, seed=seed)
     results = run_eval_acceptance(spec, log=lambda s: err.print(s, highlight=False),
                              note=note)
     if json_out:

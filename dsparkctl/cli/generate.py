@@ -10,7 +10,7 @@ from rich.table import Table
 
 from dsparkctl.cli.console import err, note, out, print_json, progress_bar, show_progress, styled
 from dsparkctl.cli.guard import guarded
-from dsparkctl.cli.options import (CpuKernels, CpuKernelsOpt, Device, DeviceOpt, DraftOpt, DType, DTypeOpt, JsonOpt,
+from dsparkctl.cli.options import (CpuKernels, CpuKernelsOpt, DraftWeights, DraftWeightsOpt, Device, DeviceOpt, DraftOpt, DType, DTypeOpt, JsonOpt,
                                    MaxNewTokensOpt, PresetOpt, RevisionOpt, SeedOpt, TargetOpt, TargetParallelOpt,
                                    TemperatureOpt, TrustRemoteCodeOpt)
 from dsparkctl.math.policy_spec import NEEDS_SPS, POLICY_SPECS
@@ -85,13 +85,14 @@ def generate(
     trust_remote_code: TrustRemoteCodeOpt = False,
     target_parallel: TargetParallelOpt = "none",
     cpu_kernels: CpuKernelsOpt = CpuKernels.auto,
+    draft_weights: DraftWeightsOpt = DraftWeights.auto,
 ) -> None:
     from dsparkctl.app.generate import GenerateSpec, run_generate
 
     spec = GenerateSpec(
         prompts=tuple(prompts or ()), prompts_file=prompts_file, dataset=dataset, field=field, limit=limit,
         target=target, draft=draft, revision=revision, trust_remote_code=trust_remote_code,
-        target_parallel=target_parallel, device=device.value, dtype=dtype.value, cpu_kernels=cpu_kernels.value,
+        target_parallel=target_parallel, device=device.value, dtype=dtype.value, cpu_kernels=cpu_kernels.value, draft_weights=draft_weights.value,
         policy=policy, sps_table=sps_table, calibration=calibration, preset=preset, temperature=temperature,
         top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed, stream=stream,
         chat=chat, trace=trace, baseline=baseline, repeats=repeats, siblings=siblings)

@@ -12,6 +12,7 @@ import typer
 
 from dsparkctl.checks import ascii_int
 from dsparkctl.engine.session import CPU_KERNELS
+from dsparkctl.models.quant_linear import DRAFT_WEIGHTS
 from dsparkctl.errors import UsageError
 from dsparkctl.models.loading import DTYPES
 
@@ -29,6 +30,9 @@ DType = choices("DType", DTYPES)
 
 
 CpuKernels = choices("CpuKernels", CPU_KERNELS)
+
+
+DraftWeights = choices("DraftWeights", DRAFT_WEIGHTS)
 
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
@@ -80,6 +84,12 @@ CpuKernelsOpt = Annotated[CpuKernels, typer.Option("--cpu-kernels", help="CPU fp
                                                   "multi-token verify forward); stock = torch's default kernels; "
                                                   "auto = each forward on whichever of the two this CPU runs faster "
                                                   "at its row count (timed once per machine and model, cached).")]
+
+
+DraftWeightsOpt = Annotated[DraftWeights, typer.Option("--draft-weights", help="The draft's linears: int8 = weights "
+                                                      "in int8 (CPU, fp32 drafts; a quarter of the bytes a round "
+                                                      "reads; output stays exactly the target's: only the draft "
+                                                      "changes); fp32 = as stored; auto = int8 wherever it can run.")]
 
 
 TemperatureOpt = Annotated[float | None, typer.Option("--temperature", help="Sampling temperature; 0 = greedy "

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from dsparkctl.cli.console import err, out, print_json, progress_bar, styled
 from dsparkctl.cli.guard import guarded
-from dsparkctl.cli.options import (CpuKernels, CpuKernelsOpt, Device, DeviceOpt, DraftOpt, DType, DTypeOpt, JsonOpt,
+from dsparkctl.cli.options import (CpuKernels, CpuKernelsOpt, DraftWeights, DraftWeightsOpt, Device, DeviceOpt, DraftOpt, DType, DTypeOpt, JsonOpt,
                                    RevisionOpt, SeedOpt, TargetOpt, choices, int_list)
 from dsparkctl.engine.profile import MEASURES
 
@@ -43,6 +43,7 @@ def profile_sps_cmd(
     device: DeviceOpt = Device.auto,
     dtype: DTypeOpt = DType.auto,
     cpu_kernels: CpuKernelsOpt = CpuKernels.auto,
+    draft_weights: DraftWeightsOpt = DraftWeights.auto,
     seed: SeedOpt = 0,
     sglang_out: Annotated[Optional[Path], typer.Option("--sglang-out", help="SGLang table path (default <out stem>.sglang.json).")] = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="PNG path (default <out stem>.png).")] = None,
@@ -54,7 +55,7 @@ def profile_sps_cmd(
                        requests=tuple(int_list(requests, "--requests")),
                        tokens_per_request=tuple(int_list(tokens, "--tokens-per-request")) if tokens is not None else None,
                        context_len=context_len, repeats=repeats, warmup=warmup, target=target, draft=draft,
-                       revision=revision, device=device.value, dtype=dtype.value, cpu_kernels=cpu_kernels.value,
+                       revision=revision, device=device.value, dtype=dtype.value, cpu_kernels=cpu_kernels.value, draft_weights=draft_weights.value,
                        seed=seed)
     with progress_bar("profile-sps", None) as update:
         result, table = run_profile_sps(spec, log=lambda m: err.print(styled((m, "dim"))),

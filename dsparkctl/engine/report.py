@@ -117,6 +117,7 @@ def _settings(sess: Session, pol: Policy, prompt_ids: Sequence[Sequence[int]], o
     return {"target": sess.target.name, "draft": sess.draft_name, "draft_kind": sess.draft.cfg.kind,
             "block_size": sess.draft.block_size, "policy": pol.spec, "device": str(sess.device),
             "dtype": str(sess.dtype).replace("torch.", ""), "cpu_kernels": sess.cpu_kernels,
+            "draft_weights": sess.draft_precision,
             "sampling": {"temperature": opts.sampling.temperature, "top_p": opts.sampling.top_p,
                          "top_k": opts.sampling.top_k, "seed": opts.seed},
             "prompts": len(prompt_ids), "batch_size": opts.batch_size, "max_new_tokens": opts.max_new_tokens}

@@ -17,6 +17,7 @@ from dsparkctl.models.draft_io import load_draft, random_draft
 from dsparkctl.models.loading import (RANDOM_DRAFT, LoadedTarget, default_draft_dir, is_default_draft, is_embedded,
                                       load_target, resolve_device, resolve_dtype, stop_token_ids)
 from dsparkctl.models.packed_linear import PACKED, STOCK, Route, apply_route, pack_like, packing_supported, swap_modules
+from dsparkctl.models.quant_linear import DRAFT_WEIGHTS, can_quantize, int8_supported, quantize_draft
 from dsparkctl.models.target import TargetAdapter
 
 CPU_KERNELS = ("auto", "packed", "stock")
@@ -43,6 +44,7 @@ class ModelSettings:
     device: str = "auto"
     dtype: str = "auto"
     cpu_kernels: str = "auto"  # CPU_KERNELS
+    draft_weights: str = "auto"  # models/quant_linear.py DRAFT_WEIGHTS
     seed: int = 0
 
 
@@ -59,6 +61,8 @@ class Session:
     notes: list[str] = field(default_factory=list)  # things the user must be told (e.g. untrained draft)
     draft_dir: "Path | None" = None  # the local folder the draft was read from (None: random or unknown)
     route: Route | None = STOCK  # how target and draft linears run (models/packed_linear.py); None: auto pending
+    draft_weights: str = "fp32"  # the setting asked for (DRAFT_WEIGHTS); `draft_precision` says what the draft runs
+    draft_precision: str = "fp32"  # what the session's draft's linears run in: fp32 (or the model dtype) or int8
 
     @property
     def split(self) -> Split:
@@ -78,7 +82,7 @@ class Session:
         import platform
 
         return {"cpu": cpu_info()["name"], "machine": platform.machine(), "threads": torch.get_num_threads(),
-                "cpu_kernels": self.cpu_kernels, "device": str(self.device),
+                "cpu_kernels": self.cpu_kernels, "draft_weights": self.draft_precision, "device": str(self.device),
                 "dtype": str(self.dtype).replace("torch.", ""), "torch": torch.__version__}
 
     def default_calibration(self) -> "Path | None":
@@ -102,9 +106,28 @@ class Session:
         """(draft, display name, notes) for a draft spec, checked against this session's target:
         the shipped default (embedded target), 'random', a folder or a hub id."""
         draft, name, notes = self._load_draft(spec, revision, seed, random_draft_kw)
-        if self.route is not None:  # else settle_kernels packs it once the choice is made
+        precision = self._draft_precision(draft)
+        if precision == "int8":
+            quantize_draft(draft)
+        if self.route is not None:  # else settle_kernels packs it once the choice is made (int8 parts stay)
             pack_like(draft, self.route)
+        if self.draft is None or draft is self.draft:
+            self.draft_precision = precision
         return draft, name, notes
+
+    def _draft_precision(self, draft: DSparkDraft) -> str:
+        """What `draft_weights` means for this draft: int8 where asked (refused where it cannot run)
+        or, for auto, wherever it can (CPU, fp32, torch's int8 ops present and self-checked); else
+        the draft's own dtype."""
+        p = next(draft.parameters())
+        own = "fp32" if p.dtype == torch.float32 else str(p.dtype).replace("torch.", "")
+        if self.draft_weights == "fp32" or (self.draft_weights == "auto" and not can_quantize(draft)):
+            return own
+        if not can_quantize(draft):
+            raise UsageError(f"{option('draft_weights')} int8 needs a draft on the CPU in fp32 and torch's int8 "
+                             f"linear ops (this draft: {p.device.type}, {own})",
+                             f"use {option('draft_weights')} fp32 or auto")
+        return "int8"
 
     def settle_kernels(self, log: Callable[[str], None] = print, drafts: tuple[DSparkDraft, ...] = ()) -> None:
         """For `--cpu-kernels auto`: resolve the route (engine/kernel_choice.py: cached, or timed
@@ -144,7 +167,8 @@ class Session:
 
 def open_target(target: str | None, device: str = "auto", dtype: str = "auto", revision: str | None = None,
                 trust_remote_code: bool = False, log: Callable[[str], None] = print,
-                parallel: str = "none", cpu_kernels: str = "stock", settle: bool = True) -> Session:
+                parallel: str = "none", cpu_kernels: str = "stock", settle: bool = True,
+                draft_weights: str = "fp32") -> Session:
     """A session holding the target only (embedded default, a folder or a hub id); `parallel`
     spreads a big target (models/loading.py: device-map or tp). `cpu_kernels="packed"` packs the
     linears of a CPU fp32 model for oneDNN (inference only: models/packed_linear.py); "auto" routes
@@ -155,12 +179,19 @@ def open_target(target: str | None, device: str = "auto", dtype: str = "auto", r
     calls `Session.settle_kernels`)."""
     if cpu_kernels not in CPU_KERNELS:
         raise UsageError(f"unknown {option('cpu_kernels')} {cpu_kernels!r}", f"use one of {', '.join(CPU_KERNELS)}")
+    if draft_weights not in DRAFT_WEIGHTS:
+        raise UsageError(f"unknown {option('draft_weights')} {draft_weights!r}", f"use one of {', '.join(DRAFT_WEIGHTS)}")
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    if draft_weights == "int8" and not (dev.type == "cpu" and dt == torch.float32 and int8_supported()):
+        raise UsageError(f"{option('draft_weights')} int8 needs the CPU, fp32 and torch's int8 linear ops (this run: "
+                         f"{dev.type}, {str(dt).replace('torch.', '')}"
+                         f"{'' if int8_supported() or dev.type != 'cpu' else ', no working int8 ops'})",
+                         f"use {option('draft_weights')} fp32 or auto")
     tgt = load_target(target, dev, dt, revision=revision, trust_remote_code=trust_remote_code, log=log,
                       parallel=parallel)
     sess = Session(target=tgt, device=dev, dtype=dt, stop_ids=stop_token_ids(tgt.tokenizer, tgt.model),
-                   embedded_target=is_embedded(target))
+                   embedded_target=is_embedded(target), draft_weights=draft_weights)
     if cpu_kernels == "packed" and parallel == "none":
         sess.route = apply_route(tgt.model, PACKED, sess._kept())
     elif cpu_kernels == "auto" and parallel == "none" and packing_supported(tgt.model):
@@ -173,11 +204,13 @@ def open_target(target: str | None, device: str = "auto", dtype: str = "auto", r
 def open_session(target: str | None, draft: str | None, device: str = "auto", dtype: str = "auto",
                  revision: str | None = None, trust_remote_code: bool = False, seed: int = 0,
                  log: Callable[[str], None] = print, random_draft_kw: dict[str, Any] | None = None,
-                 parallel: str = "none", cpu_kernels: str = "stock", settle: bool = True) -> Session:
+                 parallel: str = "none", cpu_kernels: str = "stock", settle: bool = True,
+                 draft_weights: str = "fp32") -> Session:
     """The target and one draft; the session's adapter taps the draft's layers. Kernel timing
     (`--cpu-kernels auto`, not yet cached) runs after the draft's checks, or, with `settle=False`,
     when the caller calls `Session.settle_kernels` after its own."""
-    sess = open_target(target, device, dtype, revision, trust_remote_code, log, parallel, cpu_kernels, settle=False)
+    sess = open_target(target, device, dtype, revision, trust_remote_code, log, parallel, cpu_kernels, settle=False,
+                       draft_weights=draft_weights)
     sess.draft, sess.draft_name, notes = sess.load_draft(draft, revision, seed, random_draft_kw)
     sess.draft_dir = sess.draft_folder(draft)
     sess.notes.extend(notes)

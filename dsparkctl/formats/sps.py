@@ -126,7 +126,7 @@ def condition_notes(table: SPSTable, now: dict[str, Any] | None, target: str | N
         notes.append(f"{table.source} does not say what machine, threads and kernels it was profiled with "
                      "(an older or imported table); its step times may not be this run's")
     elif now is not None:
-        for k in ("cpu", "machine", "threads", "cpu_kernels", "device", "dtype", "torch"):
+        for k in ("cpu", "machine", "threads", "cpu_kernels", "draft_weights", "device", "dtype", "torch"):
             if k in had and k in now and had[k] != now[k]:
                 notes.append(f"{table.source} was profiled with {k} {had[k]!r}, this run has {now[k]!r}: "
                              "its step times may not hold here")

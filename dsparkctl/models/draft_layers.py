@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from dsparkctl.models.draft_config import DraftConfig
 from dsparkctl.models.draft_inference import BlockSlots
 from dsparkctl.models.packed_linear import EVERY_CALL, PackedLinear
+from dsparkctl.models.quant_linear import Int8Linear
 
 
 class RMSNorm(nn.Module):
@@ -95,8 +96,10 @@ def _weights_key(tensors: list[Tensor | None], lins: list[nn.Module]) -> tuple |
 
 def fuse_linears(parts: list[nn.Module]) -> nn.Module:
     """One linear whose output is the concatenation of `parts`' outputs (same input), running on the
-    kernel the first part runs on (packed for oneDNN, with its stock-rows routing, or stock)."""
+    kernel the first part runs on (packed for oneDNN, with its stock-rows routing, int8, or stock)."""
     w = torch.cat([p.weight.detach() for p in parts])
+    if isinstance(parts[0], Int8Linear):
+        return Int8Linear(w, None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts]))
     lin = nn.Linear(w.shape[1], w.shape[0], bias=parts[0].bias is not None, device="meta")
     lin.weight = nn.Parameter(w, requires_grad=False)
     if parts[0].bias is not None:

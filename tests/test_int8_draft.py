@@ -1,0 +1,135 @@
+"""A draft's linears in int8 (models/quant_linear.py): close products, the target's own output, the
+target's law, and sessions that run it only where it can run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+from typer.testing import CliRunner
+
+import dsparkctl.models.quant_linear as ql
+from dsparkctl.cli.main import app
+from dsparkctl.engine.session import open_session
+from dsparkctl.engine.speculative import SpeculativeEngine, plain_generate
+from dsparkctl.errors import UsageError
+from dsparkctl.math.policy_spec import parse_policy
+from dsparkctl.math.sampling import SamplingParams
+from dsparkctl.math.sps import SPSTable
+from dsparkctl.models.draft_io import random_draft
+from dsparkctl.models.packed_linear import PackedLinear, pack_linears
+from dsparkctl.models.quant_linear import Int8Linear, int8_supported, quantize_draft
+from dsparkctl.models.target import TargetAdapter
+from tests.test_engine import PROMPTS, _exact_three_token_distribution, assert_three_tokens_distributed_as
+from tests.tiny_models import bigram_oracle_draft, save_tiny_target, tiny_target, write_deepspec_draft
+
+pytestmark = pytest.mark.skipif(not int8_supported(), reason="this torch has no working int8 linear ops")
+SPS = SPSTable([1, 2, 4, 8, 16, 32], [100.0, 99.0, 97.0, 90.0, 80.0, 60.0])
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(1, 64), (6, 64), (2, 5, 64)])
+def test_int8_linear_is_close_to_the_fp32_product(bias, shape):
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 96, bias=bias)
+    x = torch.randn(*shape)
+    q = Int8Linear(lin.weight, lin.bias)
+    with torch.no_grad():
+        y, ref = q(x), lin(x)
+    assert y.shape == ref.shape
+    rel = (y - ref).norm() / ref.norm()
+    assert 0 < rel < 0.02, rel  # int8: not the same arithmetic, but within a percent or two
+    assert q.weight is lin.weight  # the fp32 weight stays reachable (dtype reads, fused copies)
+
+
+def test_quantize_draft_keeps_the_feature_projection_in_fp32_and_fuses_in_int8():
+    tgt = TargetAdapter(tiny_target("llama"), [0, 1])
+    draft = random_draft(tgt, seed=3, block_size=4, markov_rank=8, layer_ids=[0, 1])
+    pack_linears(draft, keep_weight=True)
+    n = quantize_draft(draft)
+    assert n > 0
+    assert isinstance(draft.fc, PackedLinear)  # the taps' projection: quantizing it cost τ on the shipped draft
+    assert isinstance(draft.layers[0].mlp.down_proj, Int8Linear)
+    assert isinstance(draft.lm_head, Int8Linear)
+    assert all(m.out_features >= 2 for m in draft.modules() if isinstance(m, Int8Linear))  # not the confidence head
+    fused = draft.layers[0].fused()
+    assert fused is not None and isinstance(fused[0], Int8Linear) and isinstance(fused[1], Int8Linear)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("policy,siblings", [("static:4", 0), ("dspark", "auto"), ("static:2", 2)])
+def test_greedy_identity_with_an_int8_draft(family, policy, siblings):
+    model = tiny_target(family)
+    pack_linears(model, keep=(model.get_output_embeddings(),))
+    tgt = TargetAdapter(model, [0, 1])
+    draft = bigram_oracle_draft(tgt, PROMPTS, block_size=4, layer_ids=[0, 1])
+    assert quantize_draft(draft) > 0
+    plain = plain_generate(TargetAdapter(model), PROMPTS, 40, SamplingParams(0.0))
+    eng = SpeculativeEngine(tgt, draft, parse_policy(policy, sps=SPS), SamplingParams(0.0), siblings=siblings)
+    rep = eng.generate(PROMPTS, 40)
+    assert [o.tokens for o in rep.outputs] == [o.tokens for o in plain.outputs]
+    assert eng.generate([PROMPTS[2]], 40).outputs[0].tokens == plain.outputs[2].tokens
+    if policy == "static:4":
+        assert rep.stats.tau > 1.4  # the oracle still drafts well in int8: real multi-token accepts
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_p=0.9)])
+def test_sampled_output_with_an_int8_draft_matches_the_target_distribution(params):
+    model = tiny_target("llama", vocab=8, hidden=32, seed=4)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.25)
+    exact = _exact_three_token_distribution(model, [3, 5, 6], params)
+    tgt = TargetAdapter(model, [0, 1])
+    draft = random_draft(tgt, seed=5, block_size=3, markov_rank=4, layer_ids=[0, 1])
+    quantize_draft(draft)
+    eng = SpeculativeEngine(tgt, draft, parse_policy("static:3"), params)
+    rep = eng.generate([[3, 5, 6]] * 6000, 3, generator=torch.Generator().manual_seed(11))
+    assert rep.stats.histogram[0] > 300 and rep.stats.histogram[1] > 300, rep.stats.histogram
+    assert_three_tokens_distributed_as(rep.outputs, exact, params)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    target = save_tiny_target(root / "target", "qwen3", vocab=64, layers=4)
+    draft = write_deepspec_draft(root / "draft", vocab=64, hidden=32, taps=(0, 1), rank=8, block_size=4)
+    return target, draft
+
+
+def test_sessions_run_int8_where_asked_or_where_auto_can(models, monkeypatch):
+    target, draft = models
+    quiet = dict(log=lambda m: None, cpu_kernels="packed")
+    auto = open_session(str(target), str(draft), "cpu", "fp32", draft_weights="auto", **quiet)
+    assert auto.draft_precision == "int8" and auto.conditions()["draft_weights"] == "int8"
+    assert any(isinstance(m, Int8Linear) for m in auto.draft.modules())
+    assert not any(isinstance(m, Int8Linear) for m in auto.target.model.modules())  # the target is never touched
+    fp32 = open_session(str(target), str(draft), "cpu", "fp32", draft_weights="fp32", **quiet)
+    assert fp32.draft_precision == "fp32" and not any(isinstance(m, Int8Linear) for m in fp32.draft.modules())
+    bf16 = open_session(str(target), str(draft), "cpu", "bf16", draft_weights="auto", **quiet)
+    assert bf16.draft_precision == "bfloat16"  # auto leaves what it cannot quantize as it is
+    with pytest.raises(UsageError, match="int8 needs the CPU, fp32"):
+        open_session(str(target), str(draft), "cpu", "bf16", draft_weights="int8", **quiet)
+    with pytest.raises(UsageError, match="unknown"):
+        open_session(str(target), str(draft), "cpu", "fp32", draft_weights="int4", **quiet)
+    monkeypatch.setattr(ql, "_CHECKED", False)  # a torch whose int8 ops fail their self-check
+    assert open_session(str(target), str(draft), "cpu", "fp32", draft_weights="auto", **quiet).draft_precision == "fp32"
+    with pytest.raises(UsageError, match="no working int8 ops"):
+        open_session(str(target), str(draft), "cpu", "fp32", draft_weights="int8", **quiet)
+
+
+def test_generate_reports_its_draft_weights_and_both_give_the_same_greedy_text(models):
+    target, draft = models
+    runner = CliRunner()
+    reps = {}
+    for weights in ("int8", "fp32"):
+        res = runner.invoke(app, ["generate", "--target", str(target), "--draft", str(draft), "--no-chat",
+                                  "--max-new-tokens", "12", "--json", "--draft-weights", weights, "--baseline",
+                                  "w1 w2 w3", "w4 w5"])
+        assert res.exit_code == 0, res.output
+        reps[weights] = json.loads(res.stdout)
+        assert reps[weights]["draft_weights"] == weights and reps[weights]["baseline"]["identical_outputs"] == 2
+    assert [r["text"] for r in reps["int8"]["requests"]] == [r["text"] for r in reps["fp32"]["requests"]]
+    res = runner.invoke(app, ["generate", "--target", str(target), "--draft-weights", "int4", "w1"])
+    assert res.exit_code == 2 and "int4" in res.output
