@@ -28,7 +28,7 @@ from dsparkctl.models.packed_linear import (EVERY_CALL, STOCK, PackedLinear, pac
                                             unpack_linears, use_stock_up_to)
 from dsparkctl.models.target import TargetAdapter
 from tests.test_engine import PROMPTS, _exact_three_token_distribution, assert_three_tokens_distributed_as
-from tests.tiny_models import bigram_oracle_draft, save_tiny_target, tiny_target, write_deepspec_draft
+from tests.tiny_models import bigram_oracle_draft, tiny_target
 
 pytestmark = pytest.mark.skipif(not packing_supported(nn.Linear(2, 2)), reason="this torch has no oneDNN linear")
 SPS = SPSTable([1, 2, 4, 8, 16, 32], [100.0, 99.0, 97.0, 90.0, 80.0, 60.0])
@@ -101,32 +101,31 @@ def test_greedy_identity_on_a_packed_pair(family, policy):
         assert rep.stats.histogram[4] > 0 and rep.stats.tau > 1.4  # real multi-token accepts happened
 
 
-@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_p=0.9)])
-def test_sampled_output_on_a_packed_pair_matches_the_target_distribution(params):
+def assert_sampled_law_holds(params: SamplingParams, prepare_target, prepare_draft) -> None:
+    """6,000 three-token samples of a tiny pair whose target (after its exact law is computed on
+    stock kernels) and draft were prepared by the hooks follow the target's exact law (χ²)."""
     model = tiny_target("llama", vocab=8, hidden=32, seed=4)
     with torch.no_grad():
         model.lm_head.weight.mul_(0.25)
     exact = _exact_three_token_distribution(model, [3, 5, 6], params)  # stock kernels
-    pack_linears(model, keep=(model.get_output_embeddings(),))
+    prepare_target(model)
     tgt = TargetAdapter(model, [0, 1])
     draft = random_draft(tgt, seed=5, block_size=3, markov_rank=4, layer_ids=[0, 1])
-    pack_linears(draft, keep_weight=True)
+    prepare_draft(draft)
     eng = SpeculativeEngine(tgt, draft, parse_policy("static:3"), params)
     rep = eng.generate([[3, 5, 6]] * 6000, 3, generator=torch.Generator().manual_seed(11))
     assert rep.stats.histogram[0] > 300 and rep.stats.histogram[1] > 300, rep.stats.histogram
     assert_three_tokens_distributed_as(rep.outputs, exact, params)
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    target = save_tiny_target(root / "target", "qwen3", vocab=64, layers=4)
-    draft = write_deepspec_draft(root / "draft", vocab=64, hidden=32, taps=(0, 1), rank=8, block_size=4)
-    return target, draft
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_p=0.9)])
+def test_sampled_output_on_a_packed_pair_matches_the_target_distribution(params):
+    assert_sampled_law_holds(params, lambda model: pack_linears(model, keep=(model.get_output_embeddings(),)),
+                             lambda draft: pack_linears(draft, keep_weight=True))
 
 
-def test_sessions_pack_on_request_only(models):
-    target, draft = models
+def test_sessions_pack_on_request_only(qwen3_pair):
+    target, draft = qwen3_pair
     packed = open_session(str(target), str(draft), "cpu", "fp32", log=lambda m: None, cpu_kernels="packed")
     assert packed.cpu_kernels == "packed"
     assert any(isinstance(m, PackedLinear) for m in packed.target.model.modules())
@@ -137,20 +136,28 @@ def test_sessions_pack_on_request_only(models):
         open_session(str(target), str(draft), "cpu", "fp32", log=lambda m: None, cpu_kernels="fast")
 
 
-def test_generate_reports_its_kernels_and_both_give_the_same_greedy_text(models):
-    target, draft = models
+def generate_each_way(pair, flag: str, values: tuple[str, ...], bad: str) -> None:
+    """`generate --json --baseline` once per value of `flag`: each run reports the value it ran
+    (JSON key = the flag's name), matches plain decoding, and all give the same greedy text; a
+    `bad` value is refused with exit 2."""
+    target, draft = pair
     runner = CliRunner()
-    reps = {}
-    for kernels in ("packed", "stock"):
+    key = flag.removeprefix("--").replace("-", "_")
+    texts = []
+    for value in values:
         res = runner.invoke(app, ["generate", "--target", str(target), "--draft", str(draft), "--no-chat",
-                                  "--max-new-tokens", "12", "--json", "--cpu-kernels", kernels, "--baseline",
-                                  "w1 w2 w3", "w4 w5"])
+                                  "--max-new-tokens", "12", "--json", flag, value, "--baseline", "w1 w2 w3", "w4 w5"])
         assert res.exit_code == 0, res.output
-        reps[kernels] = json.loads(res.stdout)
-        assert reps[kernels]["cpu_kernels"] == kernels and reps[kernels]["baseline"]["identical_outputs"] == 2
-    assert [r["text"] for r in reps["packed"]["requests"]] == [r["text"] for r in reps["stock"]["requests"]]
-    res = runner.invoke(app, ["generate", "--target", str(target), "--cpu-kernels", "fast", "w1"])
-    assert res.exit_code == 2 and "fast" in res.output
+        rep = json.loads(res.stdout)
+        assert rep[key] == value and rep["baseline"]["identical_outputs"] == 2
+        texts.append([r["text"] for r in rep["requests"]])
+    assert all(t == texts[0] for t in texts)
+    res = runner.invoke(app, ["generate", "--target", str(target), flag, bad, "w1"])
+    assert res.exit_code == 2 and bad in res.output
+
+
+def test_generate_reports_its_kernels_and_both_give_the_same_greedy_text(qwen3_pair):
+    generate_each_way(qwen3_pair, "--cpu-kernels", ("packed", "stock"), "fast")
 
 
 # --cpu-kernels auto: both copies kept, each call routed by its row count
@@ -338,9 +345,9 @@ def _seed_choice(model_dir, rows):
 
 
 @pytest.mark.parametrize("rows", [0, 2, STOCK_IN_FILE])
-def test_a_cached_choice_makes_only_the_copies_it_reads(models, tmp_path, monkeypatch, rows):
+def test_a_cached_choice_makes_only_the_copies_it_reads(qwen3_pair, tmp_path, monkeypatch, rows):
     monkeypatch.setenv("DSPARKCTL_CPU_KERNELS_CACHE", str(tmp_path / "cpu_kernels.json"))
-    target, draft = models
+    target, draft = qwen3_pair
     _seed_choice(target, rows)
     logs = []
     sess = open_session(str(target), str(draft), "cpu", "fp32", log=logs.append, cpu_kernels="auto")
@@ -356,9 +363,9 @@ def test_a_cached_choice_makes_only_the_copies_it_reads(models, tmp_path, monkey
         assert {m.stock_rows for m in sess.draft.modules() if isinstance(m, PackedLinear)} == {rows}
 
 
-def test_auto_sessions_time_once_then_route_target_and_draft_alike(models, tmp_path, monkeypatch):
+def test_auto_sessions_time_once_then_route_target_and_draft_alike(qwen3_pair, tmp_path, monkeypatch):
     monkeypatch.setenv("DSPARKCTL_CPU_KERNELS_CACHE", str(tmp_path / "cpu_kernels.json"))
-    target, draft = models
+    target, draft = qwen3_pair
     logs = []
     sess = open_session(str(target), str(draft), "cpu", "fp32", log=logs.append, cpu_kernels="auto")
     assert any("timing" in m for m in logs)
@@ -375,7 +382,7 @@ def test_auto_sessions_time_once_then_route_target_and_draft_alike(models, tmp_p
     assert rep["cpu_kernels"] == sess.cpu_kernels and rep["baseline"]["identical_outputs"] == 1
 
 
-def test_a_target_whose_forward_cannot_be_timed_stays_on_stock_kernels(models, tmp_path, monkeypatch):
+def test_a_target_whose_forward_cannot_be_timed_stays_on_stock_kernels(qwen3_pair, tmp_path, monkeypatch):
     monkeypatch.setenv("DSPARKCTL_CPU_KERNELS_CACHE", str(tmp_path / "cpu_kernels.json"))
     import dsparkctl.engine.kernel_choice as kernel_choice
 
@@ -384,7 +391,7 @@ def test_a_target_whose_forward_cannot_be_timed_stays_on_stock_kernels(models, t
             raise TypeError("forward() missing 1 required positional argument")
         return forward
     monkeypatch.setattr(kernel_choice, "row_forward", broken)
-    target, draft = models
+    target, draft = qwen3_pair
     logs = []
     sess = open_session(str(target), str(draft), "cpu", "fp32", log=logs.append, cpu_kernels="auto")
     assert sess.cpu_kernels == "stock" and any("could not time" in m for m in logs)
@@ -393,9 +400,9 @@ def test_a_target_whose_forward_cannot_be_timed_stays_on_stock_kernels(models, t
 
 
 @pytest.mark.parametrize("cached", [False, True])
-def test_drafts_that_borrow_the_head_share_the_targets_packed_head(models, tmp_path, monkeypatch, cached):
+def test_drafts_that_borrow_the_head_share_the_targets_packed_head(qwen3_pair, tmp_path, monkeypatch, cached):
     monkeypatch.setenv("DSPARKCTL_CPU_KERNELS_CACHE", str(tmp_path / "cpu_kernels.json"))
-    target, _ = models
+    target, _ = qwen3_pair
     if cached:
         _seed_choice(target, 2)
     sess = open_session(str(target), "random", "cpu", "fp32", log=lambda m: None, cpu_kernels="auto", settle=False)
@@ -417,9 +424,9 @@ def test_drafts_that_borrow_the_head_share_the_targets_packed_head(models, tmp_p
     ["generate", "--policy", "bogus", "w1"],
     ["generate", "--calibration", "/nonexistent/calibration.json", "w1"],
 ])
-def test_bad_input_fails_before_any_kernel_timing(models, tmp_path, monkeypatch, argv):
+def test_bad_input_fails_before_any_kernel_timing(qwen3_pair, tmp_path, monkeypatch, argv):
     monkeypatch.setenv("DSPARKCTL_CPU_KERNELS_CACHE", str(tmp_path / "cpu_kernels.json"))
-    target, draft = models
+    target, draft = qwen3_pair
     res = CliRunner().invoke(app, [*argv, "--target", str(target), "--draft", str(draft)])
     assert res.exit_code != 0 and "timing" not in res.output, res.output
     assert len(res.output.strip().splitlines()) == 1

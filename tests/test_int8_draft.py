@@ -3,15 +3,12 @@ target's law, and sessions that run it only where it can run."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
 from torch import nn
-from typer.testing import CliRunner
 
 import dsparkctl.models.quant_linear as ql
-from dsparkctl.cli.main import app
 from dsparkctl.engine.session import open_session
 from dsparkctl.engine.speculative import SpeculativeEngine, plain_generate
 from dsparkctl.errors import UsageError
@@ -22,8 +19,9 @@ from dsparkctl.models.draft_io import random_draft
 from dsparkctl.models.packed_linear import PackedLinear, pack_linears
 from dsparkctl.models.quant_linear import Int8Linear, int8_supported, quantize_draft
 from dsparkctl.models.target import TargetAdapter
-from tests.test_engine import PROMPTS, _exact_three_token_distribution, assert_three_tokens_distributed_as
-from tests.tiny_models import bigram_oracle_draft, save_tiny_target, tiny_target, write_deepspec_draft
+from tests.test_cpu_kernels import assert_sampled_law_holds, generate_each_way
+from tests.test_engine import PROMPTS
+from tests.tiny_models import bigram_oracle_draft, tiny_target
 
 pytestmark = pytest.mark.skipif(not int8_supported(), reason="this torch has no working int8 linear ops")
 SPS = SPSTable([1, 2, 4, 8, 16, 32], [100.0, 99.0, 97.0, 90.0, 80.0, 60.0])
@@ -77,29 +75,11 @@ def test_greedy_identity_with_an_int8_draft(family, policy, siblings):
 
 @pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_p=0.9)])
 def test_sampled_output_with_an_int8_draft_matches_the_target_distribution(params):
-    model = tiny_target("llama", vocab=8, hidden=32, seed=4)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(0.25)
-    exact = _exact_three_token_distribution(model, [3, 5, 6], params)
-    tgt = TargetAdapter(model, [0, 1])
-    draft = random_draft(tgt, seed=5, block_size=3, markov_rank=4, layer_ids=[0, 1])
-    quantize_draft(draft)
-    eng = SpeculativeEngine(tgt, draft, parse_policy("static:3"), params)
-    rep = eng.generate([[3, 5, 6]] * 6000, 3, generator=torch.Generator().manual_seed(11))
-    assert rep.stats.histogram[0] > 300 and rep.stats.histogram[1] > 300, rep.stats.histogram
-    assert_three_tokens_distributed_as(rep.outputs, exact, params)
+    assert_sampled_law_holds(params, lambda model: None, quantize_draft)
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    target = save_tiny_target(root / "target", "qwen3", vocab=64, layers=4)
-    draft = write_deepspec_draft(root / "draft", vocab=64, hidden=32, taps=(0, 1), rank=8, block_size=4)
-    return target, draft
-
-
-def test_sessions_run_int8_where_asked_or_where_auto_can(models, monkeypatch):
-    target, draft = models
+def test_sessions_run_int8_where_asked_or_where_auto_can(qwen3_pair, monkeypatch):
+    target, draft = qwen3_pair
     quiet = dict(log=lambda m: None, cpu_kernels="packed")
     auto = open_session(str(target), str(draft), "cpu", "fp32", draft_weights="auto", **quiet)
     assert auto.draft_precision == "int8" and auto.conditions()["draft_weights"] == "int8"
@@ -119,17 +99,5 @@ def test_sessions_run_int8_where_asked_or_where_auto_can(models, monkeypatch):
         open_session(str(target), str(draft), "cpu", "fp32", draft_weights="int8", **quiet)
 
 
-def test_generate_reports_its_draft_weights_and_both_give_the_same_greedy_text(models):
-    target, draft = models
-    runner = CliRunner()
-    reps = {}
-    for weights in ("int8", "fp32"):
-        res = runner.invoke(app, ["generate", "--target", str(target), "--draft", str(draft), "--no-chat",
-                                  "--max-new-tokens", "12", "--json", "--draft-weights", weights, "--baseline",
-                                  "w1 w2 w3", "w4 w5"])
-        assert res.exit_code == 0, res.output
-        reps[weights] = json.loads(res.stdout)
-        assert reps[weights]["draft_weights"] == weights and reps[weights]["baseline"]["identical_outputs"] == 2
-    assert [r["text"] for r in reps["int8"]["requests"]] == [r["text"] for r in reps["fp32"]["requests"]]
-    res = runner.invoke(app, ["generate", "--target", str(target), "--draft-weights", "int4", "w1"])
-    assert res.exit_code == 2 and "int4" in res.output
+def test_generate_reports_its_draft_weights_and_both_give_the_same_greedy_text(qwen3_pair):
+    generate_each_way(qwen3_pair, "--draft-weights", ("int8", "fp32"), "int4")
