@@ -83,6 +83,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40, help="proposals timed per prompt and draft")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "int8_draft.json")
     args = ap.parse_args()
+    for flag in ("prompts", "max_new_tokens", "cost_prompts", "steps"):
+        if not 1 <= getattr(args, flag) <= 100_000:
+            ap.error(f"--{flag.replace('_', '-')} must be between 1 and 100000, got {getattr(args, flag)}")
     if why := cannot_write_file(args.out):
         ap.error(f"--out {args.out} cannot be created: {why}")
     sess = open_session(None, None, "cpu", "fp32", log=lambda m: None, cpu_kernels="auto", draft_weights="fp32")
@@ -90,11 +93,9 @@ def main() -> None:
     quantize_draft(int8)
     drafts = {"fp32": sess.draft, "int8": int8}
     with torch.no_grad():
-        for d in drafts.values():  # warm-up: fused copies, allocations
-            proposal_ms(sess, {"fp32": d, "int8": d}, encode_prompts(sess.target.tokenizer,
-                                                                    load_prompts("mt-bench", limit=1)), 3)
-        cost = proposal_ms(sess, drafts, encode_prompts(sess.target.tokenizer,
-                                                        load_prompts("mt-bench", limit=args.cost_prompts)), args.steps)
+        prompts = encode_prompts(sess.target.tokenizer, load_prompts("mt-bench", limit=args.cost_prompts))
+        proposal_ms(sess, drafts, prompts[:1], 3)  # warm-up: fused copies, allocations
+        cost = proposal_ms(sess, drafts, prompts, args.steps)
         print(f"proposal: fp32 {cost['median_ms']['fp32']:.2f} ms, int8 {cost['median_ms']['int8']:.2f} ms, "
               f"int8/fp32 paired {cost['int8_over_fp32_paired']:.3f}", flush=True)
         taus = {ds: live_tau(sess, drafts, ds, args.prompts, args.max_new_tokens)

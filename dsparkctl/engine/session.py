@@ -17,7 +17,7 @@ from dsparkctl.models.draft_io import load_draft, random_draft
 from dsparkctl.models.loading import (RANDOM_DRAFT, LoadedTarget, default_draft_dir, is_default_draft, is_embedded,
                                       load_target, resolve_device, resolve_dtype, stop_token_ids)
 from dsparkctl.models.packed_linear import PACKED, STOCK, Route, apply_route, pack_like, packing_supported, swap_modules
-from dsparkctl.models.quant_linear import DRAFT_WEIGHTS, can_quantize, int8_supported, quantize_draft
+from dsparkctl.models.quant_linear import DRAFT_WEIGHTS, Int8Linear, can_quantize, int8_supported, quantize_draft
 from dsparkctl.models.target import TargetAdapter
 
 CPU_KERNELS = ("auto", "packed", "stock")
@@ -62,7 +62,17 @@ class Session:
     draft_dir: "Path | None" = None  # the local folder the draft was read from (None: random or unknown)
     route: Route | None = STOCK  # how target and draft linears run (models/packed_linear.py); None: auto pending
     draft_weights: str = "fp32"  # the setting asked for (DRAFT_WEIGHTS); `draft_precision` says what the draft runs
-    draft_precision: str = "fp32"  # what the session's draft's linears run in: fp32 (or the model dtype) or int8
+
+    @property
+    def draft_precision(self) -> str | None:
+        """What the session's draft's linears run in: int8, or its own dtype (fp32, bfloat16, ...);
+        None without a draft."""
+        if self.draft is None:
+            return None
+        if any(isinstance(m, Int8Linear) for m in self.draft.modules()):
+            return "int8"
+        dtype = next(self.draft.parameters()).dtype
+        return "fp32" if dtype == torch.float32 else str(dtype).replace("torch.", "")
 
     @property
     def split(self) -> Split:
@@ -106,28 +116,23 @@ class Session:
         """(draft, display name, notes) for a draft spec, checked against this session's target:
         the shipped default (embedded target), 'random', a folder or a hub id."""
         draft, name, notes = self._load_draft(spec, revision, seed, random_draft_kw)
-        precision = self._draft_precision(draft)
-        if precision == "int8":
+        if self._quantizes(draft):
             quantize_draft(draft)
         if self.route is not None:  # else settle_kernels packs it once the choice is made (int8 parts stay)
             pack_like(draft, self.route)
-        if self.draft is None or draft is self.draft:
-            self.draft_precision = precision
         return draft, name, notes
 
-    def _draft_precision(self, draft: DSparkDraft) -> str:
-        """What `draft_weights` means for this draft: int8 where asked (refused where it cannot run)
-        or, for auto, wherever it can (CPU, fp32, torch's int8 ops present and self-checked); else
-        the draft's own dtype."""
-        p = next(draft.parameters())
-        own = "fp32" if p.dtype == torch.float32 else str(p.dtype).replace("torch.", "")
+    def _quantizes(self, draft: DSparkDraft) -> bool:
+        """Whether `draft_weights` puts this draft in int8: where asked (refused where it cannot run)
+        or, for auto, wherever it can (CPU, fp32, torch's int8 ops present and self-checked)."""
         if self.draft_weights == "fp32" or (self.draft_weights == "auto" and not can_quantize(draft)):
-            return own
+            return False
         if not can_quantize(draft):
+            p = next(draft.parameters())
             raise UsageError(f"{option('draft_weights')} int8 needs a draft on the CPU in fp32 and torch's int8 "
-                             f"linear ops (this draft: {p.device.type}, {own})",
+                             f"linear ops (this draft: {p.device.type}, {str(p.dtype).replace('torch.', '')})",
                              f"use {option('draft_weights')} fp32 or auto")
-        return "int8"
+        return True
 
     def settle_kernels(self, log: Callable[[str], None] = print, drafts: tuple[DSparkDraft, ...] = ()) -> None:
         """For `--cpu-kernels auto`: resolve the route (engine/kernel_choice.py: cached, or timed
