@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -191,11 +192,11 @@ def test_greedy_regeneration_is_the_top1_and_matches_plain_greedy():
         assert (s.topk_ids[:, 0].long() == s.tokens[s.prompt_len:]).all()
 
 
-def _trainer(model, seqs, run_dir, steps=6):
+def _trainer(model, seqs, run_dir, steps=6, extra=()):
     rec = load_recipe(None, ["num_layers=1", "layer_ids=[0, 2]", "block_size=3", "markov_rank=8",
                              "mask_token_id=2", f"steps={steps}", "checkpoint_every=3", "batch_sequences=2",
                              "anchors_per_sequence=4", "warmup_steps=2", "optim.threads=0", "holdout=1",
-                             "num_prompts=4"])
+                             "num_prompts=4", *extra])
     draft = init_draft(rec, TargetAdapter(model), 2)
     return Trainer(rec, draft, seqs, run_dir)
 
@@ -220,6 +221,30 @@ def test_training_lowers_the_loss(tiny, tmp_path):
     tr = _trainer(model, seqs, tmp_path / "c", steps=30)
     res = tr.train()
     assert sum(l.loss for l in res.logs[-5:]) < sum(l.loss for l in res.logs[:5])
+
+
+@pytest.mark.parametrize("label", ["data", "target"])
+def test_the_ce_label_is_the_next_token_or_the_targets_argmax(tiny, tmp_path, monkeypatch, label):
+    """Teacher-forced text: the next token is often not the target's argmax. `optim.ce_label`
+    picks which one the CE term pulls toward."""
+    import dsparkctl.train.trainer as trainer_mod
+    model, _, seqs = tiny
+    forced = [dataclasses.replace(s, topk_ids=s.topk_ids.roll(1, dims=1)) for s in seqs]  # argmax != next token
+    seen = []
+    real = trainer_mod.batch_loss
+    monkeypatch.setattr(trainer_mod, "batch_loss", lambda d, b, *a: seen.append(b) or real(d, b, *a))
+    _trainer(model, forced, tmp_path / label, steps=2, extra=[f"optim.ce_label={label!r}"]).train()
+    b = seen[0]
+    v, argmax = b.valid, b.topk_idx[..., 0]
+    nxt = b.prev_tokens[..., 1:]  # x*_1..x*_{γ-1}: the next tokens (the tiny draft's vocabulary is the target's)
+    assert not torch.equal(argmax[..., :-1][v[..., :-1]], nxt[v[..., :-1]])  # the two labels differ here
+    want = argmax[..., :-1] if label == "target" else nxt
+    assert torch.equal(b.target_idx[..., :-1][v[..., :-1]], want[v[..., :-1]])
+
+
+def test_a_nonsense_ce_label_is_refused():
+    with pytest.raises(InputError, match="ce_label"):
+        load_recipe(None, ["optim.ce_label='argmax'"])
 
 
 def test_batch_anchors_stay_in_the_response(tiny):
@@ -396,3 +421,55 @@ def test_init_from_a_shallower_draft_grows_it_as_identity_layers(tmp_path, bias)
     export_draft(grown, tmp_path / "two", None, {})
     with pytest.raises(InputError, match="num_hidden_layers is 2, the recipe's draft has 1"):
         check_against_target(load_recipe(None, base + ["num_layers=1", f"init_from={tmp_path / 'two'}"]), model)
+
+
+@pytest.mark.parametrize("grown_k", [48, 0])
+def test_init_from_a_smaller_vocabulary_grows_it_around_the_source(tmp_path, grown_k):
+    """A K=24 draft continued with K=48 or the full vocabulary: the source's tokens stay (the rest
+    by frequency), each keeps its Markov row, new rows start at zero, so over the source's tokens
+    the grown draft's logits are exactly the source's. Shrinking is refused before any data."""
+    from dsparkctl.models.draft_io import load_draft
+    from dsparkctl.train.draft_init import check_against_target, export_draft, load_init_draft, select_vocab
+
+    model = tiny_target("llama", vocab=64, layers=4)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14], [20, 21]]
+    part = regenerate_part(model, prompts, (0, 2), max_new_tokens=20, temperature=0.0, stop_ids=[1], pad_id=2,
+                           topk=8, generator=torch.Generator())
+    seqs = unpack(part, part)
+    tgt = TargetAdapter(model, [0, 2])
+    base = ["num_layers=1", "layer_ids=[0, 2]", "block_size=3", "markov_rank=8", "mask_token_id=2",
+            "tap_norm=false", "holdout=1", "num_prompts=5"]
+    small = init_draft(load_recipe(None, base + ["vocab_size=24"]), tgt, 2)
+    small.set_draft_vocab(torch.arange(40, 64))  # rare tokens, so frequency alone would not keep them
+    small.share_target_embeddings(tgt.embed_tokens(), tgt.lm_head())
+    with torch.no_grad():
+        small.markov_head.markov_w2.weight.normal_(generator=torch.Generator().manual_seed(1))
+    export_draft(small, tmp_path / "small", None, {})
+    src = load_draft(tmp_path / "small", tgt, dtype=torch.float32, device="cpu")
+    rec = load_recipe(None, base + [f"vocab_size={grown_k}", f"init_from={tmp_path / 'small'}"])
+    check_against_target(rec, model)
+    grown = init_draft(rec, tgt, 2)
+    if grown_k:
+        grown.set_draft_vocab(select_vocab(seqs, grown_k, 64))
+        grown.share_target_embeddings(tgt.embed_tokens(), tgt.lm_head())
+    load_init_draft(rec, grown, tgt, None, seqs)
+    ids = grown.draft_vocab_ids if grown_k else torch.arange(64)
+    assert set(range(40, 64)) <= set(ids.tolist()) and len(ids) == (grown_k or 64)
+    assert ids.tolist() == sorted(ids.tolist())
+    if grown_k:  # the other 24 are the most frequent response tokens outside the source's (ties: lower id)
+        counts = sum(torch.bincount(s.tokens[s.prompt_len:], minlength=64) for s in seqs)
+        rest = sorted(range(40), key=lambda t: (-int(counts[t]), t))[:24]
+        assert set(ids.tolist()) - set(range(40, 64)) == set(rest)
+    rows = torch.searchsorted(ids, torch.arange(40, 64))
+    w2 = grown.markov_head.markov_w2.weight
+    torch.testing.assert_close(w2[rows], src.markov_head.markov_w2.weight)
+    others = torch.ones(len(ids), dtype=torch.bool)
+    others[rows] = False
+    assert not w2[others].any()
+    feats = torch.randn(1, 6, 2 * 32, generator=torch.Generator().manual_seed(0))
+    tok, a, prev = torch.tensor([[7]]), torch.tensor([[3]]), torch.tensor([[7, 41, 50]])
+    lg, _ = grown.block_logits(grown.forward_blocks(feats, tok, a), prev)
+    ls, _ = src.block_logits(src.forward_blocks(feats, tok, a), prev)
+    torch.testing.assert_close(lg[..., rows], ls)
+    with pytest.raises(InputError, match="can grow, not shrink"):
+        check_against_target(load_recipe(None, base + ["vocab_size=16", f"init_from={tmp_path / 'small'}"]), model)

@@ -22,12 +22,14 @@ from dsparkctl.train.trainer import trainable
 
 
 # ------------------------------------------------------------------------------------ vocabulary
-def select_vocab(seqs: list[Sequence], size: int, vocab_size: int) -> torch.Tensor:
-    """The `size` most frequent response tokens (ties: lower id), as ascending target ids [K]."""
+def select_vocab(seqs: list[Sequence], size: int, vocab_size: int, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """The `size` most frequent response tokens (ties: lower id), as ascending target ids [K];
+    every id of `keep` (a smaller draft's vocabulary being grown) is in it, the rest by frequency."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for s in seqs:
         counts += torch.bincount(s.tokens[s.prompt_len:], minlength=vocab_size)
-    order = sorted(range(vocab_size), key=lambda t: (-int(counts[t]), t))[:size]
+    kept = set() if keep is None else set(keep.tolist())
+    order = sorted(range(vocab_size), key=lambda t: (t not in kept, -int(counts[t]), t))[:size]
     return torch.tensor(sorted(order), dtype=torch.long)
 
 
@@ -139,19 +141,36 @@ def _layer_index(name: str) -> int:
     return int(parts[1]) if parts[0] == "layers" and len(parts) > 1 and parts[1].isdigit() else -1
 
 
+W2 = "markov_head.markov_w2.weight"  # [K, r]: one row per token the draft can emit
+
+
+def grows_vocab(have: DraftConfig, want: DraftConfig) -> bool:
+    """The source's reduced vocabulary is a strict part of the recipe's (a larger K, or the full one)."""
+    return bool(have.draft_vocab_size) and (not want.draft_vocab_size or want.draft_vocab_size > have.draft_vocab_size)
+
+
 def load_init_draft(recipe: Recipe, draft: DSparkDraft, adapter: TargetAdapter,
-                    scale: torch.Tensor | None) -> None:
-    """Start from a draft folder (`optim.init_from`) of the same shape, or fewer layers; fc is
-    unfolded by `scale`.
+                    scale: torch.Tensor | None, seqs: list[Sequence] | None = None) -> None:
+    """Start from a draft folder (`optim.init_from`) of the same shape, or fewer layers, or a
+    smaller vocabulary; fc is unfolded by `scale`.
 
     A source with fewer layers grows: its layers become the first ones, and each new layer keeps
     its fresh weights (`draft.init`) with its attention and MLP output projections zeroed, so the
-    grown draft starts computing exactly what the source did and training only adds to it."""
+    grown draft starts computing exactly what the source did and training only adds to it.
+    A source with a smaller reduced vocabulary grows too: the recipe's K ids are the source's plus
+    the most frequent other tokens of `seqs` (or every token, for K = 0); the source's Markov rows
+    W2 go to their tokens and the new tokens' rows start at zero, so over the source's tokens the
+    grown draft's logits are exactly the source's."""
     src = load_draft(recipe.optim.init_from, adapter, dtype=torch.float32, device="cpu")
-    check_init_source(src.cfg, draft.cfg, f"optim.init_from {recipe.optim.init_from}")
+    grow = grows_vocab(src.cfg, draft.cfg)
+    check_init_source(src.cfg, draft.cfg, f"optim.init_from {recipe.optim.init_from}",
+                      skip=("draft_vocab_size",) if grow else ())
     kept = src.cfg.num_hidden_layers
     mine, theirs = trainable(draft), dict(src.named_parameters())
     new = {n for n in mine if _layer_index(n) >= kept}
+    if grow:
+        _grow_vocab(draft, src, adapter, seqs or [])
+        new.add(W2)  # placed row by row by _grow_vocab, not copied whole
     for n, p in mine.items():
         if n not in new and (n not in theirs or theirs[n].shape != p.shape):
             raise InputError(f"optim.init_from {recipe.optim.init_from}: tensor {n} does not match the recipe's "
@@ -164,12 +183,28 @@ def load_init_draft(recipe: Recipe, draft: DSparkDraft, adapter: TargetAdapter,
                 p.zero_()  # a grown layer starts as the identity on the residual stream
         if scale is not None:
             draft.fc.weight.div_(scale.to(draft.fc.weight.device))  # exported fc = trained fc · scale: undo the fold
-        if draft.draft_vocab_ids is not None:
+        if draft.draft_vocab_ids is not None and not grow:
             if src.draft_vocab_ids is None:
                 raise InputError(f"optim.init_from {recipe.optim.init_from}: has the full vocabulary, the recipe "
                                  "a reduced one", "set draft.vocab_size = 0")
             draft.set_draft_vocab(src.draft_vocab_ids)
             draft.share_target_embeddings(adapter.embed_tokens(), adapter.lm_head())
+
+
+def _grow_vocab(draft: DSparkDraft, src: DSparkDraft, adapter: TargetAdapter, seqs: list[Sequence]) -> None:
+    """The recipe's vocabulary around the source's (see `load_init_draft`), its W2 rows placed."""
+    old_ids = src.draft_vocab_ids.cpu()
+    if draft.draft_vocab_ids is not None:
+        draft.set_draft_vocab(select_vocab(seqs, draft.cfg.draft_vocab_size, adapter.vocab_size, keep=old_ids))
+        draft.share_target_embeddings(adapter.embed_tokens(), adapter.lm_head())
+    ids = draft.draft_vocab_ids.cpu() if draft.draft_vocab_ids is not None else torch.arange(adapter.vocab_size)
+    if draft.markov_head is None:
+        return
+    rows = torch.searchsorted(ids, old_ids)  # both ascending, and ids ⊇ old_ids
+    with torch.no_grad():
+        w2 = draft.markov_head.markov_w2.weight
+        w2.zero_()
+        w2[rows.to(w2.device)] = src.markov_head.markov_w2.weight.to(w2)
 
 
 def check_embeddings_export(draft_vocab_size: int, with_embeddings: bool) -> None:
@@ -217,13 +252,15 @@ def check_against_target(recipe: Recipe, model: Any) -> None:
         src = recipe.optim.init_from
         cfg = read_draft_config(resolve_folder(src), f"optim.init_from {src}")
         check_compatible(cfg, TargetAdapter(model), f"optim.init_from {src}")
-        if bool(cfg.draft_vocab_size) != bool(recipe.draft.vocab_size):
-            raise InputError(f"optim.init_from {src}: has {'a reduced' if cfg.draft_vocab_size else 'the full'} "
-                             f"vocabulary, the recipe {'a reduced' if recipe.draft.vocab_size else 'the full'} one",
-                             "set draft.vocab_size to match the draft you start from")
+        want_k = recipe.draft.vocab_size
+        if cfg.draft_vocab_size and want_k and want_k < cfg.draft_vocab_size or not cfg.draft_vocab_size and want_k:
+            raise InputError(f"optim.init_from {src}: its vocabulary ({cfg.draft_vocab_size or 'full'}) is larger "
+                             f"than the recipe's draft.vocab_size ({want_k}): a vocabulary can grow, not shrink",
+                             f"set draft.vocab_size to {cfg.draft_vocab_size} or more (0 = the full vocabulary)"
+                             if cfg.draft_vocab_size else "set draft.vocab_size = 0 (the full vocabulary)")
         mask = recipe.draft.mask_token_id  # None: the tokenizer's pad token, checked when the draft is built
-        check_init_source(cfg, recipe_draft_config(recipe, TargetAdapter(model), cfg.mask_token_id if mask is None
-                                                   else mask), f"optim.init_from {src}")
+        want = recipe_draft_config(recipe, TargetAdapter(model), cfg.mask_token_id if mask is None else mask)
+        check_init_source(cfg, want, f"optim.init_from {src}", skip=("draft_vocab_size",) if grows_vocab(cfg, want) else ())
     if recipe.draft.vocab_size > vocab:
         raise InputError(f"draft.vocab_size {recipe.draft.vocab_size} exceeds the target's vocabulary ({vocab})",
                          "use a smaller K, or 0 for the full vocabulary")

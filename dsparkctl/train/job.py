@@ -147,7 +147,7 @@ def prepare(recipe: Recipe, model: Any, tokenizer: Any, stop_ids: list[int], cac
     scale = tap_scale(train_seqs, len(recipe.draft.layer_ids)) if recipe.draft.tap_norm else None
     draft.to(adapter.device)
     if recipe.optim.init_from:
-        load_init_draft(recipe, draft, adapter, scale)
+        load_init_draft(recipe, draft, adapter, scale, train_seqs)
     return adapter, train_seqs, held, draft, scale
 
 

@@ -88,6 +88,7 @@ class OptimSection:
     threads: int = 0  # torch CPU threads (0 = leave torch's default)
     seed: int = 0
     loss_weights: tuple[float, ...] = (0.1, 0.9, 1.0)  # CE, L1, BCE (the paper's)
+    ce_label: str = "data"  # the CE term's x*: "data" = the sequence's next token, "target" = the target's argmax
     init_from: str = ""  # a draft folder to start from (same shape, or fewer layers); the optimizer starts fresh
     precision: str = "auto"  # the draft's forward: bf16 autocast or fp32; auto = bf16 on a GPU, fp32 on a CPU
 
@@ -117,6 +118,8 @@ class Recipe:
         d = self.to_dict()
         if not d["data"]["prompt_filter"]:
             del d["data"]["prompt_filter"]
+        if d["optim"]["ce_label"] == "data":
+            del d["optim"]["ce_label"]
         return d
 
     def digest(self, *sections: str) -> str:

@@ -102,6 +102,8 @@ def _check_optim(o: Any, bad: Refuse) -> None:
         bad("optim.loss_weights are all (nearly) zero: nothing would be trained", "the paper's are [0.1, 0.9, 1.0]")
     if o.precision not in ("auto", "fp32", "bf16"):
         bad(f"optim.precision {o.precision!r}", "use auto, fp32 or bf16")
+    if o.ce_label not in ("data", "target"):
+        bad(f"optim.ce_label {o.ce_label!r}", "use data (the next token) or target (the target's argmax)")
 
 
 def _check_data_and_eval(r: Any, bad: Refuse) -> None:

@@ -206,6 +206,8 @@ class Trainer:
         pick = torch.randint(len(self.seqs), (o.batch_sequences,), generator=self.gen).tolist()
         batch = make_batch([self.seqs[i] for i in pick], o.anchors_per_sequence, self.draft.block_size,
                            self.gen, self.to_draft, self.feature_scale, rows=share).to(dev)
+        if o.ce_label == "target":  # x* = the target's argmax (top-k is sorted): what greedy verification accepts
+            batch.target_idx = batch.topk_idx[..., 0]
         t1 = time.perf_counter()
         counts = all_reduce_sum_(loss_counts(batch.target_idx, batch.valid).cpu())  # global denominators
         with autocast:
