@@ -8,8 +8,9 @@ per group so drift on a shared machine hits all alike:
     threshold:t     stop at the first conditional confidence below t (t chosen beforehand on the
                     calibration traces, --threshold; never on this prompt set)
     dspark          Algorithm 1 on the current survivals; the draft skipped when the last drafted
-                    step's survivals say a plain step is faster; with x1's siblings as `generate`
-                    runs it (--siblings, default auto; the replay predicts its chain alone)
+                    step's survivals say a plain step is faster; with x1's siblings and context
+                    lookup as `generate` runs it (--siblings, default auto; --lookup, default on;
+                    the replay predicts its chain alone)
     dspark-async    capacity from survivals two steps old, the same skip rule (paper §5.2)
 The confidence policies use the calibration (--calibration, default the shipped draft's) and the
 SPS table (--sps-table, profiled on this machine minutes before).
@@ -117,6 +118,8 @@ def main() -> None:
     ap.add_argument("--calibration", default=None, help="default: the shipped draft's")
     ap.add_argument("--siblings", default="auto", help="dspark's siblings of x1 (generate's default: auto); the "
                     "other policies run their chains alone")
+    ap.add_argument("--lookup", choices=("on", "off"), default="on",
+                    help="context lookup for dspark (engine/lookup.py), as generate's --lookup/--no-lookup")
     ap.add_argument("--threshold", type=float, default=0.4)
     ap.add_argument("--static", default=None, help="static:k lengths (default 1..γ)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "policies.json")
@@ -160,7 +163,8 @@ def main() -> None:
     greedy = SamplingParams(0.0)
     engines = {s: SpeculativeEngine(sess.adapter, sess.draft, parse_policy(s, sps=sps, temperatures=temps,
                                                                            prior=prior), greedy,
-                                    stop_token_ids=sess.stop_ids, siblings=args.siblings if s == "dspark" else 0)
+                                    stop_token_ids=sess.stop_ids, siblings=args.siblings if s == "dspark" else 0,
+                                    lookup=s == "dspark" and args.lookup == "on")
                for s in specs}
     plain_adapter = sess.plain_adapter()
     prompts = encode_prompts(sess.target.tokenizer, load_prompts(args.dataset))
@@ -239,7 +243,7 @@ def main() -> None:
                           "tau": statistics.mean(r["tau"] for r in rs),
                           "identical": all(r.get("identical", True) for r in rs), "runs": rs})
         doc = {"dataset": args.dataset, "max_new_tokens": N, "sps_table": str(args.sps_table),
-               "verify_layout": "padded" if sps.padded else "ragged", "calibration": str(cal) if cal else None,
+               "verify_layout": "padded" if sps.padded else "ragged", "calibration": str(cal) if cal else None, "siblings": args.siblings, "lookup": args.lookup,
                "temperatures": temps, "threads": torch.get_num_threads(), "cpu_kernels": sess.cpu_kernels,
                "batch_sizes_done": sizes[: sizes.index(B) + 1], "cells": cells, "seconds": time.time() - t_start,
                "quiet_threshold": QUIET, "groups_discarded_for_load": discarded,

@@ -8,8 +8,9 @@ three alike:
   * plain  dsparkctl's plain decoding (`plain_generate`, the engine's baseline)
   * spec   dsparkctl's speculative engine with the draft and policy given (repeat --policy to
            compare several in the same run: spec:<policy> each; the first is "spec"). Each runs
-           with `--siblings` (default auto, as `generate`); a policy written `SPEC,siblings=N`
-           overrides it for that decoder, e.g. `--policy dspark --policy dspark,siblings=0`.
+           with `--siblings` (default auto, as `generate`) and `--lookup` (default on, as `generate`);
+           a policy written `SPEC,siblings=N` or `SPEC,lookup=0` (or both) overrides them for that
+           decoder, e.g. `--policy dspark --policy dspark,siblings=0 --policy dspark,lookup=0`.
   * plain-stock  (unless --cpu-kernels stock; the default is auto) our plain decoding on the
            stock model, so the gain of the kernel choice and the gain of speculation are reported
            apart: spec/plain is speculation alone (same kernels), plain/plain-stock the kernels alone.
@@ -57,6 +58,16 @@ def median_interval(xs: list[float], level: float = 0.95) -> list[float]:
     return [v[k], v[n - 1 - k]]
 
 
+def decoder_options(pol: str, defaults: dict[str, str]) -> tuple[str, dict[str, str]]:
+    """`SPEC[,siblings=N][,lookup=0|1]` -> (SPEC, the decoder's options over `defaults`)."""
+    opts = dict(defaults)
+    parts = pol.split(",")
+    while len(parts) > 1 and parts[-1].partition("=")[0] in defaults and "=" in parts[-1]:
+        key, _, value = parts.pop().partition("=")
+        opts[key] = value
+    return ",".join(parts), opts
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--draft", default=None, help="draft folder (default: the shipped draft)")
@@ -67,6 +78,8 @@ def main() -> None:
     ap.add_argument("--policy", action="append", default=None, help="default static:γ (repeatable)")
     ap.add_argument("--sps-table", default=None, help="SPS table for dspark policies")
     ap.add_argument("--siblings", default="auto", help="siblings of x1 (engine/siblings.py): auto or a count")
+    ap.add_argument("--lookup", choices=("on", "off"), default="on",
+                    help="context lookup (engine/lookup.py), as generate's --lookup/--no-lookup")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--cpu-kernels", choices=("auto", "packed", "stock"), default="auto",
                     help="kernels of our decoders (HF generate always runs the stock model)")
@@ -93,10 +106,12 @@ def main() -> None:
     calibration = sess.default_calibration()  # as generate: the draft's own calibration when it ships one
 
     def engine(pol: str) -> SpeculativeEngine:
-        spec, _, sibs = pol.partition(",siblings=")
+        spec, opts = decoder_options(pol, {"siblings": args.siblings, "lookup": "1" if args.lookup == "on" else "0"})
+        if opts["lookup"] not in ("0", "1"):
+            ap.error(f"--policy {pol}: lookup must be 0 or 1")
         return SpeculativeEngine(sess.adapter, sess.draft, load_policy(spec, sess.draft.block_size, None, calibration,
                                                                        sps=sps), greedy,
-                                 stop_token_ids=sess.stop_ids, siblings=sibs or args.siblings)
+                                 stop_token_ids=sess.stop_ids, siblings=opts["siblings"], lookup=opts["lookup"] == "1")
     engines = {pol: engine(pol) for pol in policies}
     plain_adapter = sess.plain_adapter()
     N = args.max_new_tokens
@@ -182,7 +197,7 @@ def main() -> None:
     primary = rounds[spec_policy]
     draft_share = statistics.median(d / (d + v) for d, v in primary) if primary else None
     result = {
-        "draft": sess.draft_name, "policy": spec_policy, "siblings": args.siblings, "calibration": str(calibration) if calibration else None, "dataset": args.dataset, "prompts": len(prompts),
+        "draft": sess.draft_name, "policy": spec_policy, "siblings": args.siblings, "lookup": args.lookup, "calibration": str(calibration) if calibration else None, "dataset": args.dataset, "prompts": len(prompts),
         "repeats": args.repeats, "max_new_tokens": N, "threads": torch.get_num_threads(),
         "cpu_kernels": sess.cpu_kernels, "draft_weights": sess.draft_precision,
         "median_tok_s": med, "median_ratio": ratio, "median_ratio_interval95": interval,

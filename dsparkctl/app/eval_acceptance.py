@@ -36,6 +36,7 @@ class EvalSpec(ModelSettings):
     mode: str = "both"  # one of MODES
     batch_size: int = 8
     chat: bool = True  # wrap prompts in the target's chat template
+    lookup: bool = False  # greedy: the draft with context lookup, as generate runs it (engine/lookup.py)
     plot: Path | None = None  # a Figure-2-style PNG
     trace: Path | None = None  # live round traces (`trace_paths`)
     out: Path | None = None  # the document, also written here
@@ -56,6 +57,9 @@ def run_eval_acceptance(spec: EvalSpec, *,
         raise UsageError(f"{option('labels')} must be given once per {option('drafts')}",
                          f"give as many {option('labels')} as {option('drafts')}, in the same order, or none")
     live = spec.mode != "teacher-forced"
+    if spec.lookup and spec.trace is not None and live:
+        raise UsageError(f"{option('trace')} records the draft's own rounds (for calibrate and sweep-scheduler); "
+                         "context lookup's would mix into them", f"drop {option('lookup')}, or {option('trace')}")
     sources = spec.drafts or (None,)
     inputs = local_inputs(*spec.datasets, target=spec.target, drafts=sources)
     check_outputs([o for o in (Output(spec.out, option("out")) if spec.out else None,
@@ -82,7 +86,8 @@ def run_eval_acceptance(spec: EvalSpec, *,
         check_positions(lt.model, ids, max_new_tokens, gamma)
     opts = EvalOptions(mode=spec.mode, params=SamplingParams(temperature=temperature),
                        max_new_tokens=max_new_tokens, seed=spec.seed, batch_size=spec.batch_size,
-                       trace=spec.trace if live else None, preset=preset.name if preset else None)
+                       trace=spec.trace if live else None, preset=preset.name if preset else None,
+                       lookup=spec.lookup)
     sess.settle_kernels(log, tuple(d.draft for d in drafts))  # every input is checked: the timing is not wasted
     with transaction():  # traces, figure and JSON appear together, or none (files.commit)
         results = evaluate_acceptance(lt.model, lt.name, drafts, prompts, opts, sess.stop_ids, log=log,

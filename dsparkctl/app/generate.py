@@ -53,6 +53,8 @@ class GenerateSpec(ModelSettings):
     baseline: bool = False  # also plain decoding of the same prompts
     repeats: int = 1  # timed runs of each decoder (GenerateOptions)
     siblings: str = "auto"  # greedy: x1's siblings verified beside the chain (engine/siblings.py): auto or a count
+    lookup: bool = True  # greedy: where the context repeats itself, verify the block copied from it (engine/lookup.py);
+                         # off with a trace, which records the draft's own rounds for calibrate and sweep-scheduler
 
 
 def _quiet(message: str) -> None:
@@ -112,7 +114,7 @@ def run_generate(spec: GenerateSpec, *,
         note(m)
     opts = GenerateOptions(
         sampling=sampling, max_new_tokens=max_new_tokens, batch_size=1 if spec.stream else spec.batch_size,
-        seed=spec.seed, policy=pol, siblings=siblings, baseline=spec.baseline, repeats=spec.repeats, trace=spec.trace,
+        seed=spec.seed, policy=pol, siblings=siblings, lookup=spec.lookup and spec.trace is None, baseline=spec.baseline, repeats=spec.repeats, trace=spec.trace,
         trace_header=provenance(target=sess.target.name, draft=sess.draft_name, draft_fingerprint=sess.draft.fingerprint(),
                                 dataset=spec.dataset or (str(spec.prompts_file) if spec.prompts_file else "args"),
                                 temperature=temperature, top_p=spec.top_p, top_k=spec.top_k, seed=spec.seed,

@@ -72,6 +72,9 @@ def eval_acceptance(
                                                   "and draft when there are several).")] = None,
     out_path: Annotated[Optional[Path], typer.Option("--out", help="Also write the JSON result here.")] = None,
     chat: Annotated[bool, typer.Option("--chat/--no-chat", help="Wrap prompts in the target's chat template.")] = True,
+    lookup: Annotated[bool, typer.Option("--lookup/--no-lookup", help="Greedy only: measure the draft with context "
+                                         "lookup, as generate runs it (a block copied from where the text repeats "
+                                         "its last 2-4 tokens); the draft's own figures are kept beside.")] = False,
     revision: RevisionOpt = None,
     trust_remote_code: TrustRemoteCodeOpt = False,
     target_parallel: TargetParallelOpt = "none",
@@ -87,7 +90,7 @@ def eval_acceptance(
     spec = EvalSpec(drafts=tuple(draft or ()), labels=tuple(labels or ()), target=target,
                     datasets=tuple(dataset or ["mt-bench"]), field=field, limit=limit, preset=preset,
                     temperature=temperature, max_new_tokens=max_new_tokens, mode=mode.value, batch_size=batch_size,
-                    chat=chat, plot=plot, trace=trace, out=out_path, revision=revision,
+                    chat=chat, lookup=lookup, plot=plot, trace=trace, out=out_path, revision=revision,
                     trust_remote_code=trust_remote_code, target_parallel=target_parallel,
                     cpu_kernels=cpu_kernels.value, draft_weights=draft_weights.value, device=device.value, dtype=dtype.value, seed=seed)
     results = run_eval_acceptance(spec, log=lambda s: err.print(s, highlight=False),

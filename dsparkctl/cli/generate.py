@@ -80,6 +80,10 @@ def generate(
     siblings: Annotated[str, typer.Option("--siblings", help="Greedy only: also verify the draft's next-best "
                                           "tokens for the first position beside its chain, as a tree (one forward); "
                                           "auto prices them with the SPS table, a number fixes how many, 0 is off.")] = "auto",
+    lookup: Annotated[bool, typer.Option("--lookup/--no-lookup", help="Greedy only: where the text so far holds "
+                                         "the last 2-4 tokens earlier, verify what followed them there instead of "
+                                         "the draft's block (all γ positions). Off with --trace, which records "
+                                         "the draft's own rounds.")] = True,
     chat: Annotated[bool, typer.Option("--chat/--no-chat", help="Wrap prompts in the target's chat template.")] = True,
     show_text: Annotated[bool, typer.Option("--text/--no-text", help="Print the generated text.")] = True,
     trust_remote_code: TrustRemoteCodeOpt = False,
@@ -95,7 +99,7 @@ def generate(
         target_parallel=target_parallel, device=device.value, dtype=dtype.value, cpu_kernels=cpu_kernels.value, draft_weights=draft_weights.value,
         policy=policy, sps_table=sps_table, calibration=calibration, preset=preset, temperature=temperature,
         top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed, stream=stream,
-        chat=chat, trace=trace, baseline=baseline, repeats=repeats, siblings=siblings)
+        chat=chat, trace=trace, baseline=baseline, repeats=repeats, siblings=siblings, lookup=lookup)
     show = lambda m: err.print(styled((m, "dim")))  # noqa: E731
     with progress_bar("generate", None, unit="prompts", enabled=not stream) as update:
         report = run_generate(spec, log=show if not json_out or show_progress() else lambda m: None,
@@ -156,6 +160,8 @@ def summary_table(report: dict[str, Any]) -> Table:
     if sib.get("rows_verified_with"):
         t.add_row("rows verified with siblings of x1 / that took one",
                   f"{sib['rows_verified_with']} / {sib['rows_that_took_one']}")
+    if (report.get("lookup") or {}).get("rows_verified_with"):
+        t.add_row("rounds verifying a block copied from the context", str(report["lookup"]["rows_verified_with"]))
     t.add_row("generated tokens", str(report["generated_tokens"]))
     runs = f" (median of {report['repeats']})" if report.get("repeats", 1) > 1 else ""
     t.add_row(f"speculative tokens/s{runs}", f"{report['tokens_per_s']:.1f}")

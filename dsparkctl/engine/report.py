@@ -29,6 +29,7 @@ class GenerateOptions:
     seed: int = 0
     policy: Policy | None = None  # from load_policy (inputs checked before any model work); None = static:γ
     siblings: int | str = 0  # greedy: siblings of x1 verified beside the chain (engine/siblings.py), or "auto"
+    lookup: bool = False  # greedy: a block copied from the context where it repeats itself (engine/lookup.py)
     baseline: bool = False
     repeats: int = 1  # timed runs of each decoder, interleaved; tokens/s and speedup are medians
     trace: Path | None = None
@@ -52,7 +53,7 @@ def generate_report(sess: Session, prompt_ids: Sequence[Sequence[int]], opts: Ge
     gamma = sess.draft.block_size
     pol = opts.policy or parse_policy(f"static:{gamma}")
     engine = SpeculativeEngine(sess.adapter, sess.draft, pol, opts.sampling, stop_token_ids=sess.stop_ids,
-                               siblings=opts.siblings)
+                               siblings=opts.siblings, lookup=opts.lookup)
     warm_up(sess, prompt_ids[0], gamma)
     header = {**opts.trace_header, "block_size": gamma, "policy": pol.spec, "max_new_tokens": opts.max_new_tokens,
               "batch_size": opts.batch_size}
@@ -133,7 +134,8 @@ def _acceptance(spec: PromptsResult, spec_tps: list[float], opts: GenerateOption
         "survival_interval": stats.survival_interval(), "timing_ms": spec.times_ms, "engine_steps": spec.rounds,
         "drafted_steps": spec.drafted_steps,
         "siblings": {"setting": opts.siblings, "rows_verified_with": spec.siblings.get("rows", 0),
-                     "rows_that_took_one": spec.siblings.get("taken", 0)}}
+                     "rows_that_took_one": spec.siblings.get("taken", 0)},
+        "lookup": {"setting": opts.lookup, "rows_verified_with": spec.siblings.get("lookup", 0)}}
     return out
 
 

@@ -21,6 +21,8 @@ import torch
 from dsparkctl.checks import check_positive
 from dsparkctl.engine import siblings as sib
 from dsparkctl.engine.clock import Clock
+from dsparkctl.engine.lookup import History
+from dsparkctl.engine.rounds import Round, count_siblings, trace_rows
 from dsparkctl.errors import UsageError, option
 from dsparkctl.formats.trace import TraceRound
 from dsparkctl.math.policies import Policy
@@ -73,30 +75,14 @@ class LiveRows:
     anchors: torch.Tensor  # [n] long, x0 of the next block (the last emitted token)
     produced: torch.Tensor  # [n] long, tokens emitted so far
     context: DraftState  # the draft's per-row context K/V
+    history: History | None = None  # every row's tokens, for context lookup (None: lookup off)
 
     def keep(self, rows: torch.Tensor, target: TargetAdapter) -> None:
         self.requests, self.anchors, self.produced = self.requests[rows], self.anchors[rows], self.produced[rows]
         self.context.keep_rows(rows)
+        if self.history is not None:
+            self.history.keep(rows)
         target.keep_rows(rows)
-
-
-@dataclass
-class Round:
-    """What one round did for each live row."""
-
-    verify_lengths: torch.Tensor  # [n] ℓ after the budget cap (1 where a sibling of x1 was taken: its round
-                                  # verified one position, by the chain's x1 and its siblings together)
-    budget_capped: torch.Tensor  # [n] bool, ℓ was cut below the policy's choice by the token budget
-    accepted: torch.Tensor  # [n] drafts accepted
-    emitted: torch.Tensor  # [n, γ+1] accepted drafts then one recovered/bonus token (-1 padded)
-    kept: torch.Tensor  # [n] emitted tokens kept (up to and including a stop token)
-    stopped: torch.Tensor  # [n] bool, a stop token was emitted
-    confidence_logits: torch.Tensor | None  # [n, γ]
-    draft_ms: float
-    verify_ms: float
-    drafted: bool = True  # False: the policy skipped the draft (a plain step, ℓ = 0 for every row)
-    siblings: int = 0  # siblings of x1 verified per row (engine/siblings.py)
-    sibling_taken: torch.Tensor | None = None  # [n] the sibling each row accepted, -1 none
 
 
 class SpeculativeEngine:
@@ -104,7 +90,7 @@ class SpeculativeEngine:
 
     def __init__(self, target: TargetAdapter, draft: DSparkDraft, policy: Policy,
                  sampling: SamplingParams, stop_token_ids: Sequence[int] = (),
-                 draft_sampling: SamplingParams | None = None, siblings: int | str = 0):
+                 draft_sampling: SamplingParams | None = None, siblings: int | str = 0, lookup: bool = False):
         if not isinstance(policy, Policy):
             raise TypeError(f"policy must be a dsparkctl Policy, got {type(policy).__name__}")
         self.target, self.draft, self.policy = target, draft, policy
@@ -119,6 +105,7 @@ class SpeculativeEngine:
                              f"{getattr(target.model.config, '_attn_implementation', None)!r}): a tree's mask is "
                              "boolean", f"use {option('siblings')} 0 (auto leaves such a target its chain)")
         self.sibling_rate = sib.SiblingRate()  # what runners-up realised this batch (`auto`; reset per batch)
+        self.lookup = lookup and sampling.greedy and self.draft_sampling.greedy  # engine/lookup.py: greedy only
 
     def _proposed_siblings(self) -> int:
         """How many runners-up the draft keeps: none unless both sides are greedy; for `auto`
@@ -156,8 +143,9 @@ class SpeculativeEngine:
                                 capacity=int(lengths.max()) + max_new_tokens + drf.block_size + 2)
         drf.append_context(context, pre.features, lengths)
         anchors = draw(pre.logits[torch.arange(R, device=dev), lengths - 1], self.sampling, generator)  # [R]
+        history = History.start(prompts, anchors, int(lengths.max()) + max_new_tokens + 2) if self.lookup else None
         return LiveRows(requests=torch.arange(R, device=dev), anchors=anchors,
-                        produced=torch.ones(R, dtype=torch.long, device=dev), context=context)
+                        produced=torch.ones(R, dtype=torch.long, device=dev), context=context, history=history)
 
     def schedule(self, confidence: torch.Tensor | None, live: LiveRows,
                  max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,6 +208,8 @@ class SpeculativeEngine:
         self.draft.defer_context(live.context, features, res.accepted + 1)
         live.anchors = res.emitted[torch.arange(n, device=live.anchors.device), res.accepted]
         live.produced = live.produced + kept
+        if live.history is not None:
+            live.history.append(res.emitted, kept)
         last = res.emitted.gather(1, (kept - 1)[:, None]).squeeze(1)
         return kept, (kept < res.num_emitted) | torch.isin(last, self.stop_ids)
 
@@ -241,7 +231,8 @@ class SpeculativeEngine:
                                   alternatives=self._proposed_siblings())
         draft_ms = clock.lap("draft")
         ell, capped = self.schedule(prop.confidence_logits, live, max_new_tokens)
-        feed, ell = self.sibling_feed(prop.block, prop.confidence_logits, ell)
+        looked = self.look_up(live, prop.block, ell, capped, max_new_tokens)
+        feed, ell = self.sibling_feed(prop.block, prop.confidence_logits, ell) if looked is None else (None, ell)
         clock.lap("schedule")
         res, out, taken = self.verify(live, prop.block, ell, generator, feed)
         verify_ms = clock.lap("verify")
@@ -254,7 +245,23 @@ class SpeculativeEngine:
             ell = torch.where(taken >= 0, 1, ell)
         return Round(verify_lengths=ell, budget_capped=capped, accepted=res.accepted, emitted=res.emitted, kept=kept,
                      stopped=stopped, confidence_logits=prop.confidence_logits, draft_ms=draft_ms, verify_ms=verify_ms,
-                     siblings=0 if feed is None else int(feed.tokens.shape[1]), sibling_taken=taken)
+                     siblings=0 if feed is None else int(feed.tokens.shape[1]), sibling_taken=taken, looked_up=looked)
+
+    def look_up(self, live: LiveRows, block, ell: torch.Tensor, capped: torch.Tensor,
+                max_new_tokens: int) -> torch.Tensor | None:
+        """Rows whose context repeats itself take the lookup's block and verify all γ of it (within
+        the budget), in place of the draft's block and the policy's ℓ; a round with any such row
+        feeds no siblings. Returns the rows that did ([n] bool), or None."""
+        if live.history is None:
+            return None
+        tokens, found = live.history.proposals(self.draft.block_size)
+        if not bool(found.any()):
+            return None
+        block.tokens[found] = tokens[found]
+        budget = (max_new_tokens - live.produced - 1).clamp(min=0)
+        ell[found] = budget[found].clamp(max=self.draft.block_size)
+        capped[found] = budget[found] < self.draft.block_size
+        return found
 
     def mark(self, live: LiveRows) -> Callable[[], None]:
         """Where the rows stand now; calling the result rewinds target, draft and rows there, so a
@@ -262,12 +269,15 @@ class SpeculativeEngine:
         target = self.target.mark()
         ctx_len, pending = live.context.ctx_len.clone(), list(live.context.pending)
         anchors, produced = live.anchors.clone(), live.produced.clone()
+        history = None if live.history is None else live.history.length.clone()
 
         def rewind() -> None:
             self.target.rewind(target)
             live.context.ctx_len = ctx_len.clone()  # the draft's K/V past ctx_len is never read
             live.context.pending = list(pending)
             live.anchors, live.produced = anchors.clone(), produced.clone()
+            if history is not None:
+                live.history.length = history.clone()  # tokens past a row's length are never read
         return rewind
 
     # ------------------------------------------------------------------ the loop
@@ -312,7 +322,7 @@ class SpeculativeEngine:
             stats.add_rounds(rd.verify_lengths, rd.accepted)
             steps += 1
             drafted_steps += rd.drafted
-            _count_siblings(sibs, rd)
+            count_siblings(sibs, rd)
             emitted, kept, requests = rd.emitted.tolist(), rd.kept.tolist(), live.requests.tolist()
             for i, req in enumerate(requests):
                 toks = emitted[i][: kept[i]]
@@ -331,25 +341,6 @@ class SpeculativeEngine:
         times["total"] = sum(clock.totals.values())
         return RunReport(outputs=outputs, stats=stats, times_ms=times, rounds=steps, drafted_steps=drafted_steps,
                          siblings=sibs)
-
-
-def _count_siblings(sibs: dict[str, int], rd: Round) -> None:
-    """Add a round's rows verified with siblings (ℓ ≥ 1 where siblings were fed) and rows that took one."""
-    if rd.siblings:
-        sibs["rows"] = sibs.get("rows", 0) + int((rd.verify_lengths >= 1).sum())
-        sibs["taken"] = sibs.get("taken", 0) + int((rd.sibling_taken >= 0).sum())
-
-
-def trace_rows(rd: Round, requests: list[int], round_no: list[int], gamma: int) -> list[TraceRound]:
-    """One trace record per live row of a round (only built when a trace is being written)."""
-    ell, acc, capped = rd.verify_lengths.tolist(), rd.accepted.tolist(), rd.budget_capped.tolist()
-    conf = rd.confidence_logits.tolist() if rd.confidence_logits is not None else None
-    batch_tokens = int((rd.verify_lengths + 1).sum())
-    return [TraceRound(request=req, round=round_no[req], block_size=gamma,
-                       confidence_logits=conf[i] if conf is not None else None, verify_length=ell[i],
-                       accepted=acc[i], batch_tokens=batch_tokens, draft_ms=round(rd.draft_ms, 3),
-                       verify_ms=round(rd.verify_ms, 3), budget_capped=capped[i], drafted=rd.drafted)
-            for i, req in enumerate(requests)]
 
 
 @torch.no_grad()

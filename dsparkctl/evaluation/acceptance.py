@@ -47,6 +47,7 @@ class EvalOptions:
     batch_size: int = 8
     trace: Path | None = None  # live round traces (see `trace_path`); None: no traces
     preset: str | None = None  # recorded in the document
+    lookup: bool = False  # greedy: the draft with context lookup (engine/lookup.py), its own figures beside
 
 
 def drafts_under_test(sess: Any, sources: Sequence[str | None], labels: Sequence[str] | None = None,
@@ -114,6 +115,7 @@ def evaluate_acceptance(model: Any, target_name: str, drafts: Sequence[DraftUnde
     t = opts.params.temperature
     doc: dict[str, Any] = {"format": FORMAT, "mode": opts.mode, "temperature": t, "preset": opts.preset,
                            "max_new_tokens": opts.max_new_tokens, "seed": opts.seed, "target": target_name,
+                           "lookup": opts.lookup and opts.params.greedy,
                            "datasets": {}, "provenance": provenance(command="eval-acceptance", seed=opts.seed)}
     for ds, ids in prompts.items():
         log(f"{ds}: {len(ids)} prompts, mode {opts.mode}, T={t}")
@@ -122,7 +124,7 @@ def evaluate_acceptance(model: Any, target_name: str, drafts: Sequence[DraftUnde
             stop_ids=stop_ids, seed=opts.seed, batch_size=opts.batch_size,
             trace_path=lambda label, ds=ds: paths.get((ds, label)),
             trace_header={"target": target_name, "dataset": ds, "temperature": t, "seed": opts.seed},
-            log=lambda s: log(f"  {s}"), split=split)
+            log=lambda s: log(f"  {s}"), split=split, lookup=opts.lookup)
     return doc
 
 
@@ -137,7 +139,8 @@ def evaluate_dataset(model: Any, drafts: Sequence[DraftUnderTest], prompts: Sequ
                      params: SamplingParams, max_new_tokens: int, stop_ids: Sequence[int], seed: int,
                      batch_size: int = 8, trace_path: Callable[[str], Path | None] = lambda label: None,
                      trace_header: dict[str, Any] | None = None,
-                     log: Callable[[str], None] = lambda s: None, split: Split = DATA_PARALLEL) -> dict[str, Any]:
+                     log: Callable[[str], None] = lambda s: None, split: Split = DATA_PARALLEL,
+                     lookup: bool = False) -> dict[str, Any]:
     """Results for one prompt set: {"prompts": n, "drafts": {label: {"live": ..., "teacher_forced": ...}}}."""
     out: dict[str, Any] = {"prompts": len(prompts), "drafts": {}}
     shared: list[list[int]] | None = None  # target continuations reused by every draft's TF pass
@@ -160,7 +163,7 @@ def evaluate_dataset(model: Any, drafts: Sequence[DraftUnderTest], prompts: Sequ
 
             with writer if writer else contextlib.nullcontext():  # rows are built only when someone listens
                 live = live_rollouts(model, d.draft, prompts, params, max_new_tokens, stop_ids, seed, batch_size,
-                                     on_round=on_round if keep or writer else None, split=split)
+                                     on_round=on_round if keep or writer else None, split=split, lookup=lookup)
             if writer:
                 r["trace"] = str(tp)
             r["live"] = live_json(live)
@@ -180,18 +183,24 @@ def evaluate_dataset(model: Any, drafts: Sequence[DraftUnderTest], prompts: Sequ
             t = time.perf_counter()
             with torch.no_grad():
                 tf = evaluate_sequences(d.draft, model, seqs, [len(p) for p in prompts], params, min(batch_size, 8),
-                                        split=split)
+                                        split=split, lookup=lookup)
             secs = time.perf_counter() - t
             r["teacher_forced"] = {**tf.to_json(), "positions": tf.positions, "seconds": round(secs, 3),
                                    "ms_per_position": round(1000 * secs / max(tf.positions, 1), 4),
                                    "continuations": "live outputs" if "live" in r else "target decoding"}
-            log(f"{d.label}: teacher-forced τ {tf.tau if tf.tau is not None else float('nan'):.3f} in {secs:.1f}s")
+            log(_tf_line(d.label, tf, secs))
         if "live" in r and "teacher_forced" in r:
             r["agreement"] = agreement(r["live"], r["teacher_forced"])
             r["speed_ratio_live_over_tf"] = (r["live"]["ms_per_position"] / r["teacher_forced"]["ms_per_position"]
                                              if r["teacher_forced"]["ms_per_position"] > 0 else None)
         out["drafts"][d.label] = r
     return out
+
+
+def _tf_line(label: str, tf: Any, secs: float) -> str:
+    """The log line of a teacher-forced pass (with context lookup: the draft's own τ beside)."""
+    alone = f" (the draft alone: {tf.draft_alone.tau:.3f})" if tf.draft_alone is not None and tf.draft_alone.tau else ""
+    return f"{label}: teacher-forced τ {tf.tau if tf.tau is not None else float('nan'):.3f}{alone} in {secs:.1f}s"
 
 
 def agreement(live: dict[str, Any], tf: dict[str, Any]) -> dict[str, Any]:

@@ -38,9 +38,11 @@ class LiveResult:
 def live_rollouts(model: torch.nn.Module, draft: DSparkDraft, prompts: Sequence[Sequence[int]],
                   params: SamplingParams, max_new_tokens: int, stop_ids: Sequence[int], seed: int = 0,
                   batch_size: int = 8, on_round: Callable[[list[TraceRound]], None] | None = None,
-                  on_batch: Callable[[int, int], None] | None = None, split: Split = DATA_PARALLEL) -> LiveResult:
+                  on_batch: Callable[[int, int], None] | None = None, split: Split = DATA_PARALLEL,
+                  lookup: bool = False) -> LiveResult:
     adapter = TargetAdapter(model, layer_ids=draft.cfg.target_layer_ids)
-    engine = SpeculativeEngine(adapter, draft, parse_policy(f"static:{draft.block_size}"), params, stop_ids)
+    engine = SpeculativeEngine(adapter, draft, parse_policy(f"static:{draft.block_size}"), params, stop_ids,
+                               lookup=lookup)
     res = run_prompts(speculative_decoder(engine, max_new_tokens), prompts, batch_size, seed, adapter.device,
                       block_size=draft.block_size, on_round=on_round, on_batch=on_batch, split=split)
     return LiveResult(stats=res.stats, continuations=[o.tokens for o in res.outputs], seconds=res.wall_s)

@@ -16,6 +16,10 @@ reaches position j with probability s_{j-1}(a) and accepts it with probability s
     conditional c_j = Σ_a s_j(a) / Σ_a s_{j-1}(a)         (`conditional_acceptance`; s_0 = 1)
     τ           = 1 + Σ_j a_j                             (`tau_full`: full verification, bonus included)
 Intervals are 95% cluster-robust (prompts are the clusters) delta-method intervals.
+
+With context lookup (greedy; engine/lookup.py), an anchor whose prefix repeats its last 2–4
+tokens earlier is scored by the block copied from there instead of the draft's: β_k(a) = 1 where
+the copied token is x_{a+k}. The draft's own figures are kept beside the pair's (`draft_alone`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import numpy as np
 import torch
 
 from dsparkctl.distributed import DATA_PARALLEL, Split
+from dsparkctl.engine.lookup import lookup_betas
 from dsparkctl.math.sampling import SamplingParams, warp_probs
 from dsparkctl.math.stats import conditional_acceptance, survival_full, tau_full
 from dsparkctl.models.draft import DSparkDraft
@@ -89,6 +94,8 @@ class TeacherForcedStats:
     block_size: int
     sums: list[list[float]] = field(default_factory=list)  # per sequence: [Σ_a s_1(a), ..., Σ_a s_γ(a)]
     counts: list[int] = field(default_factory=list)  # per sequence: anchors
+    draft_alone: "TeacherForcedStats | None" = None  # with context lookup: the draft's own figures
+    looked_up: int = 0  # with context lookup: anchors scored by the lookup's block
 
     def add(self, betas: torch.Tensor) -> None:
         """betas: [A, γ] for one sequence (A may be 0: nothing recorded)."""
@@ -171,10 +178,13 @@ class TeacherForcedStats:
         return (1.0 + max(0.0, r - z * se), 1.0 + min(float(self.block_size), r + z * se))
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": FORMAT, "block_size": self.block_size, "sequences": len(self.counts),
-                "anchors": self.anchors, "tau": self.tau, "tau_interval": self.tau_interval(),
-                "conditional": self.conditional(), "conditional_interval": self.conditional_interval(),
-                "survival": self.survival(), "survival_interval": self.survival_interval()}
+        out = {"format": FORMAT, "block_size": self.block_size, "sequences": len(self.counts),
+               "anchors": self.anchors, "tau": self.tau, "tau_interval": self.tau_interval(),
+               "conditional": self.conditional(), "conditional_interval": self.conditional_interval(),
+               "survival": self.survival(), "survival_interval": self.survival_interval()}
+        if self.draft_alone is not None:
+            out["lookup"] = {"anchors_looked_up": self.looked_up, "draft_alone": self.draft_alone.to_json()}
+        return out
 
 
 @torch.no_grad()
@@ -198,11 +208,14 @@ def target_forward(model: Any, seqs: Sequence[Sequence[int]], layer_ids: Sequenc
 
 
 def evaluate_sequences(draft: DSparkDraft, model: Any, seqs: Sequence[Sequence[int]], prompt_lens: Sequence[int],
-                       params: SamplingParams, batch_size: int = 8, split: Split = DATA_PARALLEL) -> TeacherForcedStats:
-    """Teacher-forced statistics of `draft` on target continuations `seqs` (prompt + response ids).
+                       params: SamplingParams, batch_size: int = 8, split: Split = DATA_PARALLEL,
+                       lookup: bool = False) -> TeacherForcedStats:
+    """Teacher-forced statistics of `draft` on target continuations `seqs` (prompt + response ids);
+    with `lookup` (greedy only) those of the draft with context lookup, the draft's own beside them.
 
     Under torchrun the sequences are shared among ranks as `split` says and every rank gets the
     merged result, with sequences in their original order (so intervals are the one-process ones)."""
+    lookup = lookup and params.greedy
     order = split.mine(range(len(seqs)))
     per_seq: dict[int, torch.Tensor] = {}
     for i in range(0, len(order), batch_size):
@@ -210,10 +223,19 @@ def evaluate_sequences(draft: DSparkDraft, model: Any, seqs: Sequence[Sequence[i
         fw = target_forward(model, [seqs[j] for j in part], draft.cfg.target_layer_ids, batch_size)
         for j, (feats, logits) in zip(part, fw):
             toks = torch.as_tensor(list(seqs[j]), dtype=torch.long, device=feats.device)
-            per_seq[j] = sequence_betas(draft, toks, feats, logits, prompt_lens[j], params)
+            alone = sequence_betas(draft, toks, feats, logits, prompt_lens[j], params)
+            hits, found = lookup_betas(toks, prompt_lens[j], alone.shape[0], draft.block_size) if lookup else (
+                alone, torch.zeros(alone.shape[0], dtype=torch.bool))
+            pair = torch.where(found[:, None], hits, alone)
+            per_seq[j] = torch.stack([pair, alone, found[:, None].expand_as(alone).float()])  # [3, A, γ]
     for other in split.merged(per_seq):
         per_seq.update(other)
     stats = TeacherForcedStats(block_size=draft.block_size)
+    alone = TeacherForcedStats(block_size=draft.block_size)
     for j in range(len(seqs)):
-        stats.add(per_seq[j])
+        stats.add(per_seq[j][0])
+        alone.add(per_seq[j][1])
+        stats.looked_up += int(per_seq[j][2][:, 0].sum()) if per_seq[j].shape[1] else 0
+    if lookup:
+        stats.draft_alone = alone
     return stats

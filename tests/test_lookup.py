@@ -1,0 +1,141 @@
+"""Context lookup (engine/lookup.py): the copied block on hand-made histories, greedy output
+identical to plain decoding with lookup blocks accepted and rejected, rewinding, the
+teacher-forced score, and the CLI's switch."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from dsparkctl.cli.main import app
+from dsparkctl.engine.lookup import History, continuation, lookup_betas
+from dsparkctl.engine.speculative import SpeculativeEngine, plain_generate
+from dsparkctl.math.policy_spec import parse_policy
+from dsparkctl.math.sampling import SamplingParams
+from dsparkctl.math.sps import SPSTable
+from dsparkctl.models.draft_io import random_draft
+from dsparkctl.models.target import TargetAdapter
+from tests.tiny_models import tiny_target
+
+T = torch.tensor
+
+
+@pytest.mark.parametrize("hist,gamma,want", [
+    ([1, 2, 3, 9, 9, 1, 2, 3], 4, [9, 9, 1, 2]),  # the 3-token suffix seen before: what followed it
+    ([2, 3, 7, 2, 3, 8, 5, 2, 3], 2, [8, 5]),  # the latest occurrence wins
+    ([5, 6, 4, 6, 9, 5, 6], 3, [4, 6, 9]),  # only 2 tokens match
+    ([4, 4, 4], 3, [4, 4, 4]),  # a copy reaching past the anchor repeats itself (period 1)
+    ([1, 2, 1, 2], 5, [1, 2, 1, 2, 1]),  # period 2
+    ([1, 2, 3, 4], 3, None),  # nothing repeats
+    ([7, 1, 2, 7], 2, None),  # a single repeated token is not enough
+    ([3, 3], 2, None),  # the suffix itself is not an earlier occurrence
+])
+def test_continuation_copies_what_followed_the_longest_latest_match(hist, gamma, want):
+    got = continuation(T(hist), gamma)
+    assert (got.tolist() if got is not None else None) == want
+
+
+def test_history_appends_kept_tokens_and_keeps_rows():
+    h = History.start([[1, 2], [3]], T([5, 6]), capacity=10)
+    h.append(T([[7, 8, 9], [4, -1, -1]]), T([2, 1]))
+    assert h.length.tolist() == [5, 3]
+    assert h.tokens[0, :5].tolist() == [1, 2, 5, 7, 8] and h.tokens[1, :3].tolist() == [3, 6, 4]
+    h.keep(T([1]))
+    assert h.length.tolist() == [3] and h.tokens[0, :3].tolist() == [3, 6, 4]
+
+
+def test_teacher_forced_lookup_scores_the_copied_block():
+    toks = T([1, 2, 3, 4, 1, 2, 3, 5, 6, 7, 8])
+    hits, found = lookup_betas(toks, 4, 3, 3)  # anchors 4, 5, 6
+    assert found.tolist() == [False, True, True]  # at 4 only "1" repeats; at 5 "1 2"; at 6 "1 2 3"
+    assert hits[1].tolist() == [1.0, 0.0, 0.0]  # after "1 2": 3 4 1 proposed, 3 5 6 came
+    assert hits[2].tolist() == [0.0, 0.0, 0.0]  # after "1 2 3": 4 1 2 proposed, 5 6 7 came
+
+
+def _engine(family, policy="static:4", siblings=0):
+    model = tiny_target(family)
+    adapter = TargetAdapter(model, [0, 1])
+    draft = random_draft(adapter, num_layers=1, block_size=4, markov_rank=8, confidence=True, seed=3)
+    pol = parse_policy(policy, sps=SPSTable([1, 2, 4, 8, 16, 32, 64], [100.0] * 7))
+    eng = SpeculativeEngine(adapter, draft, pol, SamplingParams(0.0), stop_token_ids=[1], siblings=siblings,
+                            lookup=True)
+    return model, eng
+
+
+PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [3, 4], [10, 11, 12, 10, 11, 12, 13, 10, 11], [20, 21, 20, 21]]
+
+
+@pytest.mark.parametrize("family,policy,siblings", [("llama", "static:4", 0), ("qwen3", "dspark", "auto"),
+                                                    ("llama", "static:2", 2)])
+def test_greedy_output_is_the_targets_with_lookup_blocks_taken_and_refused(family, policy, siblings):
+    model, eng = _engine(family, policy, siblings)
+    base = plain_generate(TargetAdapter(model), PROMPTS, 40, SamplingParams(0.0), stop_token_ids=[1])
+    seen = []
+    real = eng.round
+
+    def spy(live, *a):
+        proposed, found = live.history.proposals(eng.draft.block_size)
+        rd = real(live, *a)
+        if rd.looked_up is not None:
+            assert torch.equal(rd.looked_up, found)
+            seen.append((rd.looked_up.clone(), rd.accepted.clone(), rd.verify_lengths.clone()))
+            for r in found.nonzero().flatten().tolist():  # the copied block is what was verified
+                n, ell = int(rd.accepted[r]), int(rd.verify_lengths[r])
+                assert rd.emitted[r, :n].tolist() == proposed[r, :n].tolist()
+                assert n == ell or int(rd.emitted[r, n]) != int(proposed[r, n])
+        return rd
+    eng.round = spy
+    rep = eng.generate(PROMPTS, 40)
+    assert [o.tokens for o in rep.outputs] == [o.tokens for o in base.outputs]
+    assert rep.siblings.get("lookup", 0) == sum(int(lk.sum()) for lk, _, _ in seen) > 0
+    accepted = torch.cat([acc[lk] for lk, acc, _ in seen])
+    ell = torch.cat([e[lk] for lk, _, e in seen])
+    assert (accepted > 0).any() and (accepted < ell).any()  # copies both accepted and cut short
+    assert rep.stats.tokens == sum(len(o.tokens) - 1 for o in rep.outputs)
+
+
+def test_lookup_is_off_when_sampling_and_a_rewound_round_repeats_itself():
+    model = tiny_target("llama")
+    adapter = TargetAdapter(model, [0, 1])
+    draft = random_draft(adapter, num_layers=1, block_size=4, markov_rank=8, seed=3)
+    sampled = SpeculativeEngine(adapter, draft, parse_policy("static:4"), SamplingParams(1.0), lookup=True)
+    assert not sampled.lookup
+    _, eng = _engine("llama")
+    live = eng.prefill(PROMPTS[:2], 40, None)
+    from dsparkctl.engine.clock import Clock
+    for _ in range(3):
+        eng.round(live, 40, None, Clock(torch.device("cpu")))
+    rewind = eng.mark(live)
+    a = eng.round(live, 40, None, Clock(torch.device("cpu")))
+    hist_a = [live.history.tokens[r, : int(n)].tolist() for r, n in enumerate(live.history.length)]
+    rewind()
+    b = eng.round(live, 40, None, Clock(torch.device("cpu")))
+    hist_b = [live.history.tokens[r, : int(n)].tolist() for r, n in enumerate(live.history.length)]
+    assert torch.equal(a.emitted, b.emitted) and hist_a == hist_b
+
+
+def test_cli_switch_and_the_draft_alone_beside_the_pair(tmp_path):
+    """generate reports its lookup rounds (and --no-lookup has none); eval-acceptance --lookup keeps
+    the draft's own teacher-forced figures beside the pair's. Real embedded target, one prompt."""
+    runner = CliRunner()
+    base = ["List the numbers one two three one two three one two", "--max-new-tokens", "24",
+            "--policy", "static:5", "--json", "--no-text"]
+    on = runner.invoke(app, ["generate", *base])
+    off = runner.invoke(app, ["generate", *base, "--no-lookup"])
+    assert on.exit_code == 0 and off.exit_code == 0, (on.output, off.output)
+    ron, roff = json.loads(on.stdout), json.loads(off.stdout)
+    assert ron["lookup"]["setting"] is True and roff["lookup"] == {"setting": False, "rows_verified_with": 0}
+    assert ron["requests"][0]["text"] == roff["requests"][0]["text"]
+    out = tmp_path / "e.json"
+    res = runner.invoke(app, ["eval-acceptance", "--dataset", "mt-bench", "--limit", "2", "--max-new-tokens", "32",
+                              "--mode", "teacher-forced", "--lookup", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    tf = json.loads(out.read_text())["datasets"]["mt-bench"]["drafts"]
+    tf = next(iter(tf.values()))["teacher_forced"]
+    alone = tf["lookup"]["draft_alone"]
+    assert alone["anchors"] == tf["anchors"] and 0 <= tf["lookup"]["anchors_looked_up"] <= tf["anchors"]
+    if tf["lookup"]["anchors_looked_up"] == 0:
+        assert tf["tau"] == alone["tau"]
