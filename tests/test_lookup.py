@@ -139,3 +139,22 @@ def test_cli_switch_and_the_draft_alone_beside_the_pair(tmp_path):
     assert alone["anchors"] == tf["anchors"] and 0 <= tf["lookup"]["anchors_looked_up"] <= tf["anchors"]
     if tf["lookup"]["anchors_looked_up"] == 0:
         assert tf["tau"] == alone["tau"]
+
+
+def test_a_lookup_row_never_widens_a_batchs_verify_and_teaches_the_gate_nothing():
+    """Alone, a looked-up row verifies all γ; in a batch no wider than the policy chose for it (the
+    widest row sets every row's width). The skip gate hears only the draft's own rows."""
+    from types import SimpleNamespace
+
+    _, eng = _engine("llama")
+    g = eng.draft.block_size
+    for rows, ell, want in ((1, [1], [g]), (2, [2, 1], [2, 2]), (3, [1, 3, 0], [3, 3, 3])):
+        live = eng.prefill([[5, 6, 7]] * rows, 40, None)
+        live.history = History.start([[5, 6, 7, 5, 6]] * rows, T([7] * rows), 64)  # "6 7" repeats: every row
+        block = SimpleNamespace(tokens=torch.zeros(rows, g, dtype=torch.long))
+        lengths, capped = T(ell), torch.zeros(rows, dtype=torch.bool)
+        found = eng.look_up(live, block, lengths, capped, 40)
+        assert found.all() and lengths.tolist() == want
+        assert block.tokens[0].tolist() == [5, 6, 7, 5, 6][:g]  # what followed "6 7" the first time, on
+    ell, acc = eng._the_drafts(T([5, 2]), T([3, 1]), T([True, False]))
+    assert ell.tolist() == [0, 2] and acc.tolist() == [0, 1]

@@ -239,7 +239,7 @@ class SpeculativeEngine:
         # what this drafted step brought, for later skip decisions: a taken sibling counts as position 1
         # accepted (the round emitted two tokens, as if x1 had been), since the gate's question is whether
         # drafting pays, siblings and all
-        self.policy.observe(ell, res.accepted)
+        self.policy.observe(*self._the_drafts(ell, res.accepted, looked))
         kept, stopped = self.commit(live, res, out, feed, taken)
         if taken is not None:
             ell = torch.where(taken >= 0, 1, ell)
@@ -249,9 +249,10 @@ class SpeculativeEngine:
 
     def look_up(self, live: LiveRows, block, ell: torch.Tensor, capped: torch.Tensor,
                 max_new_tokens: int) -> torch.Tensor | None:
-        """Rows whose context repeats itself take the lookup's block and verify all γ of it (within
-        the budget), in place of the draft's block and the policy's ℓ; a round with any such row
-        feeds no siblings. Returns the rows that did ([n] bool), or None."""
+        """Rows whose context repeats itself take the lookup's block in place of the draft's; a
+        round with any such row feeds no siblings. Alone, a row verifies all γ of it (within the
+        budget); in a batch, where the widest row sets every row's verify width, no wider than the
+        policy chose for the batch. Returns the rows that did ([n] bool), or None."""
         if live.history is None:
             return None
         tokens, found = live.history.proposals(self.draft.block_size)
@@ -259,9 +260,18 @@ class SpeculativeEngine:
             return None
         block.tokens[found] = tokens[found]
         budget = (max_new_tokens - live.produced - 1).clamp(min=0)
-        ell[found] = budget[found].clamp(max=self.draft.block_size)
-        capped[found] = budget[found] < self.draft.block_size
+        width = self.draft.block_size if found.numel() == 1 else int(ell.max())
+        ell[found] = budget[found].clamp(max=width)
+        capped[found] = budget[found] < width
         return found
+
+    @staticmethod
+    def _the_drafts(ell: torch.Tensor, accepted: torch.Tensor,
+                    looked: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the skip gate learns from: the draft's own rows (a looked-up row verified no draft)."""
+        if looked is None:
+            return ell, accepted
+        return torch.where(looked, 0, ell), torch.where(looked, 0, accepted)
 
     def mark(self, live: LiveRows) -> Callable[[], None]:
         """Where the rows stand now; calling the result rewinds target, draft and rows there, so a
