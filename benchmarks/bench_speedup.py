@@ -89,6 +89,10 @@ def main() -> None:
                     help="do not run plain decoding on the stock kernels (the kernel choice's own gain)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "speedup.json")
     args = ap.parse_args()
+    defaults = {"siblings": args.siblings, "lookup": "1" if args.lookup == "on" else "0"}
+    for pol in args.policy or ():  # every decoder's options checked before any model loads
+        if decoder_options(pol, defaults)[1]["lookup"] not in ("0", "1"):
+            ap.error(f"--policy {pol}: lookup must be 0 or 1")
     if why := cannot_write_file(args.out):
         ap.error(f"--out {args.out} cannot be created: {why}")
     if args.threads:
@@ -106,9 +110,7 @@ def main() -> None:
     calibration = sess.default_calibration()  # as generate: the draft's own calibration when it ships one
 
     def engine(pol: str) -> SpeculativeEngine:
-        spec, opts = decoder_options(pol, {"siblings": args.siblings, "lookup": "1" if args.lookup == "on" else "0"})
-        if opts["lookup"] not in ("0", "1"):
-            ap.error(f"--policy {pol}: lookup must be 0 or 1")
+        spec, opts = decoder_options(pol, defaults)
         return SpeculativeEngine(sess.adapter, sess.draft, load_policy(spec, sess.draft.block_size, None, calibration,
                                                                        sps=sps), greedy,
                                  stop_token_ids=sess.stop_ids, siblings=opts["siblings"], lookup=opts["lookup"] == "1")
