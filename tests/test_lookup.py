@@ -153,8 +153,44 @@ def test_a_lookup_row_never_widens_a_batchs_verify_and_teaches_the_gate_nothing(
         live.history = History.start([[5, 6, 7, 5, 6]] * rows, T([7] * rows), 64)  # "6 7" repeats: every row
         block = SimpleNamespace(tokens=torch.zeros(rows, g, dtype=torch.long))
         lengths, capped = T(ell), torch.zeros(rows, dtype=torch.bool)
-        found = eng.look_up(live, block, lengths, capped, 40)
+        found = eng.look_up(live, block, lengths, capped, 40, live.history.proposals(g))
         assert found.all() and lengths.tolist() == want
         assert block.tokens[0].tolist() == [5, 6, 7, 5, 6][:g]  # what followed "6 7" the first time, on
     ell, acc = eng._the_drafts(T([5, 2]), T([3, 1]), T([True, False]))
     assert ell.tolist() == [0, 2] and acc.tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("policy", ["static:2", "dspark"])
+def test_a_lone_row_that_looks_up_runs_no_draft(policy):
+    """At batch 1 a round whose row has a copy verifies it without the draft's forward (whose block
+    it would replace); the draft still reads those tokens later, and output stays the target's."""
+    model, eng = _engine("llama", policy)
+    prompt = PROMPTS[2]
+    base = plain_generate(TargetAdapter(model), [prompt], 48, SamplingParams(0.0), stop_token_ids=[1])
+    calls, rounds = [], []
+    propose, real = eng.draft.propose, eng.round
+
+    def counted(*a, **k):
+        calls.append(1)
+        return propose(*a, **k)
+
+    def spy(live, *a):
+        proposed, found = live.history.proposals(eng.draft.block_size)
+        found = bool(found.all())
+        before, budget = len(calls), 48 - int(live.produced[0]) - 1
+        rd = real(live, *a)
+        if found and rd.drafted:  # the copy is what was verified
+            n, ell = int(rd.accepted[0]), int(rd.verify_lengths[0])
+            assert rd.emitted[0, :n].tolist() == proposed[0, :n].tolist()
+            assert n == ell or int(rd.emitted[0, n]) != int(proposed[0, n])
+        if rd.drafted:
+            rounds.append((found, len(calls) - before, rd.draft_ms, int(rd.verify_lengths[0]) - min(budget, 4)))
+        return rd
+    eng.draft.propose, eng.round = counted, spy
+    rep = eng.generate([prompt], 48)
+    assert [o.tokens for o in rep.outputs] == [o.tokens for o in base.outputs]
+    copied = [r for r in rounds if r[0]]
+    assert copied and all(n == 0 and ms == 0.0 for _, n, ms, _ in copied)
+    assert all(gap == 0 for *_, gap in copied)  # all γ = 4 verified, within the budget
+    assert all(n == 1 for f, n, _, _ in rounds if not f)  # a round without a copy drafts
+    assert rep.siblings["lookup"] == len(copied)

@@ -19,7 +19,8 @@ from typing import Callable, Iterable, Protocol, Sequence
 import torch
 
 from dsparkctl.distributed import DATA_PARALLEL, Split
-from dsparkctl.engine.speculative import RequestOutput, RunReport, SpeculativeEngine, plain_generate
+from dsparkctl.engine.rounds import RequestOutput, RunReport
+from dsparkctl.engine.speculative import SpeculativeEngine, plain_generate
 from dsparkctl.errors import UsageError, option
 from dsparkctl.formats.trace import TraceRound
 from dsparkctl.math.sampling import SamplingParams

@@ -1,13 +1,36 @@
-"""What one speculative round did for each live row, and the records built from it (the trace
-rows `calibrate` and `sweep-scheduler` read, the sibling counts of a run's report)."""
+"""What one speculative round did for each live row, the records built from it (the trace rows
+`calibrate` and `sweep-scheduler` read, the sibling counts of a run's report), and a run's report."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from dsparkctl.formats.trace import TraceRound
+from dsparkctl.math.stats import AcceptanceStats
+
+
+@dataclass
+class RequestOutput:
+    prompt_tokens: list[int]
+    tokens: list[int] = field(default_factory=list)  # generated ids (EOS included when hit)
+    finish_reason: str = "length"  # "stop" | "length"
+    rounds: int = 0
+
+
+@dataclass
+class RunReport:
+    outputs: list[RequestOutput]
+    stats: AcceptanceStats
+    times_ms: dict[str, float]  # speculative: prefill, draft, schedule, verify, accept, total; plain: prefill, decode, total
+    rounds: int  # batched rounds (engine steps)
+    drafted_steps: int = 0  # speculative engine steps: drafted or copied (the rest were plain steps the policy chose)
+    siblings: dict[str, int] = field(default_factory=dict)  # rows verified with siblings, rows that took one
+
+    @property
+    def generated(self) -> int:
+        return sum(len(o.tokens) for o in self.outputs)
 
 
 @dataclass

@@ -13,7 +13,7 @@ the batch at once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -22,10 +22,11 @@ from dsparkctl.checks import check_positive
 from dsparkctl.engine import siblings as sib
 from dsparkctl.engine.clock import Clock
 from dsparkctl.engine.lookup import History
-from dsparkctl.engine.rounds import Round, count_siblings, trace_rows
+from dsparkctl.engine.rounds import RequestOutput, Round, RunReport, count_siblings, trace_rows
 from dsparkctl.errors import UsageError, option
 from dsparkctl.formats.trace import TraceRound
 from dsparkctl.math.policies import Policy
+from dsparkctl.math.draft_sampling import DraftBlock
 from dsparkctl.math.policy_spec import check_fits
 from dsparkctl.math.sampling import SamplingParams, draw, warp_probs
 from dsparkctl.math.stats import AcceptanceStats
@@ -33,28 +34,6 @@ from dsparkctl.math.verify import VerifyResult, verify
 from dsparkctl.models.draft import DSparkDraft
 from dsparkctl.models.draft_inference import DraftState
 from dsparkctl.models.target import TargetAdapter
-
-
-@dataclass
-class RequestOutput:
-    prompt_tokens: list[int]
-    tokens: list[int] = field(default_factory=list)  # generated ids (EOS included when hit)
-    finish_reason: str = "length"  # "stop" | "length"
-    rounds: int = 0
-
-
-@dataclass
-class RunReport:
-    outputs: list[RequestOutput]
-    stats: AcceptanceStats
-    times_ms: dict[str, float]  # speculative: prefill, draft, schedule, verify, accept, total; plain: prefill, decode, total
-    rounds: int  # batched rounds (engine steps)
-    drafted_steps: int = 0  # engine steps that ran the draft (the rest were plain steps the policy chose)
-    siblings: dict[str, int] = field(default_factory=dict)  # rows verified with siblings, rows that took one
-
-    @property
-    def generated(self) -> int:
-        return sum(len(o.tokens) for o in self.outputs)
 
 
 def _first_stop(tokens: torch.Tensor, n: torch.Tensor, stop_ids: torch.Tensor) -> torch.Tensor:
@@ -226,12 +205,15 @@ class SpeculativeEngine:
             return Round(verify_lengths=zero, budget_capped=torch.zeros_like(zero, dtype=torch.bool),
                          accepted=res.accepted, emitted=res.emitted, kept=kept, stopped=stopped,
                          confidence_logits=None, draft_ms=0.0, verify_ms=verify_ms, drafted=False)
+        copies = live.history.proposals(self.draft.block_size) if live.history is not None else None
+        if copies is not None and n == 1 and bool(copies[1].all()):
+            return self.copied_round(live, copies[0], max_new_tokens, generator, clock)
         prop = self.draft.propose(live.context, live.anchors, self.draft_sampling, generator,
                                   need_probs=not self.sampling.greedy,  # greedy verification never reads q
                                   alternatives=self._proposed_siblings())
         draft_ms = clock.lap("draft")
         ell, capped = self.schedule(prop.confidence_logits, live, max_new_tokens)
-        looked = self.look_up(live, prop.block, ell, capped, max_new_tokens)
+        looked = self.look_up(live, prop.block, ell, capped, max_new_tokens, copies)
         feed, ell = self.sibling_feed(prop.block, prop.confidence_logits, ell) if looked is None else (None, ell)
         clock.lap("schedule")
         res, out, taken = self.verify(live, prop.block, ell, generator, feed)
@@ -247,15 +229,30 @@ class SpeculativeEngine:
                      stopped=stopped, confidence_logits=prop.confidence_logits, draft_ms=draft_ms, verify_ms=verify_ms,
                      siblings=0 if feed is None else int(feed.tokens.shape[1]), sibling_taken=taken, looked_up=looked)
 
-    def look_up(self, live: LiveRows, block, ell: torch.Tensor, capped: torch.Tensor,
-                max_new_tokens: int) -> torch.Tensor | None:
-        """Rows whose context repeats itself take the lookup's block in place of the draft's; a
-        round with any such row feeds no siblings. Alone, a row verifies all γ of it (within the
-        budget); in a batch, where the widest row sets every row's verify width, no wider than the
-        policy chose for the batch. Returns the rows that did ([n] bool), or None."""
-        if live.history is None:
+    def copied_round(self, live: LiveRows, tokens: torch.Tensor, max_new_tokens: int,
+                     generator: torch.Generator | None, clock: Clock) -> Round:
+        """A lone row whose context repeats itself verifies the lookup's block (all γ, within the
+        budget) without running the draft, whose block it would replace; the draft takes the
+        round's tokens into its context at its next proposal, as after a plain step."""
+        budget = (max_new_tokens - live.produced - 1).clamp(min=0)
+        ell, capped = budget.clamp(max=self.draft.block_size), budget < self.draft.block_size
+        clock.lap("schedule")
+        res, out, _ = self.verify(live, DraftBlock(tokens=tokens, probs=None, markov_embeds=None), ell, generator)
+        verify_ms = clock.lap("verify")
+        kept, stopped = self.commit(live, res, out)
+        return Round(verify_lengths=ell, budget_capped=capped, accepted=res.accepted, emitted=res.emitted, kept=kept,
+                     stopped=stopped, confidence_logits=None, draft_ms=0.0, verify_ms=verify_ms,
+                     looked_up=torch.ones_like(capped))
+
+    def look_up(self, live: LiveRows, block, ell: torch.Tensor, capped: torch.Tensor, max_new_tokens: int,
+                copies: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor | None:
+        """Rows whose context repeats itself (`copies`: History.proposals) take the lookup's block in
+        place of the draft's; a round with any such row feeds no siblings. Alone, a row verifies all
+        γ of it (within the budget); in a batch, where the widest row sets every row's verify width,
+        no wider than the policy chose for the batch. Returns the rows that did ([n] bool), or None."""
+        if copies is None:
             return None
-        tokens, found = live.history.proposals(self.draft.block_size)
+        tokens, found = copies
         if not bool(found.any()):
             return None
         block.tokens[found] = tokens[found]
