@@ -2,7 +2,9 @@
 
 For each batch size B (--batch-sizes), `--groups` groups of B prompts (consecutive prompts of the
 set, wrapping around) are decoded greedily by every decoder in one process, in a rotating order
-per group so drift on a shared machine hits all alike:
+per group so drift on a shared machine hits all alike (with --paired-plain, every decoder runs
+beside a plain run of its own, before it in one group and after it in the next, and its ratio is
+taken against that neighbour):
     plain           plain decoding (the engine's baseline, `plain_generate`)
     static:k        speculative, k drafts verified every round (k = 1..γ)
     threshold:t     stop at the first conditional confidence below t (t chosen beforehand on the
@@ -58,10 +60,12 @@ from dsparkctl.tuning.sweep import replay_batches
 
 QUIET = 0.15  # a run during which another core was busier than this is contaminated (a 1-thread
 # run slows by up to 2x when the other core of these 2-core VMs is loaded)
+STEAL = 0.03  # nor one during which the hypervisor took more than this of our own core
 
 
-def cpu_ticks() -> dict[str, tuple[int, int]]:
-    """Per-CPU (busy, total) jiffies from /proc/stat; empty where there is none."""
+def cpu_ticks() -> dict[str, tuple[int, int, int]]:
+    """Per-CPU (busy, total, stolen) jiffies from /proc/stat; empty where there is none. Stolen
+    time is what the hypervisor gave another guest while this CPU had work."""
     try:
         lines = Path("/proc/stat").read_text().splitlines()
     except OSError:
@@ -72,7 +76,7 @@ def cpu_ticks() -> dict[str, tuple[int, int]]:
         if f and f[0].startswith("cpu") and f[0] != "cpu":
             v = [int(x) for x in f[1:]]
             idle = v[3] + (v[4] if len(v) > 4 else 0)
-            ticks[f[0]] = (sum(v[:8]) - idle, sum(v[:8]))
+            ticks[f[0]] = (sum(v[:8]) - idle, sum(v[:8]), v[7] if len(v) > 7 else 0)
     return ticks
 
 
@@ -80,12 +84,25 @@ def others_busy(before: dict, after: dict) -> float:
     """The busiest other CPU's share of time between two `cpu_ticks` (ours: this process's affinity)."""
     mine = {f"cpu{c}" for c in os.sched_getaffinity(0)} if hasattr(os, "sched_getaffinity") else set()
     share = 0.0
-    for cpu, (b1, t1) in after.items():
+    for cpu, (b1, t1, _) in after.items():
         if cpu in mine or cpu not in before:
             continue
-        b0, t0 = before[cpu]
+        b0, t0, _ = before[cpu]
         if t1 > t0:
             share = max(share, (b1 - b0) / (t1 - t0))
+    return share
+
+
+def stolen(before: dict, after: dict) -> float:
+    """The largest share of time stolen from one of this process's CPUs between two `cpu_ticks`:
+    a run on a VM whose host ran another guest on our core was slowed by that much, unseen by
+    `others_busy`."""
+    mine = {f"cpu{c}" for c in os.sched_getaffinity(0)} if hasattr(os, "sched_getaffinity") else set(after)
+    share = 0.0
+    for cpu in mine & set(before) & set(after):
+        (_, t0, s0), (_, t1, s1) = before[cpu], after[cpu]
+        if t1 > t0:
+            share = max(share, (s1 - s0) / (t1 - t0))
     return share
 
 
@@ -124,8 +141,13 @@ def main() -> None:
     ap.add_argument("--static", default=None, help="static:k lengths (default 1..γ)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "policies.json")
     ap.add_argument("--plot", type=Path, default=None, help="default: --out with .png")
+    ap.add_argument("--paired-plain", action="store_true",
+                    help="run plain decoding beside every decoder (alternately before and after it) and take each "
+                    "decoder's ratio against its own neighbour: slower, but a slow spell of a shared host lands on "
+                    "both sides of a ratio")
     ap.add_argument("--retries", type=int, default=3,
-                    help="times a group is run again when another core was busy during it (> QUIET)")
+                    help="times a group is run again when another core was busy during it (> QUIET) or the host "
+                    "took our core (> STEAL)")
     ap.add_argument("--predict-only", action="store_true",
                     help="recompute the predictions of an existing --out file from its replay pool")
     args = ap.parse_args()
@@ -177,36 +199,57 @@ def main() -> None:
     t_start = time.time()
     discarded = 0
 
-    def run_group(group: list[list[int]], order: list[str]) -> tuple[dict[str, dict], list, float]:
-        """Every decoder once on `group`: (per-decoder figures, static:γ trace rows, the largest share
-        of time another core was busy during one decoder's run)."""
-        fresh, outs, busy, pool_rows = {}, {}, 0.0, []
+    def run_one(name: str, group: list[list[int]]) -> tuple[dict, list[list[int]], list | None, float, float]:
+        """One decoder on `group`: (its figures, its outputs, its trace rows (static:γ only), the largest
+        share of time another core was busy, the share stolen from ours)."""
+        rows = [] if name == f"static:{gamma}" else None
+        before = cpu_ticks()
+        t0 = time.perf_counter()
+        if name == "plain":
+            rep = plain_generate(plain_adapter, group, N, greedy, stop_token_ids=sess.stop_ids)
+        else:
+            rep = engines[name].generate(group, N, on_round=rows.extend if rows is not None else None)
+        wall = time.perf_counter() - t0
+        after = cpu_ticks()
+        gen = rep.generated
+        pre = rep.times_ms.get("prefill", 0.0) / 1000.0
+        st = rep.stats if name != "plain" else None
+        figures = {
+            "tokens": gen, "wall_s": wall, "tok_s": gen / wall,
+            "decode_tok_s": (gen - len(group)) / max(wall - pre, 1e-9), "steps": rep.rounds,
+            "mean_verify": (st.verified / st.rounds) if st and st.rounds else 0.0,
+            "drafted_share": (rep.drafted_steps / rep.rounds) if name != "plain" and rep.rounds else 0.0,
+            "draft_share_of_time": rep.times_ms.get("draft", 0.0) / max(rep.times_ms.get("total", 1.0), 1e-9),
+            "tau": st.tau if st else 1.0}
+        return figures, [o.tokens for o in rep.outputs], rows, others_busy(before, after), stolen(before, after)
+
+    def run_group(group: list[list[int]], order: list[str], flip: bool) -> tuple[dict[str, dict], list, float, float]:
+        """Every decoder once on `group` (with --paired-plain, each beside a plain run of its own,
+        before it or after it as `flip` says): (per-decoder figures, static:γ trace rows, the largest
+        share of time another core was busy during one run, the largest share stolen from ours)."""
+        fresh, outs, busy, steal, pool_rows = {}, {}, 0.0, 0.0, []
+        plains: list[dict] = []
+        if args.paired_plain:
+            order = [x for n in order if n != "plain" for x in (("plain", n) if flip else (n, "plain"))]
         for name in order:
-            rows = [] if name == f"static:{gamma}" else None
-            before = cpu_ticks()
-            t0 = time.perf_counter()
+            figures, outs[name], rows, b, st = run_one(name, group)
+            busy, steal = max(busy, b), max(steal, st)
             if name == "plain":
-                rep = plain_generate(plain_adapter, group, N, greedy, stop_token_ids=sess.stop_ids)
+                plains.append(figures)
             else:
-                rep = engines[name].generate(group, N, on_round=rows.extend if rows is not None else None)
-            wall = time.perf_counter() - t0
-            busy = max(busy, others_busy(before, cpu_ticks()))
-            outs[name] = [o.tokens for o in rep.outputs]
-            gen = rep.generated
-            pre = rep.times_ms.get("prefill", 0.0) / 1000.0
-            st = rep.stats if name != "plain" else None
-            fresh[name] = {
-                "tokens": gen, "wall_s": wall, "tok_s": gen / wall,
-                "decode_tok_s": (gen - len(group)) / max(wall - pre, 1e-9), "steps": rep.rounds,
-                "mean_verify": (st.verified / st.rounds) if st and st.rounds else 0.0,
-                "drafted_share": (rep.drafted_steps / rep.rounds) if name != "plain" and rep.rounds else 0.0,
-                "draft_share_of_time": rep.times_ms.get("draft", 0.0) / max(rep.times_ms.get("total", 1.0), 1e-9),
-                "tau": st.tau if st else 1.0}
+                fresh[name] = figures
             if rows is not None:
                 pool_rows = rows
+        if args.paired_plain:  # the plain run beside each decoder's is its baseline
+            for k, name in enumerate(x for x in order if x != "plain"):
+                fresh[name]["paired_plain_decode_tok_s"] = plains[k]["decode_tok_s"]
+            fresh["plain"] = {**plains[0], "decode_tok_s": statistics.median(p["decode_tok_s"] for p in plains),
+                              "paired_runs": [p["decode_tok_s"] for p in plains]}
+        else:
+            fresh["plain"] = plains[0]
         for name in specs:
             fresh[name]["identical"] = outs[name] == outs["plain"]
-        return fresh, pool_rows, busy
+        return fresh, pool_rows, busy, steal
 
     for B, G in zip(sizes, groups):
         runs: dict[str, list[dict]] = {n: [] for n in names}
@@ -215,15 +258,17 @@ def main() -> None:
             order = names[g % len(names):] + names[: g % len(names)]
             for attempt in range(args.retries + 1):  # a group that overlapped load elsewhere is run again
                 wait_for_quiet()
-                fresh, pool_rows, busy = run_group(group, order)
-                if busy <= QUIET:
+                fresh, pool_rows, busy, steal = run_group(group, order, flip=g % 2 == 1)
+                if busy <= QUIET and steal <= STEAL:
                     break
                 discarded += attempt < args.retries
-                print(f"B={B} group {g}: another core was {100 * busy:.0f}% busy during a run"
+                why = f"another core was {100 * busy:.0f}% busy" if busy > QUIET else \
+                    f"the host took {100 * steal:.0f}% of our core"
+                print(f"B={B} group {g}: {why} during a run"
                       + ("; running the group again" if attempt < args.retries else "; kept (no retries left)"),
                       flush=True)
             for name in names:
-                runs[name].append({**fresh[name], "others_busy": busy})
+                runs[name].append({**fresh[name], "others_busy": busy, "stolen": steal})
             for r in pool_rows:
                 if r.verify_length == gamma and not r.budget_capped:
                     pool_logits.append(r.confidence_logits)
@@ -232,7 +277,8 @@ def main() -> None:
                   + f"  ({time.time() - t_start:.0f} s)", flush=True)
         for name in names:
             rs = runs[name]
-            ratios = [r["decode_tok_s"] / p["decode_tok_s"] for r, p in zip(rs, runs["plain"])]
+            ratios = [r["decode_tok_s"] / r.get("paired_plain_decode_tok_s", p["decode_tok_s"])
+                      for r, p in zip(rs, runs["plain"])]
             cells.append({"batch_size": B, "policy": name, "groups": len(rs),
                           "decode_tok_s": statistics.median(r["decode_tok_s"] for r in rs),
                           "tok_s": statistics.median(r["tok_s"] for r in rs),
@@ -246,7 +292,7 @@ def main() -> None:
                "verify_layout": "padded" if sps.padded else "ragged", "calibration": str(cal) if cal else None, "siblings": args.siblings, "lookup": args.lookup,
                "temperatures": temps, "threads": torch.get_num_threads(), "cpu_kernels": sess.cpu_kernels,
                "batch_sizes_done": sizes[: sizes.index(B) + 1], "cells": cells, "seconds": time.time() - t_start,
-               "quiet_threshold": QUIET, "groups_discarded_for_load": discarded,
+               "paired_plain": args.paired_plain, "quiet_threshold": QUIET, "steal_threshold": STEAL, "groups_discarded_for_load": discarded,
                "replay_pool": {"gamma": gamma, "confidence_logits": pool_logits, "accepted": pool_acc},
                **provenance_of(__file__)}
         write_json(args.out, doc)  # after every batch size: a crash loses at most one
