@@ -155,7 +155,7 @@ def summary_table(report: dict[str, Any]) -> Table:
             t.add_row(label, f"{100 * acc[key]:.1f}%")
     t.add_row("rounds / engine steps", f"{acc['rounds']} / {report['engine_steps']}")
     if "drafted_steps" in report:
-        t.add_row("engine steps that ran the draft", f"{report['drafted_steps']} / {report['engine_steps']}")
+        t.add_row("engine steps that speculated (drafted or copied)", f"{report['drafted_steps']} / {report['engine_steps']}")
     sib = report.get("siblings") or {}
     if sib.get("rows_verified_with"):
         t.add_row("rows verified with siblings of x1 / that took one",

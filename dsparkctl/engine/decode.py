@@ -65,7 +65,7 @@ class PromptsResult:
     stats: AcceptanceStats | None  # merged over batches (None for plain decoding)
     times_ms: dict[str, float] = field(default_factory=dict)  # summed engine phase times
     rounds: int = 0  # engine steps
-    drafted_steps: int = 0  # engine steps that ran the draft (the policy planned the rest as plain steps)
+    drafted_steps: int = 0  # engine steps that speculated, drafted or copied (the policy planned the rest as plain steps)
     siblings: dict[str, int] = field(default_factory=dict)  # rows verified with siblings / that took one
     wall_s: float = 0.0
     trace_rows: list[TraceRound] = field(default_factory=list)  # merged runs only (distributed)
