@@ -25,8 +25,8 @@ from dsparkctl.engine.lookup import History
 from dsparkctl.engine.rounds import RequestOutput, Round, RunReport, count_siblings, trace_rows
 from dsparkctl.errors import UsageError, option
 from dsparkctl.formats.trace import TraceRound
-from dsparkctl.math.policies import Policy
 from dsparkctl.math.draft_sampling import DraftBlock
+from dsparkctl.math.policies import Policy
 from dsparkctl.math.policy_spec import check_fits
 from dsparkctl.math.sampling import SamplingParams, draw, warp_probs
 from dsparkctl.math.stats import AcceptanceStats
@@ -207,7 +207,7 @@ class SpeculativeEngine:
                          confidence_logits=None, draft_ms=0.0, verify_ms=verify_ms, drafted=False)
         copies = live.history.proposals(self.draft.block_size) if live.history is not None else None
         if copies is not None and n == 1 and bool(copies[1].all()):
-            return self.copied_round(live, copies[0], max_new_tokens, generator, clock)
+            return self.copied_round(live, copies, max_new_tokens, generator, clock)
         prop = self.draft.propose(live.context, live.anchors, self.draft_sampling, generator,
                                   need_probs=not self.sampling.greedy,  # greedy verification never reads q
                                   alternatives=self._proposed_siblings())
@@ -229,20 +229,21 @@ class SpeculativeEngine:
                      stopped=stopped, confidence_logits=prop.confidence_logits, draft_ms=draft_ms, verify_ms=verify_ms,
                      siblings=0 if feed is None else int(feed.tokens.shape[1]), sibling_taken=taken, looked_up=looked)
 
-    def copied_round(self, live: LiveRows, tokens: torch.Tensor, max_new_tokens: int,
+    def copied_round(self, live: LiveRows, copies: tuple[torch.Tensor, torch.Tensor], max_new_tokens: int,
                      generator: torch.Generator | None, clock: Clock) -> Round:
-        """A lone row whose context repeats itself verifies the lookup's block (all γ, within the
-        budget) without running the draft, whose block it would replace; the draft takes the
+        """A lone row whose context repeats itself verifies the lookup's block (`look_up` sets its
+        length) without running the draft, whose block it would replace; the draft takes the
         round's tokens into its context at its next proposal, as after a plain step."""
-        budget = (max_new_tokens - live.produced - 1).clamp(min=0)
-        ell, capped = budget.clamp(max=self.draft.block_size), budget < self.draft.block_size
+        tokens = copies[0]
+        block = DraftBlock(tokens=torch.zeros_like(tokens), probs=None, markov_embeds=None)
+        ell, capped = torch.zeros_like(live.produced), torch.zeros_like(live.produced, dtype=torch.bool)
+        looked = self.look_up(live, block, ell, capped, max_new_tokens, copies)
         clock.lap("schedule")
-        res, out, _ = self.verify(live, DraftBlock(tokens=tokens, probs=None, markov_embeds=None), ell, generator)
+        res, out, _ = self.verify(live, block, ell, generator)
         verify_ms = clock.lap("verify")
         kept, stopped = self.commit(live, res, out)
         return Round(verify_lengths=ell, budget_capped=capped, accepted=res.accepted, emitted=res.emitted, kept=kept,
-                     stopped=stopped, confidence_logits=None, draft_ms=0.0, verify_ms=verify_ms,
-                     looked_up=torch.ones_like(capped))
+                     stopped=stopped, confidence_logits=None, draft_ms=0.0, verify_ms=verify_ms, looked_up=looked)
 
     def look_up(self, live: LiveRows, block, ell: torch.Tensor, capped: torch.Tensor, max_new_tokens: int,
                 copies: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor | None:
