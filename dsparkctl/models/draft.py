@@ -63,7 +63,8 @@ class DSparkDraft(DraftInference, nn.Module):
 
     @property
     def block_size(self) -> int:
-        return self.cfg.block_size
+        """γ: drafts per round (the block's slots, less the anchor's when it predicts nothing)."""
+        return self.cfg.drafts_per_block
 
     def fingerprint(self) -> str:
         """A short digest of the draft's own weights (not the borrowed embedding/LM head) and
@@ -113,7 +114,7 @@ class DSparkDraft(DraftInference, nn.Module):
         never another block. Returns final-normed hidden states [B, N, γ, H] (differentiable).
         """
         B, S, _ = features.shape
-        N, g = anchor_ids.shape[1], self.cfg.block_size
+        N, g = anchor_ids.shape[1], self.cfg.block_size  # slots (γ or γ + 1, `sample_from_anchor`)
         dev = features.device
         ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))  # [B, S, H]
         ids = torch.full((B, N, g), self.cfg.mask_token_id, dtype=torch.long, device=dev)
@@ -130,7 +131,7 @@ class DSparkDraft(DraftInference, nn.Module):
         for layer in self.layers:
             ck, cv = layer.self_attn.kv(ctx, cos_c, sin_c)
             x = layer(x, cos_q, sin_q, ck, cv, mask)
-        return self.norm(x).view(B, N, g, -1)
+        return self.norm(x).view(B, N, g, -1)[:, :, self.cfg.slot_offset:]
 
     def block_logits(self, hidden: Tensor, prev_tokens: Tensor) -> tuple[Tensor, Tensor | None]:
         """Teacher-forced draft logits and confidence logits for blocks with known previous tokens.

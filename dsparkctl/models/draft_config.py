@@ -20,7 +20,8 @@ from dsparkctl.errors import CheckpointError, option
 # `architectures` we can load: DeepSpec's Qwen3 draft class (DSpark and DFlash share it).
 KNOWN_ARCHITECTURES = frozenset({"Qwen3DSparkModel"})
 DSPARK_KEYS = ("block_size", "mask_token_id", "target_layer_ids", "num_target_layers", "markov_rank",
-               "markov_head_type", "enable_confidence_head", "confidence_head_with_markov", "num_anchors")
+               "markov_head_type", "enable_confidence_head", "confidence_head_with_markov", "num_anchors",
+               "sample_from_anchor")
 
 
 def resolve_nested(d: dict[str, Any]) -> dict[str, Any]:
@@ -146,12 +147,27 @@ class DraftConfig:
     rope_theta: float = 1_000_000.0
     attention_bias: bool = False
     qk_norm: bool = True  # Qwen3-style per-head q/k RMSNorm (DeepSpec drafts always have it)
+    # Which token a block slot predicts (docs/formats.md, "Conventions"): True (DeepSpec, DeepSeek,
+    # SpecForge, speculators' DSpark default) = slot k predicts the anchor's (k+1)-th successor, so a
+    # block of `block_size` slots drafts `block_size` tokens; False (DFlash's default) = slot 0 holds
+    # the anchor and predicts nothing, slot k predicts the k-th successor: `block_size - 1` drafts.
+    sample_from_anchor: bool = True
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # the rest of config.json
 
     @property
     def output_vocab_size(self) -> int:
         """Columns of the draft's logits: K with a reduced vocabulary, else the target's V."""
         return self.draft_vocab_size or self.vocab_size
+
+    @property
+    def drafts_per_block(self) -> int:
+        """γ, the tokens one block drafts: every slot's, or every slot's but the anchor's."""
+        return self.block_size if self.sample_from_anchor else self.block_size - 1
+
+    @property
+    def slot_offset(self) -> int:
+        """The first slot whose output is a draft (0 or 1, `sample_from_anchor`)."""
+        return 0 if self.sample_from_anchor else 1
 
     @property
     def kind(self) -> str:
@@ -198,6 +214,7 @@ class DraftConfig:
             rope_theta=get("rope_theta", float, 10000.0),
             attention_bias=get("attention_bias", bool, False),
             qk_norm=get("qk_norm", bool, True),
+            sample_from_anchor=get("sample_from_anchor", bool, True),
             extra={k: v for k, v in d.items()},
         )
         if not (cfg.rms_norm_eps > 0 and cfg.rope_theta >= 1):
@@ -211,6 +228,8 @@ class DraftConfig:
             raise CheckpointError(f"{source}: {msg}", hint)
         if not 1 <= self.block_size <= MAX_BLOCK_SIZE:
             bad(f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {self.block_size}")
+        if self.drafts_per_block < 1:
+            bad("block_size 1 with sample_from_anchor false drafts nothing", "use block_size >= 2")
         if not 0 <= self.mask_token_id < self.vocab_size:
             bad(f"mask_token_id {self.mask_token_id} is outside the vocabulary (size {self.vocab_size})")
         if not self.target_layer_ids:
@@ -233,8 +252,8 @@ class DraftConfig:
             if f.name == "extra":
                 continue
             v = getattr(self, f.name)
-            if f.name == "draft_vocab_size" and not v:
-                d.pop(f.name, None)  # a full-vocabulary draft's config stays exactly DeepSpec's
+            if (f.name == "draft_vocab_size" and not v) or (f.name == "sample_from_anchor" and v):
+                d.pop(f.name, None)  # DeepSpec's own defaults stay out: its configs stay exactly DeepSpec's
                 continue
             d[f.name] = list(v) if isinstance(v, tuple) else v
         # What DeepSpec's build_draft_config writes, so transformers' config classes (and the

@@ -170,11 +170,11 @@ class DraftInference:
 
     @torch.no_grad()
     def backbone(self, state: DraftState, anchors: Tensor) -> Tensor:
-        """Apply the pending context, then one parallel forward over [anchor, mask × (γ-1)] ->
-        final-normed hidden [R, γ, H]. When every row's context has the same length (always at
+        """Apply the pending context, then one parallel forward over [anchor, mask × (slots-1)] ->
+        final-normed hidden [R, γ, H] of the slots that draft (all, or all but the anchor's). When every row's context has the same length (always at
         batch 1) the pending tokens ride along in the layers' q/k/v products
         (`DraftLayer.forward_fused`); ragged rows append them first and read the buffers masked."""
-        R, g = anchors.shape[0], self.cfg.block_size
+        R, g = anchors.shape[0], self.cfg.block_size  # slots; the drafts are the last γ of them
         dev = anchors.device
         feats = self._take_pending(state)
         ids = torch.full((R, g), self.cfg.mask_token_id, dtype=torch.long, device=dev)
@@ -191,7 +191,7 @@ class DraftInference:
             for i, (layer, fz) in enumerate(zip(self.layers, fused)):
                 x = layer.forward_fused(x, ctx, cos, sin, state.keys[i], state.values[i], n, fz)
             state.ctx_len = state.ctx_len + T
-            return self.norm(x)
+            return self.norm(x[:, self.cfg.slot_offset:])
         if feats is not None:
             self.append_context(state, feats, torch.full_like(state.ctx_len, feats.shape[1]))
             n = int(state.ctx_len.max())
@@ -206,7 +206,7 @@ class DraftInference:
             write = BlockSlots(start=None, index=pos[:, None, :, None], span=n + g, mask=mask)
         for i, layer in enumerate(self.layers):
             x = layer.forward_cached(x, cos, sin, state.keys[i], state.values[i], write)
-        return self.norm(x)
+        return self.norm(x[:, self.cfg.slot_offset:])
 
     @torch.no_grad()
     def propose(self, state: DraftState, anchors: Tensor, params: SamplingParams,

@@ -17,6 +17,7 @@ import torch
 
 from dsparkctl.checkpoint.hub import TOKENIZER_FILES, check_repo_id, endpoint, hub_errors, hub_reachable
 from dsparkctl.checkpoint.source import INDEX, SINGLE, parse_index
+from dsparkctl.models import draft_formats
 from dsparkctl.errors import CheckpointError, InputError, ModelMismatchError, option
 from dsparkctl.files.atomic import atomic_dir, cannot_create
 from dsparkctl.files.ownership import replace_refusal
@@ -82,47 +83,10 @@ def check_readable(folder: Path) -> None:
                                  f"make it readable (chmod u+r {f}) or run as its owner")
 
 
-def _weight_files(folder: Path) -> list[Path]:
-    """The draft's safetensors files: the shards its index names (each checked to stay inside the
-    folder by the checkpoint readers' own rule, `checkpoint.source.check_shard_name`), or the
-    single file."""
-    index = folder / INDEX
-    if index.is_file():
-        files = []
-        root = folder.resolve()
-        for name in sorted(set(parse_index(index.read_bytes(), str(index)).values())):
-            f = (folder / name).resolve()
-            if root not in f.parents:  # a symlinked shard may still lead out
-                raise CheckpointError(f"{index}: entry {name!r} points outside the checkpoint folder",
-                                      "use a checkpoint whose index names only shards in its own folder")
-            if not f.is_file():
-                raise CheckpointError(f"{index}: shard {name} is missing or not a regular file",
-                                      "re-download the checkpoint")
-            files.append(f)
-        return files
-    single = folder / SINGLE
-    if single.is_file():
-        return [single]
-    raise CheckpointError(f"{folder}: no {SINGLE} or {INDEX}", "a DeepSpec draft folder holds config.json and weights")
-
-
 def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError, safe_open
-
-    tensors: dict[str, torch.Tensor] = {}
+    """Every tensor of a draft folder's safetensors files, as stored (names not translated)."""
     check_readable(folder)
-    for f in _weight_files(folder):
-        try:
-            with safe_open(str(f), framework="pt") as fh:
-                for k in fh.keys():
-                    tensors[k] = fh.get_tensor(k)
-        except PermissionError:
-            raise InputError(f"{f} is not readable (permission denied)",
-                             f"make it readable (chmod u+r {f}) or run as its owner") from None
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise CheckpointError(f"{f}: unreadable safetensors file ({str(exc).splitlines()[0]})",
-                                  "re-download or re-extract the draft") from None
-    return tensors
+    return draft_formats.read_tensors(folder)
 
 
 def check_compatible(cfg: DraftConfig, target: Any, source: str) -> None:
@@ -161,14 +125,6 @@ def check_draft_vocab(ids: torch.Tensor, cfg: DraftConfig, source: str) -> None:
                               "the index map must list distinct target ids in ascending order")
 
 
-def ids_from_d2t(d2t: torch.Tensor, source: str) -> torch.Tensor:
-    """vLLM/EAGLE-3's draft-to-target offsets [K] -> our index map [K]: target id = draft id + d2t[draft id]."""
-    if d2t.dim() != 1 or d2t.dtype not in (torch.int64, torch.int32):
-        raise CheckpointError(f"{source}: d2t must be a 1-D integer tensor, got {d2t.dtype} {list(d2t.shape)}",
-                              "re-export the draft with `dsparkctl serve-config --export-vllm`")
-    return torch.arange(d2t.numel(), dtype=torch.int64) + d2t.to(torch.int64)
-
-
 def read_draft_config(folder: Path, source: str | None = None) -> DraftConfig:
     """A draft folder's config.json, read strictly and typed (CheckpointError naming `source`)."""
     cfg_path = folder / "config.json"
@@ -184,13 +140,12 @@ def read_draft_config(folder: Path, source: str | None = None) -> DraftConfig:
 
 def load_draft(source: str | os.PathLike, target: Any | None = None, revision: str | None = None,
                dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> DSparkDraft:
-    """Load a DeepSpec DSpark/DFlash draft; borrow embed/LM head from `target` (a TargetAdapter)."""
+    """Load a DSpark/DFlash draft of any known format (models/draft_formats: DeepSpec, speculators,
+    SpecForge, ModelOpt); borrow embed/LM head from `target` (a TargetAdapter)."""
     folder = resolve_folder(source, revision)
     check_readable(folder)  # a file there that we may not read is no missing or damaged file
-    cfg = read_draft_config(folder)
-    state = read_state_dict(folder)
-    if "d2t" in state and "draft_vocab_ids" not in state:  # vLLM's reduced form (save_draft_for_vllm)
-        state["draft_vocab_ids"] = ids_from_d2t(state.pop("d2t"), str(folder))
+    canon = draft_formats.read(folder)  # any known format, in the canonical names and conventions
+    cfg, state = canon.config, dict(canon.tensors)
     if cfg.markov_rank == 0 and any(k.startswith("markov_head.") for k in state):
         raise CheckpointError(f"{folder}: markov_rank is 0 but the file has markov_head tensors",
                               "fix markov_rank in config.json")

@@ -1,0 +1,291 @@
+"""The draft formats, as one table, and the three things done with them: recognise, read, write.
+
+`detect` decides a folder's format from its files (config.json's structure, the tensor names in
+the safetensors headers, files only one format writes), never from `architectures`, and refuses
+a folder whose files disagree. `read` gives the canonical draft (base.py); `write` puts one in a
+format, refusing up front anything the format cannot hold unless the user drops it by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dsparkctl.checkpoint.safetensors_io import read_header, read_regular
+from dsparkctl.checkpoint.source import INDEX, SINGLE, parse_index
+from dsparkctl.errors import CheckpointError, InputError, UsageError
+from dsparkctl.files.atomic import atomic_dir
+from dsparkctl.models.draft_config import DraftConfig
+from dsparkctl.models.draft_formats import vocab as vmap
+from dsparkctl.models.draft_formats.base import BORROWED, TOOL_KEY, CanonicalDraft, DraftFormat
+from dsparkctl.models.draft_formats.deepspec import DEEPSPEC
+from dsparkctl.models.draft_formats.modelopt import MODELOPT
+from dsparkctl.models.draft_formats.specforge import SPECFORGE
+from dsparkctl.models.draft_formats.speculators import SPECULATORS
+from dsparkctl.strict_json import finite
+from dsparkctl.strict_json import loads as strict_loads
+
+FORMATS: tuple[DraftFormat, ...] = (DEEPSPEC, SPECULATORS, SPECFORGE, MODELOPT)
+BY_KEY = {f.key: f for f in FORMATS}
+DROPPABLE = ("vocab-map", "confidence-head")  # what `convert --drop` may give up, by name
+
+
+def format_named(key: str) -> DraftFormat:
+    if key not in BY_KEY:
+        raise UsageError(f"unknown draft format {key!r}", f"use one of {', '.join(BY_KEY)}")
+    return BY_KEY[key]
+
+
+# ------------------------------------------------------------------------------------------ files
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files: the shards its index names (inside the folder), or the single file."""
+    index = folder / INDEX
+    if index.is_file():
+        root, files = folder.resolve(), []
+        for name in sorted(set(parse_index(read_regular(index, INDEX), str(index)).values())):
+            f = (folder / name).resolve()
+            if root not in f.parents:  # a symlinked shard may still lead out
+                raise CheckpointError(f"{index}: entry {name!r} points outside the checkpoint folder",
+                                      "use a checkpoint whose index names only shards in its own folder")
+            if not f.is_file():
+                raise CheckpointError(f"{index}: shard {name} is missing or not a regular file",
+                                      "re-download the checkpoint")
+            files.append(f)
+        return files
+    if (folder / SINGLE).is_file():
+        return [folder / SINGLE]
+    raise CheckpointError(f"{folder}: no {SINGLE} or {INDEX}",
+                          "a draft folder holds config.json and safetensors weights")
+
+
+def read_config_file(folder: Path) -> dict[str, Any]:
+    path = folder / "config.json"
+    if not path.exists():
+        raise CheckpointError(f"{folder}: no config.json", "a draft folder holds config.json and its weights")
+    try:
+        raw = strict_loads(read_regular(path, "config.json"))
+    except (ValueError, UnicodeDecodeError) as exc:  # StrictJSONError is a ValueError
+        raise CheckpointError(f"{path}: not valid JSON ({exc})", "fix or re-download config.json") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: expected a JSON object", "config.json must be a JSON object of the draft's settings")
+    return raw
+
+
+def tensor_names(folder: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """name -> (dtype, shape) from the safetensors headers only (no tensor data is read)."""
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for f in weight_files(folder):
+        for name, info in read_header(f, f.name).tensors.items():
+            out[name] = (info.dtype, tuple(info.shape))
+    return out
+
+
+def read_tensors(folder: Path) -> dict[str, Tensor]:
+    from safetensors import SafetensorError, safe_open
+
+    tensors: dict[str, Tensor] = {}
+    for f in weight_files(folder):
+        read_header(f, f.name)  # our own strict header checks first
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for k in fh.keys():
+                    tensors[k] = fh.get_tensor(k)
+        except PermissionError:
+            raise InputError(f"{f} is not readable (permission denied)",
+                             f"make it readable (chmod u+r {f}) or run as its owner") from None
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(f"{f}: unreadable safetensors file ({str(exc).splitlines()[0]})",
+                                  "re-download or re-convert the draft") from None
+    return tensors
+
+
+# --------------------------------------------------------------------------------------- detect
+def _claim_names(fmts: list[DraftFormat]) -> str:
+    return " and ".join(f"{f.title} ({f.key})" for f in fmts)
+
+
+def detect(folder: Path, config: dict[str, Any] | None = None,
+           names: set[str] | None = None) -> DraftFormat:
+    """The folder's format, when its config, its tensors and its files agree on one."""
+    config = read_config_file(folder) if config is None else config
+    names = set(tensor_names(folder)) if names is None else names
+    by_config = [f for f in FORMATS if f.claims_config(config)]
+    by_tensors = [f for f in FORMATS if f.claims_tensors(names)]
+    by_files = [f for f in FORMATS for own in f.own_files if (folder / own).exists()]
+    if len(by_config) > 1:
+        raise CheckpointError(f"{folder}/config.json carries the keys of two formats: {_claim_names(by_config)}",
+                              "keep one format's keys (convert the draft with dsparkctl convert)")
+    if not by_config:
+        if not by_tensors:
+            raise CheckpointError(f"{folder}: no draft tensors of a known layout (fc/hidden_norm with the heads of "
+                                  f"{', '.join(BY_KEY)})", "point at a DSpark/DFlash draft folder")
+        raise CheckpointError(f"{folder}/config.json is not a draft config of any known format (its tensors look "
+                              f"like {_claim_names(by_tensors)})",
+                              "restore the config.json saved with these weights")
+    fmt = by_config[0]
+    if fmt not in by_tensors:
+        seen = f"the tensors of {_claim_names(by_tensors)}" if by_tensors else "tensors of no known draft format"
+        raise CheckpointError(f"{folder}/config.json says {fmt.title} ({fmt.key}) but the safetensors hold {seen}",
+                              "put the config.json saved with these weights back (or convert with dsparkctl convert)")
+    others = [f for f in by_files if f is not fmt]
+    if others:
+        own = [o for f in others for o in f.own_files if (folder / o).exists()]
+        raise CheckpointError(f"{folder} mixes two formats' files: {fmt.key} weights and config with {own[0]} "
+                              f"({others[0].title})", "keep each format in its own folder")
+    for extra in sorted(folder.glob("*.gguf")):
+        raise CheckpointError(f"{folder} mixes two formats' files: a {fmt.key} draft and {extra.name} (GGUF)",
+                              "keep each format in its own folder")
+    return fmt
+
+
+# ----------------------------------------------------------------------------------------- read
+def read(folder: str | os.PathLike) -> CanonicalDraft:
+    """A draft folder of any known format, as the canonical draft (every field and tensor checked)."""
+    folder = Path(folder)
+    config = read_config_file(folder)
+    names = tensor_names(folder)
+    fmt = detect(folder, config, set(names))
+    where = f"{folder}/config.json"
+    flat, facts = fmt.read_config(config, where)  # type: ignore[misc]
+    cfg = DraftConfig.from_dict(flat, where)
+    raw = read_tensors(folder)
+    tensors: dict[str, Tensor] = {}
+    for name, t in raw.items():
+        tensors[fmt.to_canonical_name(name)] = t
+    tool = config.get(TOOL_KEY) if isinstance(config.get(TOOL_KEY), dict) else {}
+    conv = tool.get("conversion") if isinstance(tool.get("conversion"), dict) else {}
+    added = tuple(n for n in conv.get("added", []) if isinstance(n, str))
+    changes = tuple(c for c in conv.get("changes", []) if isinstance(c, str))
+    tensors, cfg = _canonical_vocab(fmt, tensors, cfg, str(folder))
+    for name in added:  # copies a conversion took from the target: not the draft's own
+        tensors.pop(name, None)
+    if fmt.read_tensors is not None:
+        tensors = fmt.read_tensors(tensors, cfg, facts, str(folder))
+    return CanonicalDraft(cfg, tensors, fmt.key, facts, (), changes)
+
+
+def _canonical_vocab(fmt: DraftFormat, tensors: dict[str, Tensor], cfg: DraftConfig,
+                     where: str) -> tuple[dict[str, Tensor], DraftConfig]:
+    """Whatever map the file uses -> `draft_vocab_ids` (or none for a full vocabulary)."""
+    V = cfg.vocab_size
+    if "d2t" in tensors or "t2d" in tensors:
+        if "d2t" not in tensors:
+            raise CheckpointError(f"{where}: t2d without d2t", "the draft-to-target offsets d2t are missing")
+        ids = vmap.ids_from_d2t(tensors.pop("d2t"), tensors.pop("t2d", None), V, where)
+        if vmap.is_identity(ids, V):
+            return tensors, cfg.replace(draft_vocab_size=0)
+        tensors["draft_vocab_ids"] = ids
+        cfg = cfg.replace(draft_vocab_size=ids.numel())
+    if "draft_vocab_ids" in tensors:
+        vmap.check_index(tensors["draft_vocab_ids"], V, cfg.draft_vocab_size or None, where)
+        if not cfg.draft_vocab_size:
+            cfg = cfg.replace(draft_vocab_size=tensors["draft_vocab_ids"].numel())
+    elif cfg.draft_vocab_size and cfg.draft_vocab_size != V:
+        raise CheckpointError(f"{where}: draft_vocab_size {cfg.draft_vocab_size} but no vocabulary map "
+                              "(draft_vocab_ids, or d2t and t2d)", "the map was lost; re-export the draft")
+    else:
+        cfg = cfg.replace(draft_vocab_size=0)
+    return tensors, cfg
+
+
+# ---------------------------------------------------------------------------------------- write
+def plan(draft: CanonicalDraft, fmt: DraftFormat, drop: tuple[str, ...] = ()) -> list[str]:
+    """What writing `draft` as `fmt` changes, in words ([] = nothing); UsageError, before any work,
+    for a loss the user did not drop by name, or a drop that is not needed."""
+    bad = [d for d in drop if d not in DROPPABLE]
+    if bad:
+        raise UsageError(f"--drop {bad[0]!r} is not something a conversion can drop", f"use {' or '.join(DROPPABLE)}")
+    cfg, changes, needed = draft.config, [], set()
+    if draft.reduced and fmt.vocab == "full":
+        needed.add("vocab-map")
+        if "vocab-map" in drop:
+            changes.append(f"vocabulary map dropped: the {cfg.draft_vocab_size}-token draft head became the "
+                           f"target's full {cfg.vocab_size}-token head (W2 zero outside the subset); acceptance moves")
+    if cfg.enable_confidence_head and cfg.confidence_head_with_markov and not fmt.holds_confidence_with_markov:
+        needed.add("confidence-head")
+        if "confidence-head" in drop:
+            changes.append("confidence head dropped: the format's head cannot read the Markov embedding; "
+                           "adaptive verification (dspark policy) needs a calibrated head again")
+    lost = sorted(needed - set(drop))
+    if lost:
+        why = {"vocab-map": f"{fmt.title} holds only full-vocabulary drafts and this draft's head covers "
+                            f"{cfg.draft_vocab_size} of {cfg.vocab_size} tokens",
+               "confidence-head": f"{fmt.title}'s confidence head reads the hidden state only and this draft's "
+                                  "reads the Markov embedding too"}
+        raise UsageError(f"converting to {fmt.key} would lose something: {why[lost[0]]}",
+                         f"add --drop {lost[0]} to convert anyway (then measure it with eval-acceptance), or pick "
+                         f"a format that holds it")
+    if not cfg.sample_from_anchor and not fmt.holds_anchor_free_slots:
+        raise UsageError(f"{fmt.title} cannot say that slot 0 predicts nothing (sample_from_anchor false): a "
+                         "loader would read every slot one position early and accept almost nothing",
+                         "convert to deepspec or speculators, which state the slot convention")
+    if cfg.markov_head_type not in fmt.holds_head_types:
+        raise UsageError(f"{fmt.title} has no {cfg.markov_head_type} Markov head",
+                         f"it holds {', '.join(fmt.holds_head_types)}")
+    unused = set(drop) - needed
+    if unused:
+        raise UsageError(f"--drop {sorted(unused)[0]}: nothing to drop (the draft fits {fmt.key} as it is)",
+                         "leave it out")
+    return changes
+
+
+def apply_drops(draft: CanonicalDraft, fmt: DraftFormat, drop: tuple[str, ...]) -> CanonicalDraft:
+    """The canonical draft after the drops `plan` accepted."""
+    cfg, tensors = draft.config, dict(draft.tensors)
+    if "vocab-map" in drop and draft.reduced and fmt.vocab == "full":
+        tensors = vmap.expand(tensors, cfg.vocab_size)
+        cfg = cfg.replace(draft_vocab_size=0)
+    if "confidence-head" in drop:
+        tensors = {k: v for k, v in tensors.items() if not k.startswith("confidence_head.")}
+        cfg = cfg.replace(enable_confidence_head=False, confidence_head_with_markov=False)
+    return CanonicalDraft(cfg, tensors, draft.format, draft.facts, draft.added, draft.changes)
+
+
+def with_borrowed(draft: CanonicalDraft, fmt: DraftFormat, embed: Tensor | None, head: Tensor | None) -> CanonicalDraft:
+    """The draft with the target's embedding / head rows the format must carry (`fmt.needs`)."""
+    tensors, added = dict(draft.tensors), list(draft.added)
+    dtype = next((t.dtype for k, t in tensors.items() if t.is_floating_point() and k not in BORROWED), torch.bfloat16)
+    for name in fmt.needs(draft.config):
+        if name in tensors:
+            continue
+        source = embed if name == "embed_tokens.weight" else head
+        if source is None:
+            raise UsageError(f"{fmt.title} files carry {name} and this draft borrows it from its target",
+                             "pass --target (the model the draft was trained for) so it can be copied in")
+        if name == "lm_head.weight" and draft.reduced:
+            source = source[tensors["draft_vocab_ids"]]
+        tensors[name] = source.detach().to("cpu", dtype).contiguous()
+        added.append(name)
+    return CanonicalDraft(draft.config, tensors, draft.format, draft.facts, tuple(added), draft.changes)
+
+
+def file_tensors(draft: CanonicalDraft, fmt: DraftFormat) -> dict[str, Tensor]:
+    """The canonical tensors as `fmt` stores them: its vocabulary map and its names."""
+    tensors = dict(draft.tensors)
+    V = draft.config.vocab_size
+    if fmt.vocab == "d2t":
+        ids = tensors.pop("draft_vocab_ids", None)
+        ids = torch.arange(V, dtype=torch.int64) if ids is None else ids
+        tensors["d2t"], tensors["t2d"] = vmap.d2t_from_ids(ids, V)
+    if fmt.write_tensors is not None:
+        tensors = fmt.write_tensors(tensors, draft.config)
+    return {fmt.to_file_name(k): v.contiguous() for k, v in tensors.items()}
+
+
+def write(draft: CanonicalDraft, fmt: DraftFormat, out: Path, provenance: dict[str, Any] | None = None) -> Path:
+    """`draft` (already planned, dropped and completed) into the new folder `out`, atomically."""
+    from safetensors.torch import save_file
+
+    tensors = file_tensors(draft, fmt)
+    config = fmt.write_config(draft)  # type: ignore[misc]
+    config[TOOL_KEY] = {**(provenance or {}), "conversion": {
+        "from": draft.format, "added": list(draft.added), "changes": list(draft.changes)}}
+    with atomic_dir(out, on_exists="refuse") as tmp:
+        save_file(tensors, str(tmp / SINGLE), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(finite(config), indent=2, allow_nan=False) + "\n")
+    return out
