@@ -132,6 +132,38 @@ def extract_cmd(
 
 
 @guarded
+def convert_cmd(
+    source: Annotated[str, typer.Argument(help="A draft folder of any known format (or 'default', the shipped draft).")],
+    out_dir: Annotated[Path, typer.Argument(metavar="OUT", help="New folder for the converted draft.")],
+    to: Annotated[str, typer.Option("--to", help="Format to write: deepspec, speculators, specforge or modelopt "
+                                    "(docs/formats.md).", metavar="FORMAT")],
+    drop: Annotated[list[str] | None, typer.Option(
+        "--drop", metavar="PART", help="Agree to lose what the target format cannot hold: vocab-map or "
+        "confidence-head (repeat the flag for both). Without it such a conversion is refused.")] = None,
+    target: Annotated[str | None, typer.Option("--target", help="The draft's target (folder, hub id or 'embedded'), "
+                                               "when the format must carry rows of its embedding or head.")] = None,
+    revision: RevisionOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Convert a draft between formats: bit-identical tensors, or changes stated and refused unless dropped."""
+    from dsparkctl.app.convert import ConvertSpec, run_convert
+
+    doc = run_convert(ConvertSpec(source, out_dir, to, tuple(drop or ()), target, revision),
+                      log=lambda m: err.print(m, highlight=False, markup=False))
+    if json_out:
+        print_json(doc)
+        return
+    out.print(f"wrote {doc['to']} draft ({doc['tensors']} tensors) to {doc['out']} from {doc['from']} "
+              f"{doc['source']}; read back identical", highlight=False, markup=False)
+    for name in doc["added_from_target"]:
+        out.print(f"  copied from the target: {name} (dropped again when converted back)", highlight=False, markup=False)
+    for change in doc["changes"]:
+        out.print(f"  changed: {change}", highlight=False, markup=False)
+    for warning in doc["warnings"]:
+        err.print(f"warning: {warning}", highlight=False, markup=False)
+
+
+@guarded
 def fixture_cmd(
     out_dir: Annotated[Path, typer.Argument(metavar="OUT")],
     layout: Annotated[str, typer.Option("--layout")] = "v4.1-flash",
@@ -146,4 +178,5 @@ def register(app: typer.Typer) -> None:
     app.command("inspect")(inspect_cmd)
     app.command("download")(download_cmd)
     app.command("extract")(extract_cmd)
+    app.command("convert")(convert_cmd)
     app.command("dev-fixture", hidden=True)(fixture_cmd)

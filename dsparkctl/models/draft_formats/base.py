@@ -39,6 +39,7 @@ class FileFacts:
     version: str | None = None  # the format's own version field, where it has one
     target: dict[str, Any] | None = None  # what target the file names
     quantization: dict[str, Any] | None = None  # hf_quant_config.json or quantization_config, as found
+    warnings: tuple[str, ...] = ()  # what the file holds that dsparkctl runs differently, in words
 
 
 @dataclass
@@ -76,6 +77,9 @@ class DraftFormat:
     holds_confidence_with_markov: bool = True
     holds_anchor_free_slots: bool = True  # can say sample_from_anchor false
     holds_head_types: tuple[str, ...] = ("vanilla", "gated", "rnn")
+    holds_hidden_only_confidence: bool = True  # a confidence head that reads the hidden state alone
+    needs_markov: bool = False  # only DSpark drafts (markov_rank > 0)
+    names_target: bool = False  # the format has a field naming the target (else dsparkctl keeps it in its block)
     # borrowed tensors the format must carry for this config (copied from --target when the draft lacks them)
     needs: Callable[[DraftConfig], tuple[str, ...]] = lambda cfg: ()
     own_files: tuple[str, ...] = ()  # files only this format writes (two formats' files in one folder is refused)
@@ -84,6 +88,7 @@ class DraftFormat:
     # tensor steps beyond renames and the vocabulary map (dequantizing, merging): canonical names in and out
     read_tensors: Callable[[dict[str, Tensor], DraftConfig, FileFacts, str], dict[str, Tensor]] | None = None
     write_tensors: Callable[[dict[str, Tensor], DraftConfig], dict[str, Tensor]] | None = None
+    warnings: Callable[[DraftConfig], list[str]] = lambda cfg: []  # what the trainer's own loader will say of it
     notes: tuple[str, ...] = field(default=())  # rules stated in docs/formats.md, shown by inspect
 
     def to_file_name(self, name: str) -> str:

@@ -37,8 +37,7 @@ def _read_config(raw: dict[str, Any], where: str) -> tuple[dict[str, Any], FileF
         layer_ids_key="target_layer_ids", layer_ids=tuple(ids) if isinstance(ids, list) else (),
         layer_rule=DEEPSPEC.layer_rule, slot_stated=stated,
         slot_rule="config: sample_from_anchor" if stated else "implied: DeepSpec drafts sample from the anchor",
-        target=({"name_or_path": raw["_name_or_path"]} if isinstance(raw.get("_name_or_path"), str) else None),
-        quantization=raw.get("quantization_config") if isinstance(raw.get("quantization_config"), dict) else None)
+        quantization=None)
     return dict(raw), facts
 
 

@@ -8,10 +8,11 @@ format, refusing up front anything the format cannot hold unless the user drops 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -32,7 +33,7 @@ from dsparkctl.strict_json import loads as strict_loads
 
 FORMATS: tuple[DraftFormat, ...] = (DEEPSPEC, SPECULATORS, SPECFORGE, MODELOPT)
 BY_KEY = {f.key: f for f in FORMATS}
-DROPPABLE = ("vocab-map", "confidence-head")  # what `convert --drop` may give up, by name
+DROPPABLE = ("vocab-map", "confidence-head", "quantization")  # what `convert --drop` may give up, by name
 
 
 def format_named(key: str) -> DraftFormat:
@@ -162,6 +163,9 @@ def read(folder: str | os.PathLike) -> CanonicalDraft:
     added = tuple(n for n in conv.get("added", []) if isinstance(n, str))
     changes = tuple(c for c in conv.get("changes", []) if isinstance(c, str))
     tensors, cfg = _canonical_vocab(fmt, tensors, cfg, str(folder))
+    named = tool.get("target")  # what dsparkctl recorded: a conversion's {name_or_path, ...}, training's name
+    if facts.target is None and isinstance(named, (dict, str)):
+        facts = dataclasses.replace(facts, target=named if isinstance(named, dict) else {"name_or_path": named})
     for name in added:  # copies a conversion took from the target: not the draft's own
         tensors.pop(name, None)
     if fmt.read_tensors is not None:
@@ -211,12 +215,27 @@ def plan(draft: CanonicalDraft, fmt: DraftFormat, drop: tuple[str, ...] = ()) ->
         if "confidence-head" in drop:
             changes.append("confidence head dropped: the format's head cannot read the Markov embedding; "
                            "adaptive verification (dspark policy) needs a calibrated head again")
+    if cfg.enable_confidence_head and not cfg.confidence_head_with_markov and not fmt.holds_hidden_only_confidence:
+        needed.add("confidence-head")
+        if "confidence-head" in drop:
+            changes.append("confidence head dropped: the format's head always reads the Markov embedding and this "
+                           "draft's reads the hidden state only")
+    if fmt.needs_markov and cfg.markov_rank == 0:
+        raise UsageError(f"{fmt.title} holds DSpark drafts (with a Markov head) and this is a DFlash draft",
+                         "convert to deepspec or speculators, which hold DFlash drafts too")
+    if draft.facts is not None and draft.facts.quantization:
+        needed.add("quantization")
+        if "quantization" in drop:
+            changes.append(f"quantization dropped: the {draft.facts.quantization.get('quantization', draft.facts.quantization)} "
+                           "weights were dequantized to the config's dtype")
     lost = sorted(needed - set(drop))
     if lost:
         why = {"vocab-map": f"{fmt.title} holds only full-vocabulary drafts and this draft's head covers "
                             f"{cfg.draft_vocab_size} of {cfg.vocab_size} tokens",
-               "confidence-head": f"{fmt.title}'s confidence head reads the hidden state only and this draft's "
-                                  "reads the Markov embedding too"}
+               "confidence-head": f"{fmt.title}'s confidence head cannot take this draft's inputs "
+                                  f"({'with' if cfg.confidence_head_with_markov else 'without'} the Markov embedding)",
+               "quantization": f"{fmt.title} would be written dequantized (dsparkctl writes no quantized weights) "
+                               "and the values change"}
         raise UsageError(f"converting to {fmt.key} would lose something: {why[lost[0]]}",
                          f"add --drop {lost[0]} to convert anyway (then measure it with eval-acceptance), or pick "
                          f"a format that holds it")
@@ -268,24 +287,30 @@ def file_tensors(draft: CanonicalDraft, fmt: DraftFormat) -> dict[str, Tensor]:
     """The canonical tensors as `fmt` stores them: its vocabulary map and its names."""
     tensors = dict(draft.tensors)
     V = draft.config.vocab_size
-    if fmt.vocab == "d2t":
-        ids = tensors.pop("draft_vocab_ids", None)
-        ids = torch.arange(V, dtype=torch.int64) if ids is None else ids
-        tensors["d2t"], tensors["t2d"] = vmap.d2t_from_ids(ids, V)
+    if fmt.vocab == "d2t" and "draft_vocab_ids" in tensors:  # a full vocabulary has no map at all
+        tensors["d2t"], tensors["t2d"] = vmap.d2t_from_ids(tensors.pop("draft_vocab_ids"), V)
     if fmt.write_tensors is not None:
         tensors = fmt.write_tensors(tensors, draft.config)
     return {fmt.to_file_name(k): v.contiguous() for k, v in tensors.items()}
 
 
-def write(draft: CanonicalDraft, fmt: DraftFormat, out: Path, provenance: dict[str, Any] | None = None) -> Path:
-    """`draft` (already planned, dropped and completed) into the new folder `out`, atomically."""
+def write(draft: CanonicalDraft, fmt: DraftFormat, out: Path, provenance: dict[str, Any] | None = None,
+          check: Callable[[Path], None] | None = None) -> Path:
+    """`draft` (already planned, dropped and completed) into the new folder `out`, atomically;
+    `check(folder)` runs on the finished files before they take the name `out` (an error there
+    leaves nothing)."""
     from safetensors.torch import save_file
 
     tensors = file_tensors(draft, fmt)
     config = fmt.write_config(draft)  # type: ignore[misc]
-    config[TOOL_KEY] = {**(provenance or {}), "conversion": {
+    mine = config.get(TOOL_KEY) if isinstance(config.get(TOOL_KEY), dict) else {}
+    if draft.facts is not None and draft.facts.target and not fmt.names_target:
+        mine["target"] = draft.facts.target  # kept for the way back to a format that names it
+    config[TOOL_KEY] = {**mine, **(provenance or {}), "conversion": {
         "from": draft.format, "added": list(draft.added), "changes": list(draft.changes)}}
     with atomic_dir(out, on_exists="refuse") as tmp:
         save_file(tensors, str(tmp / SINGLE), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(finite(config), indent=2, allow_nan=False) + "\n")
+        if check is not None:
+            check(tmp)
     return out

@@ -8,9 +8,11 @@ fields at the top level (`block_size`, `mask_token_id`, `aux_hidden_state_layer_
 `enable_confidence_head`, `confidence_head_with_markov`) and the target in
 `speculators_config.verifier.{name_or_path, architectures}`.
 
-Tensors carry the canonical names; the vocabulary is `d2t` [K] int64 offsets (target id = i +
-d2t[i]) with `t2d` [V] bool, `lm_head.weight` [K, H] is kept for a reduced vocabulary (its
-runtime cannot cut it from the target's head) and `embed_tokens.weight` is never saved.
+Tensors carry the canonical names; a reduced vocabulary is `d2t` [K] int64 offsets (target id =
+i + d2t[i]) with `t2d` [V] bool and `lm_head.weight` [K, H] (the target head's rows, which its
+runtime cannot cut itself); a full-vocabulary draft has none of the three. `embed_tokens.weight`
+is never saved. Its save also writes `config.py` (the config class's source) and an `auto_map`:
+dsparkctl never runs either.
 Layer ids count transformers' `hidden_states` index: written id = canonical id + 1 (0 = the
 embeddings).
 """
@@ -22,9 +24,6 @@ from typing import Any
 from dsparkctl.errors import CheckpointError
 from dsparkctl.models.draft_formats.base import CanonicalDraft, DraftFormat, FileFacts
 
-LAYER_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-              "head_dim", "rms_norm_eps", "rope_theta", "attention_bias", "vocab_size", "max_position_embeddings",
-              "hidden_act", "rope_parameters", "rope_scaling", "model_type")
 TOP_KEYS = ("block_size", "mask_token_id", "markov_rank", "markov_head_type", "enable_confidence_head",
             "confidence_head_with_markov", "sample_from_anchor")
 VERSION = "0.9.0"  # the speculators release whose classes read and wrote our fixtures
@@ -54,6 +53,8 @@ def _read_config(raw: dict[str, Any], where: str) -> tuple[dict[str, Any], FileF
                               "restore the config.json saved with these weights")
     flat: dict[str, Any] = {k: v for k, v in layer.items()}
     flat.update({k: raw[k] for k in TOP_KEYS if k in raw})
+    if isinstance(raw.get("dtype"), str):
+        flat["dtype"] = raw["dtype"]
     flat["target_layer_ids"] = [i - 1 for i in ids]
     if kind == "dflash":
         flat.setdefault("markov_rank", 0)
@@ -69,11 +70,15 @@ def _read_config(raw: dict[str, Any], where: str) -> tuple[dict[str, Any], FileF
     flat["architectures"] = ["Qwen3DSparkModel"]
     flat["num_target_layers"] = _tool(raw).get("num_target_layers", 0)
     stated = "sample_from_anchor" in raw
+    sliding = [i for i, t in enumerate(layer.get("layer_types") or []) if t == "sliding_attention"]
+    warnings = (f"draft layers {sliding} use sliding-window attention (window {layer.get('sliding_window')}): "
+                "dsparkctl's draft attends to the whole context, the same up to that many context tokens",) if sliding else ()
+    flat.pop("layer_types", None)
     facts = FileFacts(layer_ids_key="aux_hidden_state_layer_ids", layer_ids=tuple(ids), layer_rule=SPECULATORS.layer_rule,
                       slot_stated=stated, slot_rule="config: sample_from_anchor" if stated else
                       f"implied: speculators' {kind} default ({flat['sample_from_anchor']})",
                       version=raw.get("speculators_version") if isinstance(raw.get("speculators_version"), str) else None,
-                      target=target or None)
+                      target=target or None, warnings=warnings)
     return flat, facts
 
 
@@ -85,14 +90,20 @@ def _tool(raw: dict[str, Any]) -> dict[str, Any]:
 def _write_config(draft: CanonicalDraft) -> dict[str, Any]:
     c = draft.config
     base = c.to_dict()
-    layer = {k: base[k] for k in LAYER_KEYS if k in base}
+    skip = set(TOP_KEYS) | {"target_layer_ids", "num_target_layers", "draft_vocab_size", "num_anchors", "qk_norm",
+                            "architectures", "dsparkctl", "auto_map", "dtype", "torch_dtype", "transformers_version",
+                            "_name_or_path", "speculators_version"}
+    layer = {k: v for k, v in base.items() if k not in skip}  # the rest describes the draft's layers
     layer.update(model_type="qwen3", num_hidden_layers=c.num_hidden_layers, vocab_size=c.vocab_size,
                  layer_types=["full_attention"] * c.num_hidden_layers, tie_word_embeddings=False)
+    if "rope_parameters" not in layer:
+        layer["rope_parameters"] = {"rope_theta": c.rope_theta, "rope_type": "default"}
     target = (draft.facts.target if draft.facts and draft.facts.target else None) or {}
     algorithm = "dspark" if c.markov_rank > 0 or c.enable_confidence_head else "dflash"
     return {
+        **({"dtype": base["dtype"]} if isinstance(base.get("dtype"), str) else {}),
         "speculators_model_type": "dspark",
-        "architectures": ["DSparkSpeculator"],
+        "architectures": ["DSparkDraftModel"],
         "speculators_version": VERSION,
         "transformer_layer_config": layer,
         "draft_vocab_size": c.draft_vocab_size or c.vocab_size,
@@ -108,7 +119,8 @@ def _write_config(draft: CanonicalDraft) -> dict[str, Any]:
         "confidence_head_with_markov": c.confidence_head_with_markov,
         "speculators_config": {
             "algorithm": algorithm,
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": c.drafts_per_block}],
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": c.drafts_per_block,
+                                  "accept_tolerance": 0.0, "verifier_accept_k": 1}],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": target.get("name_or_path"), "architectures": target.get("architectures", [])},
         },
@@ -119,6 +131,6 @@ def _write_config(draft: CanonicalDraft) -> dict[str, Any]:
 SPECULATORS = DraftFormat(
     key="speculators", title="vLLM speculators DSpark draft", trainer="vLLM speculators",
     claims_config=_claims_config, claims_tensors=_claims_tensors,
-    layer_offset=1, layer_rule="id = transformers hidden_states index (canonical id + 1; 0 = embeddings)",
+    layer_offset=1, names_target=True, layer_rule="id = transformers hidden_states index (canonical id + 1; 0 = embeddings)",
     vocab="d2t", needs=lambda cfg: ("lm_head.weight",) if cfg.draft_vocab_size else (), read_config=_read_config, write_config=_write_config,
 )
