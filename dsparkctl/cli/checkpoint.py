@@ -40,11 +40,23 @@ def _gb(n: int) -> str:
 
 
 @guarded
-def inspect_cmd(source: SourceArg, revision: RevisionOpt = None, json_out: JsonOpt = False) -> None:
-    """Show a checkpoint's draft: layout, components, shards to download, config and findings."""
-    report = run_inspect(InspectSpec(source, revision))
+def inspect_cmd(
+    source: SourceArg,
+    revision: RevisionOpt = None,
+    target: Annotated[str | None, typer.Option("--target", help="Check a draft folder against this target (folder, "
+                                               "hub id or 'embedded') from the configs, before any forward.")] = None,
+    probe: Annotated[int, typer.Option("--probe", metavar="N", help="With --target: measure the slot convention and "
+                                       "layer-id count on N teacher-forced prompts (0: don't).")] = 0,
+    dataset: Annotated[str, typer.Option("--dataset", help="Prompts for --probe.")] = "mt-bench",
+    json_out: JsonOpt = False,
+) -> None:
+    """Show a checkpoint's or draft folder's format, conventions, components, config and findings."""
+    report = run_inspect(InspectSpec(source, revision, target, probe, dataset),
+                         log=lambda m: err.print(m, highlight=False, markup=False))
     if json_out:
         print_json(report)  # strict JSON: a NaN among the user's config values prints as null
+    elif "draft_format" in report:
+        _print_draft(report)
     else:
         _print_report(report)
     errors = [f for f in report["findings"] if f["level"] == "error"]
@@ -81,6 +93,43 @@ def _print_report(r: dict[str, Any]) -> None:
     for k, v in r["config"].items():
         cfg.add_row(k, str(v))
     out.print(cfg)
+    colour = {"ok": "green", "warning": "yellow", "error": "red"}
+    for f in r["findings"]:
+        out.print(styled((f"{f['level']:>7}", colour[f["level"]]), f" {f['check']}: {f['message']}"), highlight=False)
+
+
+def _print_draft(r: dict[str, Any]) -> None:
+    d = r["draft_format"]
+    f, L, v = d["format"], d["target_layers"], d["vocabulary"]
+    version = f" {f['version']}" if f["version"] else ""
+    out.print(styled((r["source"], "bold"), f": {f['title']}{version} ({f['key']}), {d['kind']}"), highlight=False)
+    t = Table(show_header=False)
+    t.add_column("what")
+    t.add_column("value")
+    conf = d["confidence_head"]
+    slot = d["slot_convention"]
+    rows = [
+        ("block", f"{d['block_size']} slots, {d['drafts_per_round']} drafts a round; {d['draft_layers']} draft layer(s)"),
+        ("markov head", f"rank {d['markov']['rank']}, {d['markov']['head_type']}" if d["markov"]["rank"] else "none"),
+        ("confidence head", ("reads hidden + Markov embedding" if conf["reads_markov"] else "reads hidden only")
+         if conf["present"] else "none"),
+        ("slot convention", f"sample_from_anchor {str(slot['sample_from_anchor']).lower()}: {slot['meaning']} "
+                            f"({slot['source']})"),
+        ("target layers", f"{L['field']} {L['as_written']} ({L['file_rule']})"),
+        ("  canonical", f"{L['canonical']} (output of decoder layer i)"
+                        + (f", of a {L['num_target_layers']}-layer target" if L["num_target_layers"] else "")),
+        ("vocabulary", f"{v['draft_size']} of {v['target_size']} target tokens, map: {v['map']}"),
+        ("mask token", str(d["mask_token_id"])),
+        ("dtypes", ", ".join(f"{k} x{n}" for k, n in d["dtypes"].items())
+         + (f"; quantized: {d['quantization']}" if d["quantization"] else "")),
+        ("tensors", f"{d['tensors']['stored']} stored, {d['tensors']['params']:,} own parameters"
+                    + (f"; borrows {', '.join(d['tensors']['borrowed_from_target'])} from the target"
+                       if d["tensors"]["borrowed_from_target"] else "")),
+        ("target named", str(d["target_named"]["name_or_path"]) if d["target_named"] else "none"),
+    ]
+    for k, val in rows:
+        t.add_row(k, val)
+    out.print(t, markup=False, highlight=False)
     colour = {"ok": "green", "warning": "yellow", "error": "red"}
     for f in r["findings"]:
         out.print(styled((f"{f['level']:>7}", colour[f["level"]]), f" {f['check']}: {f['message']}"), highlight=False)
