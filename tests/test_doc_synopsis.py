@@ -35,6 +35,7 @@ DOC_PAGE: dict[str, str] = {
     "inspect": "docs/checkpoint.md",
     "download": "docs/checkpoint.md",
     "extract": "docs/checkpoint.md",
+    "convert": "docs/checkpoint.md",
     "dev-fixture": "docs/checkpoint.md",
     "generate": "docs/generate.md",
     "profile-sps": "docs/generate.md",

@@ -281,6 +281,9 @@ def doc_commands(text: str) -> list[str]:
 
 # (page, command prefix, why it does not run here): every entry must match a documented command
 EXCLUDED = [
+    ("docs/checkpoint.md", "dsparkctl inspect /tmp/fx-spec --target embedded --probe", "measures which conventions "
+     "a trained draft's weights fit; the tiny pair's random draft fits none better than another "
+     "(tests/test_draft_formats.py runs the probe on the shipped draft)"),
     ("README.md", "make test", "runs this test suite itself (`make test-fast` too)"),
     ("docs/distributed.md", "torchrun --standalone --nproc-per-node N", "N GPUs and a hub target (ORG/TARGET); "
      "tests/test_distributed.py runs generate, eval-acceptance and train under two torchrun ranks on tiny models"),

@@ -19,7 +19,7 @@ from dsparkctl.checkpoint.inspect import inspect_report
 from dsparkctl.errors import CheckpointError, UsageError, option
 from dsparkctl.models import draft_formats as formats
 from dsparkctl.models.draft_formats.describe import describe, pair_findings
-from dsparkctl.models.loading import default_draft_dir, is_default_draft, is_embedded
+from dsparkctl.models.loading import DEFAULT_DRAFT, default_draft_dir, is_embedded
 
 PROBE_TOKENS = 64  # new tokens per probe prompt: enough anchors for c₁, a few seconds on a CPU
 
@@ -34,42 +34,39 @@ class InspectSpec:
     dataset: str = "mt-bench"
 
 
-def _draft_folder(source: str) -> Path | None:
-    """The folder when `source` is a local standalone draft of a known format, else None."""
-    folder = default_draft_dir() if is_default_draft(source) else Path(source).expanduser()
-    if folder is None or not folder.is_dir():
-        return None
-    try:
-        formats.detect(folder)
-    except CheckpointError as exc:
-        if "no draft tensors of a known layout" in str(exc) or "no model.safetensors" in str(exc):
-            return None  # not a standalone draft: the layouts below know DeepSeek's
-        raise
-    return folder
-
-
 def run_inspect(spec: InspectSpec, log: Callable[[str], None] = print) -> dict[str, Any]:
     """`inspect` as one call (see the module doc)."""
     if spec.probe < 0:
         raise UsageError(f"{option('probe')} must be >= 0, got {spec.probe}", "use e.g. 4 (prompts)")
     if spec.probe and spec.target is None:
         raise UsageError(f"{option('probe')} measures the draft against its target", f"add {option('target')}")
-    folder = _draft_folder(spec.source)
-    if folder is None:
+    source = str(default_draft_dir()) if spec.source == DEFAULT_DRAFT else spec.source
+    ckpt = open_checkpoint(source, spec.revision)  # every file checked by the checkpoint readers first
+    standalone = ckpt.folder is not None and ckpt.layout.key.startswith("deepspec")
+    if not standalone:
         if spec.target is not None:
             raise UsageError(f"{option('target')} checks a standalone draft folder; {spec.source} is a whole "
                              "checkpoint", f"extract the draft first, or drop {option('target')}")
-        ckpt = open_checkpoint(spec.source, spec.revision)
         report = inspect_report(ckpt)
         if ckpt.bytes_transferred:
             report["transferred_bytes"] = ckpt.bytes_transferred
         return report
-    draft = formats.read(folder)
-    report: dict[str, Any] = {"source": str(folder), "draft_format": describe(draft, folder), "findings": []}
-    if draft.format == "deepspec":  # the layout report too (components, shards), as before
-        report.update({k: v for k, v in inspect_report(open_checkpoint(str(folder), None)).items() if k != "source"})
-    report["findings"] += [{"level": "warning", "check": "runtime", "message": w}
-                           for w in report["draft_format"]["warnings"]]
+    folder = ckpt.folder
+    fmt = formats.detect(folder)  # files that disagree on their format are refused here, in one line
+    try:
+        draft = formats.read(folder)
+    except CheckpointError as exc:
+        if spec.target is not None or fmt.key != "deepspec":
+            raise
+        report = inspect_report(ckpt)  # a DeepSpec-named folder whose config is not a draft's (a layout fixture)
+        report["findings"].append({"level": "warning", "check": "draft", "message": f"not loadable as a draft: {exc}"})
+        return report
+    described = describe(draft, folder)
+    if draft.format == "deepspec":  # the layout report stands, with the format's description beside it
+        report = {**inspect_report(ckpt), "draft_format": described}
+    else:  # the layouts table knows only DeepSpec's names: the registry speaks for the other formats
+        report = {"source": str(folder), "draft_format": described, "findings": []}
+    report["findings"] += [{"level": "warning", "check": "runtime", "message": w} for w in described["warnings"]]
     if spec.target is not None:
         report["findings"] += _pair(spec, draft, folder, log)
     return report

@@ -118,13 +118,13 @@ def detect(folder: Path, config: dict[str, Any] | None = None,
     by_config = [f for f in FORMATS if f.claims_config(config)]
     by_tensors = [f for f in FORMATS if f.claims_tensors(names)]
     by_files = [f for f in FORMATS for own in f.own_files if (folder / own).exists()]
+    if not by_tensors:  # not a standalone draft at all (a whole checkpoint, DeepSeek's mtp.* layout, ...)
+        raise CheckpointError(f"{folder}: no draft tensors of a known layout (fc/hidden_norm with the heads of "
+                              f"{', '.join(BY_KEY)})", "point at a DSpark/DFlash draft folder")
     if len(by_config) > 1:
         raise CheckpointError(f"{folder}/config.json carries the keys of two formats: {_claim_names(by_config)}",
                               "keep one format's keys (convert the draft with dsparkctl convert)")
     if not by_config:
-        if not by_tensors:
-            raise CheckpointError(f"{folder}: no draft tensors of a known layout (fc/hidden_norm with the heads of "
-                                  f"{', '.join(BY_KEY)})", "point at a DSpark/DFlash draft folder")
         raise CheckpointError(f"{folder}/config.json is not a draft config of any known format (its tensors look "
                               f"like {_claim_names(by_tensors)})",
                               "restore the config.json saved with these weights")
@@ -170,6 +170,10 @@ def read(folder: str | os.PathLike) -> CanonicalDraft:
         tensors.pop(name, None)
     if fmt.read_tensors is not None:
         tensors = fmt.read_tensors(tensors, cfg, facts, str(folder))
+    packed = sorted({str(t.dtype).removeprefix("torch.") for n, t in raw.items()
+                     if n.endswith(".weight") and t.dtype in (torch.float8_e4m3fn, torch.uint8)})
+    if packed and not facts.quantization:  # quantized weights whose config says nothing of them
+        facts = dataclasses.replace(facts, quantization={"weights": packed, "declared": False})
     return CanonicalDraft(cfg, tensors, fmt.key, facts, (), changes)
 
 
