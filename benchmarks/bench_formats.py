@@ -38,6 +38,7 @@ from dsparkctl.math.policy_spec import parse_policy  # noqa: E402
 from dsparkctl.math.sampling import SamplingParams  # noqa: E402
 from dsparkctl.models import draft_formats as formats  # noqa: E402
 from dsparkctl.models.loading import default_draft_dir  # noqa: E402
+from dsparkctl.models.target import TargetAdapter  # noqa: E402
 from dsparkctl.provenance import provenance  # noqa: E402
 
 DROPS = {"specforge": ("vocab-map",), "modelopt": ("vocab-map",)}  # what the shipped draft cannot keep there
@@ -70,7 +71,8 @@ def peer_load(fmt: str, folder: Path, venvs: Path | None) -> str:
 def measure(sess, folder: str, seqs, prompt_lens, prompts, max_new: int) -> dict:
     draft, _, _ = sess.load_draft(folder)
     tf = evaluate_sequences(draft, sess.target.model, seqs, prompt_lens, SamplingParams(0.0))
-    eng = SpeculativeEngine(sess.adapter, draft, parse_policy(f"static:{draft.block_size}"), SamplingParams(0.0),
+    adapter = TargetAdapter(sess.target.model, draft.cfg.target_layer_ids)
+    eng = SpeculativeEngine(adapter, draft, parse_policy(f"static:{draft.block_size}"), SamplingParams(0.0),
                             stop_token_ids=sess.stop_ids)
     rep = eng.generate(prompts, max_new)
     return {"tau_tf": tf.tau, "conditional_tf": tf.conditional(), "anchors": tf.anchors,
@@ -97,7 +99,7 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-formats-") as tmp:
         for fmt in formats.FORMATS:
-            out, back = Path(tmp) / fmt, Path(tmp) / f"{fmt}-back"
+            out, back = Path(tmp) / fmt.key, Path(tmp) / f"{fmt.key}-back"
             doc = run_convert(ConvertSpec("default", out, fmt.key, DROPS.get(fmt.key, ()), "embedded"),
                               log=lambda m: None)
             read = formats.read(out)
@@ -114,7 +116,8 @@ def main() -> int:
                 "tau_tf": m["tau_tf"], "tau_tf_identical": m["tau_tf"] == original["tau_tf"],
                 "conditional_tf": m["conditional_tf"],
                 "conditional_identical": m["conditional_tf"] == original["conditional_tf"],
-                "live_tau": m["live_tau"], "loaded_by_own_code": peer_load(fmt.key, out, a.peer_venvs)})
+                "live_tau": m["live_tau"], "live_tau_identical": m["live_tau"] == original["live_tau"],
+                "loaded_by_own_code": peer_load(fmt.key, out, a.peer_venvs)})
     doc = {"bench": "formats", "dataset": a.dataset, "prompts": len(prompts), "max_new_tokens": a.max_new_tokens,
            "original": {"tau_tf": original["tau_tf"], "conditional_tf": original["conditional_tf"],
                         "anchors": original["anchors"], "live_tau": original["live_tau"],
@@ -123,14 +126,15 @@ def main() -> int:
     write_json(a.out, doc)
     print(f"original: teacher-forced tau {original['tau_tf']:.4f}, live tau {original['live_tau']:.3f}, "
           f"greedy = plain decoding: {plain_same}")
-    print("| format | read | write | round trip identical | greedy tokens identical | TF tau | TF tau identical "
-          "| loaded by its own code |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| format | read | write | round trip identical | greedy tokens identical | TF tau | TF tau and c_j identical "
+          "| live tau (static:5) | loaded by its own code |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         trip = "yes" if r["round_trip_identical"] else r["round_trip_note"] if r["round_trip_identical"] is None else "NO"
         print(f"| {r['format']} | {'yes' if r['read'] else 'NO'} | yes | {trip} | "
               f"{'yes' if r['greedy_tokens_identical'] else 'no'} | {r['tau_tf']:.4f} | "
-              f"{'yes' if r['tau_tf_identical'] else 'no'} | {r['loaded_by_own_code']} |")
+              f"{'yes' if r['tau_tf_identical'] and r['conditional_identical'] else 'no'} | {r['live_tau']:.3f}"
+              f"{' (identical)' if r['live_tau_identical'] else ''} | {r['loaded_by_own_code']} |")
     return 0
 
 

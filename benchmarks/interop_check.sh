@@ -57,8 +57,8 @@ SGLANG_IMPORTS=(numpy msgspec orjson psutil pybase64 requests packaging pydantic
 # constraint; specforge and modelopt with --no-deps, then what their draft modules import).
 SPECULATORS_PKGS=("torch==2.13.0" "speculators==0.9.0")
 SPECFORGE_PKGS=("torch==2.13.0" "specforge==0.2.0" "transformers==5.8.1")
-MODELOPT_IMPORTS=(numpy packaging tqdm "PyYAML>=6.0" "omegaconf>=2.3.0" "pydantic>=2.0" regex rich safetensors nvidia-ml-py
-                  "transformers<5.15,>=4.57" requests pulp scipy)
+MODELOPT_IMPORTS=(numpy packaging tqdm "PyYAML>=6.0" "omegaconf>=2.3.0" "pydantic>=2.0" regex rich safetensors
+                  nvidia-ml-py "transformers<5.15,>=4.57" requests pulp scipy)
 MODELOPT_PKGS=("torch==2.13.0" "nvidia-modelopt==0.47.0" "${MODELOPT_IMPORTS[@]}")
 start=$(date +%s)
 
@@ -149,7 +149,9 @@ build_formats() {
 }
 
 # every folder a run may remove is checked before any download: a venv to (re)build and the outputs
-for venv in "$VLLM_VENV" "$SGLANG_VENV" "${FORMAT_VENVS[@]}"; do [ -f "$venv/.ready" ] && owned "$venv" || removable "$venv"; done
+for venv in "$VLLM_VENV" "$SGLANG_VENV" "${FORMAT_VENVS[@]}"; do
+  [ -f "$venv/.ready" ] && owned "$venv" || removable "$venv"
+done
 OUT=$INTEROP_DIR/outputs
 removable "$OUT"
 if [ "${1:-}" = "--build-only" ]; then build_vllm; build_sglang; build_formats; exit 0; fi
@@ -240,6 +242,7 @@ FORMATS=(deepspec speculators specforge modelopt)
 PEERS=(speculators specforge modelopt)
 peer_venv() { case $1 in speculators) echo "$SPECULATORS_VENV" ;; specforge) echo "$SPECFORGE_VENV" ;;
                          modelopt) echo "$MODELOPT_VENV" ;; esac; }
+own() { case $1 in *s) echo "$1'" ;; *) echo "$1's" ;; esac; }  # speculators' / specforge's
 
 # step LABEL NAME CMD...: one line for a command (stdout to $OUT/NAME.out, stderr to $OUT/NAME.log)
 step() {
@@ -252,13 +255,19 @@ step() {
     failed=$((failed + 1)); return 1
   fi
 }
-# judge ARGS...: benchmarks/interop_formats.py's one line (ok/FAIL), counted
+# judge ARGS...: benchmarks/interop_formats.py's one line (ok/FAIL), counted as `engine` counts: each ok or FAIL
+# line is a check, a FAIL line or a non-zero exit a failure
 judge() {
   local line rc=0
   line=$($PY benchmarks/interop_formats.py "$@" 2>&1) || rc=$?
-  echo "$line"
-  checks=$((checks + 1))
-  if [ "$rc" != 0 ] || ! grep -q '^ok' <<< "$line"; then failed=$((failed + 1)); fi
+  [ -n "$line" ] && echo "$line"
+  checks=$((checks + $(grep -c '^\(ok\|FAIL\)' <<< "$line" || true)))
+  if grep -q '^FAIL' <<< "$line"; then
+    failed=$((failed + 1))
+  elif [ "$rc" != 0 ]; then
+    echo "FAIL interop_formats.py $1: exited $rc"
+    failed=$((failed + 1))
+  fi
 }
 # convert_args SRC_FMT DST_FMT: what `convert` must be told for that pair (SRC_FMT "default" = the shipped draft)
 convert_args() {
@@ -273,15 +282,16 @@ convert_args() {
 peer_load() {
   local fmt=$1 dir=$2 name=$3 rc=0
   "$(peer_venv "$fmt")/bin/python" "benchmarks/peers/${fmt}_peer.py" load "$dir" > "$OUT/$name.out" 2> "$OUT/$name.log" || rc=$?
-  judge load "$fmt" "$fmt's own classes load $(basename "$dir")" "$OUT/$name.out" "$rc"
-  grep '^note:' "$OUT/$name.log" | sed "s/^note: /     note: $fmt's load: /" || true
-  grep -o 'Could not resolve a config for verifier .*' "$OUT/$name.log" | sort -u | sed "s/^/     note: $fmt's load warns: /" || true
+  judge load "$fmt" "$(own "$fmt") own classes load $(basename "$dir")" "$OUT/$name.out" "$rc"
+  grep '^note:' "$OUT/$name.log" | sed "s/^note: /     note: $(own "$fmt") load: /" || true
+  grep -o 'Could not resolve a config for verifier .*' "$OUT/$name.log" | sort -u |
+    sed "s/^/     note: $(own "$fmt") load warns: /" || true
 }
 
 # a. the peers' own drafts, described by `dsparkctl inspect`
 for P in "${PEERS[@]}"; do
   extra=(); [ "$P" = modelopt ] && extra=(--draft-layers 2)
-  if step "$P's own classes: make $OUT/peer-$P" "peer-$P.make" \
+  if step "$(own "$P") own classes: make $OUT/peer-$P" "peer-$P.make" \
       "$(peer_venv "$P")/bin/python" "benchmarks/peers/${P}_peer.py" make "$OUT/peer-$P" "${extra[@]}"; then
     if step "dsparkctl: inspect peer-$P --json" "peer-$P.inspect" $D inspect "$OUT/peer-$P" --json; then
       judge facts "$P" "$OUT/peer-$P.inspect.out" "$OUT/peer-$P.make.out"
@@ -292,9 +302,10 @@ done
 # b. the shipped draft in every format, loaded by that format's own classes; every peer's draft in every other
 #    peer format, loaded by the destination's classes
 for F in "${FORMATS[@]}"; do
-  # shellcheck disable=SC2046
-  if step "dsparkctl: convert default --to $F $(convert_args default "$F")" "ours-$F.convert" \
-      $D convert default "$OUT/ours-$F" --to "$F" $(convert_args default "$F") --json; then
+  args=$(convert_args default "$F")
+  # shellcheck disable=SC2086
+  if step "dsparkctl: convert default --to $F${args:+ $args}" "ours-$F.convert" \
+      $D convert default "$OUT/ours-$F" --to "$F" $args --json; then
     if [ "$F" = deepspec ]; then
       echo "     note: deepspec has no peer loader (dsparkctl's own format): convert's own read-back is its check"
     else
@@ -306,9 +317,10 @@ for A in "${PEERS[@]}"; do
   [ -d "$OUT/peer-$A" ] || continue
   for B in "${PEERS[@]}"; do
     [ "$A" = "$B" ] && continue
-    # shellcheck disable=SC2046
-    if step "dsparkctl: convert peer-$A --to $B $(convert_args "$A" "$B")" "x-$A-$B.convert" \
-        $D convert "$OUT/peer-$A" "$OUT/x-$A-$B" --to "$B" $(convert_args "$A" "$B") --json; then
+    args=$(convert_args "$A" "$B")
+    # shellcheck disable=SC2086
+    if step "dsparkctl: convert peer-$A --to $B${args:+ $args}" "x-$A-$B.convert" \
+        $D convert "$OUT/peer-$A" "$OUT/x-$A-$B" --to "$B" $args --json; then
       peer_load "$B" "$OUT/x-$A-$B" "x-$A-$B.load"
     fi
   done
@@ -320,8 +332,8 @@ for A in "${PEERS[@]}"; do
   for B in "${FORMATS[@]}"; do
     [ "$A" = "$B" ] && continue
     if [ -n "$(convert_args "$A" "$B")" ]; then
-      echo "skip round trip $A -> $B -> $A: $A's draft has a reduced vocabulary (d2t/t2d) and $B's format has no" \
-           "vocabulary map, so the way there needs --drop vocab-map (a loss by name; no round trip to check)"
+      echo "skip round trip $A -> $B -> $A: $(own "$A") draft has a reduced vocabulary (d2t/t2d) and $B's format has no" \
+           "vocabulary map, so the way there needs --drop vocab-map (a loss by name; nothing to round-trip)"
       continue
     fi
     step "dsparkctl: convert peer-$A --to $B --json, then back --to $A" "rt-$A-$B.convert" \

@@ -27,6 +27,10 @@ PEER_LAYER_IDS = {  # the facts key holding the peer's layer ids, and its offset
 }
 
 
+def _own(name: str) -> str:
+    return f"{name}'" if name.endswith("s") else f"{name}'s"
+
+
 def _report(inspect_path: str) -> dict:
     return json.loads(Path(inspect_path).read_text())["draft_format"]
 
@@ -43,8 +47,8 @@ def facts(fmt: str, inspect_path: str, facts_path: str) -> tuple[bool, str]:
             "markov_rank": f["markov_rank"], "canonical": canonical}
     bad = [f"{k}: inspect says {got[k]!r}, the peer wrote {want[k]!r}" for k in want if got[k] != want[k]]
     if bad:
-        return False, f"inspect of {fmt}'s own draft: " + "; ".join(bad)
-    return True, (f"inspect of {fmt}'s own draft: format {got['format']}, block_size {got['block_size']}, mask "
+        return False, f"inspect of {_own(fmt)} own draft: " + "; ".join(bad)
+    return True, (f"inspect of {_own(fmt)} own draft: format {got['format']}, block_size {got['block_size']}, mask "
                   f"{got['mask_token_id']}, markov rank {got['markov_rank']}, {key} {written} -> canonical "
                   f"{got['canonical']} (hidden_states {[i + 1 for i in got['canonical']]})")
 
@@ -58,8 +62,8 @@ def load(fmt: str, label: str, load_path: str, rc: str) -> tuple[bool, str]:
         extra = ""
         if fmt == "specforge" and isinstance(r.get("warm_start"), dict):
             ws = r["warm_start"]
-            extra = (f", warm start {'ok' if ws.get('ok') else 'refused'}"
-                     f"{' (' + str(ws.get('loaded_keys')) + ' keys)' if ws.get('ok') else ': ' + str(ws.get('error'))[:200]}")
+            said = f" ({ws.get('loaded_keys')} keys)" if ws.get("ok") else f": {str(ws.get('error'))[:200]}"
+            extra = f", warm start {'ok' if ws.get('ok') else 'refused'}{said}"
         if fmt == "speculators":
             mc = r.get("model_config", {})
             extra = (f", exact save layout {r.get('exact_save_layout')}, block {mc.get('block_size')}, mask "
@@ -106,7 +110,8 @@ def roundtrip(a: str, b: str, orig: str, back: str, orig_inspect: str, back_insp
     differ = sorted(k for k in x.keys() & y.keys() if x[k].dtype != y[k].dtype or x[k].shape != y[k].shape
                     or not torch.equal(x[k], y[k]))
     if differ:
-        problems.append(f"tensors differ: {', '.join(f'{k} {x[k].dtype}{list(x[k].shape)} vs {y[k].dtype}{list(y[k].shape)}' for k in differ[:6])}")
+        shown = ", ".join(f"{k} {x[k].dtype}{list(x[k].shape)} vs {y[k].dtype}{list(y[k].shape)}" for k in differ[:6])
+        problems.append(f"tensors differ: {shown}")
     p, q = _report(orig_inspect), _report(back_inspect)
     for k in DESCRIBED:
         if p.get(k) != q.get(k):

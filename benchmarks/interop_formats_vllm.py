@@ -216,7 +216,8 @@ def main() -> int:
         elif fmt == "specforge":
             check(f"specforge export {d.name}: create_speculative_config (method detected)",
                   lambda: config_check(fmt, target_p, d, want, None))
-            check(f"specforge export {d.name}: Qwen3DSparkForCausalLM from its config", lambda: build_other(fmt, target_p, d))
+            check(f"specforge export {d.name}: Qwen3DSparkForCausalLM from its config",
+                  lambda: build_other(fmt, target_p, d))
         elif fmt == "modelopt":
             for method in (None, "dspark"):
                 how = "with method dspark" if method else "method detected"

@@ -358,13 +358,16 @@ def make_recipe(target: str) -> list[str]:
 @pytest.fixture()
 def substituted(tiny_pair, tmp_path, monkeypatch):
     """The tiny pair in place of the embedded target and the shipped draft; quiet hub settings."""
+    import dsparkctl.app.convert as convert
+    import dsparkctl.app.inspect as inspect
     import dsparkctl.app.preflight as preflight
     import dsparkctl.app.serve_config as serve_config
     import dsparkctl.engine.session as session
     import dsparkctl.models.loading as loading
 
-    monkeypatch.setattr(loading, "embedded_target_dir", lambda log=None: tiny_pair["target"])
-    for mod in (loading, session, preflight, serve_config):
+    for mod in (loading, convert, inspect):
+        monkeypatch.setattr(mod, "embedded_target_dir", lambda log=None: tiny_pair["target"])
+    for mod in (loading, session, preflight, serve_config, convert, inspect):
         monkeypatch.setattr(mod, "default_draft_dir", lambda: tiny_pair["draft5"])
     monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     return tiny_pair

@@ -274,6 +274,27 @@ def _bad_cases():
          lambda f: _edit_tensors(f, drop=("d2t", "t2d")), "draft_vocab_size 32 but no vocabulary map"),
         ("a scale with no weight", "modelopt",
          lambda f: _edit_tensors(f, **{"norm.weight_scale": torch.tensor(1.0)}), "belongs to no quantized weight"),
+        ("fc narrower than its taps", "speculators",
+         lambda f: _edit_tensors(f, **{"fc.weight": torch.zeros(32, 40, dtype=torch.bfloat16)}),
+         "fc.weight has shape [32, 40], expected [32, 64]"),
+        ("a head with rows missing", "modelopt",
+         lambda f: _edit_tensors(f, **{"markov_w2.weight": torch.zeros(60, 8, dtype=torch.bfloat16)}),
+         "tensor markov_w2.weight has shape (60, 8), expected (64, 8)"),
+        ("a tensor missing", "specforge", lambda f: _edit_tensors(f, drop=("norm.weight",)), "missing tensor norm.weight"),
+        ("NaN weights", "specforge",
+         lambda f: _edit_tensors(f, **{"norm.weight": torch.full((32,), float("nan"), dtype=torch.bfloat16)}),
+         "norm.weight holds NaN or infinite values"),
+        ("a string where a number goes", "speculators", lambda f: _edit_config(f, markov_rank="8"),
+         'markov_rank must be an integer, got "8"'),
+        ("layer ids below the embeddings", "specforge", lambda f: _edit_config(f, **{"dflash_config.target_layer_ids": [-3, 1]}),
+         "count decoder layers from 0"),
+        ("draft_vocab_size against d2t", "speculators", lambda f: _edit_config(f, draft_vocab_size=16),
+         "draft_vocab_size 16 but d2t maps 32 draft ids"),
+        ("a projector that is not DSpark's", "modelopt", lambda f: _edit_config(f, **{"dflash_config.projector_type": "eagle"}),
+         "projector_type 'eagle' is not a DSpark draft"),
+        ("weights linked from outside the folder", "specforge",
+         lambda f: (shutil.move(f / "model.safetensors", f.parent / "elsewhere.safetensors"),
+                    (f / "model.safetensors").symlink_to(f.parent / "elsewhere.safetensors")), "leads outside the draft folder"),
     ]
 
 
@@ -333,6 +354,18 @@ def test_a_conversion_never_writes_onto_or_into_its_input(tmp_path):
         r = run("convert", folder, out, "--to", "deepspec")
         assert r.exit_code == 2 and ("already exists" in r.text or "inside the input" in r.text), r.output
     assert snapshot(tmp_path) == before
+
+
+def test_convert_checks_a_named_target_and_its_output_path_before_any_work(tmp_path):
+    other = save_tiny_target(tmp_path / "t", "qwen3", vocab=60, layers=4)
+    r = run("convert", PEERS / "specforge", tmp_path / "o", "--to", "deepspec", "--target", other)
+    assert r.exit_code != 0 and "vocab_size 64 but target" in r.text and not (tmp_path / "o").exists()
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    r = run("convert", PEERS / "specforge", tmp_path / "dangling", "--to", "deepspec")
+    assert r.exit_code == 2 and "is a symbolic link" in r.text and not (tmp_path / "nowhere").exists()
+    inner = _copy(PEERS / "modelopt", tmp_path / "m") / "sub"
+    r = run("convert", PEERS / "specforge", inner, "--to", "deepspec")
+    assert r.exit_code == 2 and "inside the model folder" in r.text and not inner.exists()
 
 
 def test_layer_ids_past_the_targets_depth_and_a_foreign_vocabulary_are_named_by_file_and_field(tmp_path):

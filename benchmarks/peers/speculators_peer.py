@@ -206,7 +206,9 @@ def cmd_load(path: str, verifier_weights: bool) -> int:
         # True only if the folder holds exactly the tensor set speculators' save writes
         result["exact_save_layout"] = saved.keys() == expected
         missing_keys, unexpected_keys = ref.load_state_dict(saved, strict=False)
-        nan = [k for k in ("lm_head.weight",) if k in sd and torch.isnan(model.state_dict()[k]).any()]
+        # a full-vocabulary draft never stores lm_head (load_verifier_weights fills it from the verifier, which
+        # this check skips without --verifier-weights): only a stored head can be NaN for a reason in the file
+        nan = [k for k in ("lm_head.weight",) if k in sd and k in saved and torch.isnan(model.state_dict()[k]).any()]
         result["nan_after_load"] = nan
         result["model_config"] = {
             "block_size": model.config.block_size,

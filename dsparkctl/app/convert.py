@@ -4,17 +4,30 @@ target, write atomically, read the result back and check it against what was wri
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from transformers import AutoConfig
 
 from dsparkctl.app.preflight import Output, check_outputs, local_inputs
+from dsparkctl.checkpoint.hub import looks_like_repo
 from dsparkctl.errors import InputError, ModelMismatchError, UsageError, option
 from dsparkctl.models import draft_formats as formats
-from dsparkctl.models.loading import default_draft_dir, is_default_draft, load_target, resolve_device
+from dsparkctl.models.embedded import embedded_target_dir
+from dsparkctl.models.draft_formats.describe import pair_findings
+from dsparkctl.models.loading import (default_draft_dir, is_default_draft, is_embedded, load_target, resolve_device,
+                                      resolve_folder)
 from dsparkctl.provenance import provenance
+from dsparkctl.strict_json import loads as strict_loads
+
+
+SIDECARS = ("calibration.json", "calibration.sglang-sts.json")  # dsparkctl's files beside a draft, kept with it
 
 
 @dataclass(frozen=True)
@@ -53,12 +66,19 @@ def run_convert(spec: ConvertSpec, log: Callable[[str], None] = print) -> dict[s
     fmt = formats.format_named(spec.to)
     folder = _source_folder(spec.source)
     inputs = local_inputs(folder, target=spec.target if spec.target is not None else False)
-    if spec.out_dir.exists():
-        raise UsageError(f"{option('out_dir')} {spec.out_dir} already exists",
+    if os.path.lexists(spec.out_dir):
+        what = "is a symbolic link" if spec.out_dir.is_symlink() else "already exists"
+        raise UsageError(f"{option('out_dir')} {spec.out_dir} {what}",
                          "choose a new folder (a conversion never writes over a folder, its input least of all)")
     check_outputs([Output(spec.out_dir, option("out_dir"), "folder")], inputs)
+    parent = spec.out_dir.expanduser().resolve().parent
+    if (parent / "config.json").is_file() and any(parent.glob("*.safetensors")):
+        raise UsageError(f"{option('out_dir')} {spec.out_dir} is inside the model folder {parent}",
+                         "write the converted draft to a folder of its own")
     draft = formats.read(folder)
     changes = formats.plan(draft, fmt, spec.drop)
+    if spec.target is not None:  # named: it must be the draft's target, whether or not rows are copied from it
+        _check_target(spec, draft, log)
     draft = formats.apply_drops(draft, fmt, spec.drop)
     missing = [n for n in fmt.needs(draft.config) if n not in draft.tensors]
     embed = head = None
@@ -68,27 +88,87 @@ def run_convert(spec: ConvertSpec, log: Callable[[str], None] = print) -> dict[s
                              f"pass {option('target')} (the model the draft was trained for; embedded for the "
                              "shipped draft) so it can be copied in")
         embed, head = _target_rows(spec, draft.config, log)
+    had = set(draft.added)
     draft = formats.with_borrowed(draft, fmt, embed, head)
+    named = _target_named(spec, log)
+    if named is not None and draft.facts is not None:  # the target the user named is the one to record
+        draft = dataclasses.replace(draft, facts=dataclasses.replace(draft.facts, target=named))
     draft = formats.CanonicalDraft(draft.config, draft.tensors, draft.format, draft.facts, draft.added,
                                    tuple(draft.changes) + tuple(changes))
     read_back: list[formats.CanonicalDraft] = []
+    copied: list[str] = []
 
     def check(tmp: Path) -> None:  # what a reader of the new folder gets: the draft that was written
         read_back.append(formats.read(tmp))
         if not _same_draft(draft, read_back[0]):
             raise InputError(f"{spec.out_dir}: reading the conversion back does not give the draft that was "
                              "written (a bug); nothing was written", "report this with the source's config.json")
+        if not changes:  # the same weights: the calibration fitted for them still applies (it names their fingerprint)
+            for name in SIDECARS:
+                f = folder / name
+                if f.is_file() and not f.is_symlink():
+                    shutil.copyfile(f, tmp / name)
+                    copied.append(name)
 
     formats.write(draft, fmt, spec.out_dir, provenance(source=str(spec.source), command="convert"), check=check)
     return {"source": str(folder), "from": draft.format, "to": fmt.key, "out": str(spec.out_dir),
-            "tensors": len(read_back[0].tensors), "added_from_target": list(draft.added), "changes": list(changes),
-            "warnings": list(draft.facts.warnings if draft.facts else ()) + fmt.warnings(draft.config),
-            "read_back_identical": True}
+            "tensors": len(read_back[0].tensors), "added_from_target": [n for n in draft.added if n not in had], "changes": list(changes),
+            "warnings": list(draft.facts.warnings if draft.facts else ()) + fmt.warnings(draft.config)
+            + _unnamed(fmt, draft),
+            "read_back_identical": True, "copied": copied}
+
+
+def _check_target(spec: ConvertSpec, draft: formats.CanonicalDraft, log: Callable[[str], None]) -> None:
+    """The draft against `--target`'s config (vocabulary, width, depth), before anything is written."""
+    folder = embedded_target_dir(log=log) if is_embedded(spec.target) else resolve_folder(spec.target, spec.revision)
+    try:
+        tcfg = AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError, KeyError) as exc:
+        raise InputError(f"cannot read target {spec.target}'s config: {str(exc).splitlines()[0]}",
+                         f"pass a transformers model folder or hub id as {option('target')}") from None
+    bad = [f for f in pair_findings(draft, Path(draft_folder_name(spec)), tcfg, str(spec.target)) if f["level"] == "error"]
+    if bad:
+        raise ModelMismatchError(bad[0]["message"], f"pass the target the draft was trained for as {option('target')}")
+
+
+def draft_folder_name(spec: ConvertSpec) -> str:
+    return str(default_draft_dir()) if is_default_draft(spec.source) else spec.source
+
+
+def _target_named(spec: ConvertSpec, log: Callable[[str], None]) -> dict[str, Any] | None:
+    """What a format that names its target should record for `--target`: a folder (the embedded
+    target's converted one) by its absolute path, a hub id as given, with the architectures its
+    config.json lists."""
+    if spec.target is None:
+        return None
+    folder = embedded_target_dir(log=log) if is_embedded(spec.target) else Path(spec.target).expanduser()
+    if not folder.is_dir():
+        return {"name_or_path": spec.target, "architectures": []}
+    archs: list[str] = []
+    with contextlib.suppress(OSError, ValueError):
+        raw = strict_loads((folder / "config.json").read_bytes())
+        found = raw.get("architectures") if isinstance(raw, dict) else None
+        archs = [a for a in found if isinstance(a, str)] if isinstance(found, list) else []
+    return {"name_or_path": str(folder.resolve()), "architectures": archs}
+
+
+def _unnamed(fmt: formats.DraftFormat, draft: formats.CanonicalDraft) -> list[str]:
+    """A format whose engines load the target the file names, written without a loadable one."""
+    target = (draft.facts.target if draft.facts else None) or {}
+    name = target.get("name_or_path")
+    if not fmt.names_target or (isinstance(name, str) and (Path(name).is_dir() or looks_like_repo(name))):
+        return []
+    return [f"the file names its target as {name!r}, which vLLM's `vllm serve DRAFT` cannot load; pass --target "
+            "(a folder or hub id) to record one it can"]
 
 
 def _same_draft(a: formats.CanonicalDraft, b: formats.CanonicalDraft) -> bool:
     """The same config fields and the same own tensors, bit for bit and dtype for dtype."""
     own_a, own_b = a.own_tensors, b.own_tensors
     return a.config == b.config and own_a.keys() == own_b.keys() and all(
-        own_a[k].dtype == own_b[k].dtype and own_a[k].shape == own_b[k].shape and torch.equal(own_a[k], own_b[k])
+        own_a[k].dtype == own_b[k].dtype and own_a[k].shape == own_b[k].shape and torch.equal(_bytes(own_a[k]), _bytes(own_b[k]))
         for k in own_a)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)

@@ -14,12 +14,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from transformers import AutoConfig
+
 from dsparkctl.checkpoint.hub import open_checkpoint
 from dsparkctl.checkpoint.inspect import inspect_report
+from dsparkctl.data.prompts import encode_prompts, load_prompts
+from dsparkctl.engine.session import open_target
 from dsparkctl.errors import CheckpointError, UsageError, option
+from dsparkctl.evaluation.continuations import cached_continuations
+from dsparkctl.evaluation.conventions import probe
+from dsparkctl.math.sampling import SamplingParams
 from dsparkctl.models import draft_formats as formats
 from dsparkctl.models.draft_formats.describe import describe, pair_findings
-from dsparkctl.models.loading import DEFAULT_DRAFT, default_draft_dir, is_embedded
+from dsparkctl.models.embedded import embedded_target_dir
+from dsparkctl.models.loading import DEFAULT_DRAFT, default_draft_dir, is_embedded, resolve_folder
 
 PROBE_TOKENS = 64  # new tokens per probe prompt: enough anchors for c₁, a few seconds on a CPU
 
@@ -74,11 +82,6 @@ def run_inspect(spec: InspectSpec, log: Callable[[str], None] = print) -> dict[s
 
 def _pair(spec: InspectSpec, draft: formats.CanonicalDraft, folder: Path,
           log: Callable[[str], None]) -> list[dict[str, str]]:
-    from transformers import AutoConfig
-
-    from dsparkctl.models.embedded import embedded_target_dir
-    from dsparkctl.models.loading import resolve_folder
-
     tfolder = embedded_target_dir(log=log) if is_embedded(spec.target) else resolve_folder(spec.target, spec.revision)
     name = "embedded" if is_embedded(spec.target) else str(spec.target)
     try:
@@ -93,12 +96,6 @@ def _pair(spec: InspectSpec, draft: formats.CanonicalDraft, folder: Path,
 
 
 def _probe(spec: InspectSpec, folder: Path, log: Callable[[str], None]) -> dict[str, Any]:
-    from dsparkctl.data.prompts import encode_prompts, load_prompts
-    from dsparkctl.engine.session import open_target
-    from dsparkctl.evaluation.continuations import cached_continuations
-    from dsparkctl.evaluation.conventions import probe
-    from dsparkctl.math.sampling import SamplingParams
-
     texts = load_prompts(spec.dataset, None, spec.probe)
     sess = open_target(spec.target, revision=spec.revision, log=log, cpu_kernels="stock", draft_weights="fp32")
     draft, _, _ = sess.load_draft(str(folder), spec.revision)

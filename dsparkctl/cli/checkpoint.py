@@ -11,7 +11,6 @@ from rich.table import Table
 
 from dsparkctl.app.download import DownloadSpec, run_download
 from dsparkctl.app.extract import ExtractSpec, run_extract
-from dsparkctl.app.inspect import InspectSpec, run_inspect
 from dsparkctl.cli.console import err, note, out, print_json, progress_bar, styled
 from dsparkctl.cli.guard import guarded
 from dsparkctl.cli.options import JsonOpt, RevisionOpt
@@ -51,6 +50,8 @@ def inspect_cmd(
     json_out: JsonOpt = False,
 ) -> None:
     """Show a checkpoint's or draft folder's format, conventions, components, config and findings."""
+    from dsparkctl.app.inspect import InspectSpec, run_inspect  # its probe loads models: imported when it runs
+
     report = run_inspect(InspectSpec(source, revision, target, probe, dataset),
                          log=lambda m: err.print(m, highlight=False, markup=False))
     if json_out:
@@ -121,7 +122,8 @@ def _print_draft(r: dict[str, Any]) -> None:
         ("vocabulary", f"{v['draft_size']} of {v['target_size']} target tokens, map: {v['map']}"),
         ("mask token", str(d["mask_token_id"])),
         ("dtypes", ", ".join(f"{k} x{n}" for k, n in d["dtypes"].items())
-         + (f"; quantized: {d['quantization']}" if d["quantization"] else "")),
+         + (f"; quantized: {d['quantization']['weights']} {d['quantization']['scheme']} weights, read dequantized"
+            if d["quantization"] else "")),
         ("tensors", f"{d['tensors']['stored']} stored, {d['tensors']['params']:,} own parameters"
                     + (f"; borrows {', '.join(d['tensors']['borrowed_from_target'])} from the target"
                        if d["tensors"]["borrowed_from_target"] else "")),
@@ -187,8 +189,8 @@ def convert_cmd(
     to: Annotated[str, typer.Option("--to", help="Format to write: deepspec, speculators, specforge or modelopt "
                                     "(docs/formats.md).", metavar="FORMAT")],
     drop: Annotated[list[str] | None, typer.Option(
-        "--drop", metavar="PART", help="Agree to lose what the target format cannot hold: vocab-map or "
-        "confidence-head (repeat the flag for both). Without it such a conversion is refused.")] = None,
+        "--drop", metavar="PART", help="Agree to lose what the target format cannot hold: vocab-map, "
+        "confidence-head or quantization (repeat the flag for several). Without it such a conversion is refused.")] = None,
     target: Annotated[str | None, typer.Option("--target", help="The draft's target (folder, hub id or 'embedded'), "
                                                "when the format must carry rows of its embedding or head.")] = None,
     revision: RevisionOpt = None,
@@ -208,6 +210,9 @@ def convert_cmd(
         out.print(f"  copied from the target: {name} (dropped again when converted back)", highlight=False, markup=False)
     for change in doc["changes"]:
         out.print(f"  changed: {change}", highlight=False, markup=False)
+    if doc["copied"]:
+        out.print(f"  kept beside it: {', '.join(doc['copied'])} (fitted for these same weights)", highlight=False,
+                  markup=False)
     for warning in doc["warnings"]:
         err.print(f"warning: {warning}", highlight=False, markup=False)
 

@@ -70,7 +70,7 @@ TargetOpt = Annotated[str | None, typer.Option("--target", help="Target model: f
                                                "embedded SmolLM2-135M-Instruct).")]
 
 
-DraftOpt = Annotated[str | None, typer.Option("--draft", help="DeepSpec draft folder or hub id; 'random' for an "
+DraftOpt = Annotated[str | None, typer.Option("--draft", help="Draft folder (DeepSpec, speculators, SpecForge or ModelOpt format) or hub id; 'random' for an "
                                               "untrained one (default: the shipped draft for the embedded target).")]
 
 

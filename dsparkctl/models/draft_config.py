@@ -224,7 +224,7 @@ class DraftConfig:
         return cfg
 
     def validate(self, source: str = "config") -> None:
-        def bad(msg: str, hint: str | None = None) -> None:
+        def bad(msg: str, hint: str = "fix config.json, or restore the one saved with these weights") -> None:
             raise CheckpointError(f"{source}: {msg}", hint)
         if not 1 <= self.block_size <= MAX_BLOCK_SIZE:
             bad(f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {self.block_size}")
@@ -236,6 +236,8 @@ class DraftConfig:
             bad("target_layer_ids is empty")
         if list(self.target_layer_ids) != sorted(set(self.target_layer_ids)):
             bad(f"target_layer_ids must be strictly increasing, got {list(self.target_layer_ids)}")
+        if min(self.target_layer_ids) < -1:
+            bad(f"target layer ids count decoder layers from 0 (-1 = the embeddings), got {list(self.target_layer_ids)}")
         if self.num_target_layers and max(self.target_layer_ids) >= self.num_target_layers:
             bad(f"target layer {max(self.target_layer_ids)} >= num_target_layers {self.num_target_layers}")
         if self.num_attention_heads % self.num_key_value_heads:

@@ -146,35 +146,13 @@ def load_draft(source: str | os.PathLike, target: Any | None = None, revision: s
     check_readable(folder)  # a file there that we may not read is no missing or damaged file
     canon = draft_formats.read(folder)  # any known format, in the canonical names and conventions
     cfg, state = canon.config, dict(canon.tensors)
-    if cfg.markov_rank == 0 and any(k.startswith("markov_head.") for k in state):
-        raise CheckpointError(f"{folder}: markov_rank is 0 but the file has markov_head tensors",
-                              "fix markov_rank in config.json")
-    if "fc.weight" in state and state["fc.weight"].shape[1] != len(cfg.target_layer_ids) * cfg.hidden_size:
-        raise CheckpointError(f"{folder}: fc.weight has shape {tuple(state['fc.weight'].shape)}, expected "
-                              f"[{cfg.hidden_size}, {len(cfg.target_layer_ids) * cfg.hidden_size}] for "
-                              f"{len(cfg.target_layer_ids)} tapped layers",
-                              "fix target_layer_ids in config.json to the layers these weights were trained on")
-    if "layers.0.self_attn.q_norm.weight" not in state and any(k.startswith("layers.0.") for k in state):
-        cfg = cfg.replace(qk_norm=False)
+    # every tensor's name, shape and finiteness was checked against the config by draft_formats.read
     if target is not None:
         check_compatible(cfg, target, str(folder))
-    with torch.device("meta"):  # shapes only: nothing is allocated before the file is known to match
-        expected = DSparkDraft(cfg).state_dict()
-    unexpected = sorted(set(state) - set(expected))
-    if unexpected:
-        raise CheckpointError(f"{folder}: unexpected tensor {unexpected[0]} ({len(unexpected)} in all)",
-                              "the file does not match its config.json (markov_head_type, confidence head?)")
-    for name, ref in expected.items():
-        if name not in state:
-            if name in BORROWED and target is not None:
-                continue
+    for name in BORROWED:
+        if name not in state and target is None:
             raise CheckpointError(f"{folder}: missing tensor {name}",
-                                  f"pass {option('target')} so the embedding/LM head can be borrowed" if name in BORROWED
-                                  else "the checkpoint is incomplete")
-        if tuple(state[name].shape) != tuple(ref.shape):
-            raise CheckpointError(f"{folder}: tensor {name} has shape {tuple(state[name].shape)}, "
-                                  f"expected {tuple(ref.shape)} from config.json",
-                                  "use the config.json written with these weights")
+                                  f"pass {option('target')} so the embedding/LM head can be borrowed")
     if "draft_vocab_ids" in state:
         check_draft_vocab(state["draft_vocab_ids"], cfg, str(folder))
     missing_ok = [k for k in BORROWED if k not in state]

@@ -59,7 +59,11 @@ def _read_config(raw: dict[str, Any], where: str) -> tuple[dict[str, Any], FileF
         if d.get(key):
             raise CheckpointError(f"{where}: dflash_config.{key} is set: {why} is not supported by dsparkctl's draft",
                                   "dsparkctl runs non-causal full-attention DSpark/DFlash drafts")
-    dspark = d.get("projector_type") == "dspark"
+    projector = d.get("projector_type")
+    if projector not in (None, "dspark"):
+        raise CheckpointError(f"{where}: dflash_config.projector_type {projector!r} is not a DSpark draft",
+                              "dsparkctl reads ModelOpt's dspark exports (projector_type \"dspark\")")
+    dspark = projector == "dspark"
     flat = {k: v for k, v in raw.items() if k not in ("dflash_config", "quantization_config")}
     flat.update(mask_token_id=d.get("mask_token_id"), target_layer_ids=d.get("target_layer_ids"),
                 markov_rank=d.get("markov_rank", 0) if dspark else 0,
@@ -72,6 +76,7 @@ def _read_config(raw: dict[str, Any], where: str) -> tuple[dict[str, Any], FileF
     if isinstance(raw.get("torch_dtype"), str) and "dtype" not in flat:
         flat["dtype"] = raw["torch_dtype"]
     quant = raw.get("quantization_config") if isinstance(raw.get("quantization_config"), dict) else None
+    quant = quant.get("quantization", quant).get("quant_algo") if isinstance(quant, dict) else None
     ids = d.get("target_layer_ids")
     facts = FileFacts(layer_ids_key="dflash_config.target_layer_ids",
                       layer_ids=tuple(ids) if isinstance(ids, list) else (), layer_rule=MODELOPT.layer_rule,

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from dsparkctl.checkpoint.safetensors_io import read_header, read_regular
-from dsparkctl.checkpoint.source import INDEX, SINGLE, parse_index
+from dsparkctl.checkpoint.source import INDEX, SINGLE, check_consistent, parse_index
 from dsparkctl.errors import CheckpointError, InputError, UsageError
 from dsparkctl.files.atomic import atomic_dir
 from dsparkctl.models.draft_config import DraftConfig
@@ -31,6 +31,7 @@ from dsparkctl.models.draft_formats.speculators import SPECULATORS
 from dsparkctl.strict_json import finite
 from dsparkctl.strict_json import loads as strict_loads
 
+QUANTIZED = {torch.float8_e4m3fn: "FP8 (e4m3, per-tensor scale)", torch.uint8: "NVFP4 (e2m1, scales per 16)"}
 FORMATS: tuple[DraftFormat, ...] = (DEEPSPEC, SPECULATORS, SPECFORGE, MODELOPT)
 BY_KEY = {f.key: f for f in FORMATS}
 DROPPABLE = ("vocab-map", "confidence-head", "quantization")  # what `convert --drop` may give up, by name
@@ -59,15 +60,24 @@ def weight_files(folder: Path) -> list[Path]:
             files.append(f)
         return files
     if (folder / SINGLE).is_file():
+        inside(folder, folder / SINGLE)
         return [folder / SINGLE]
     raise CheckpointError(f"{folder}: no {SINGLE} or {INDEX}",
                           "a draft folder holds config.json and safetensors weights")
+
+
+def inside(folder: Path, path: Path) -> None:
+    """Refuse a file of the folder that is a link to somewhere else."""
+    if folder.resolve() not in path.resolve().parents:
+        raise CheckpointError(f"{path} leads outside the draft folder ({path.resolve()})",
+                              "copy the file into the folder instead of linking it")
 
 
 def read_config_file(folder: Path) -> dict[str, Any]:
     path = folder / "config.json"
     if not path.exists():
         raise CheckpointError(f"{folder}: no config.json", "a draft folder holds config.json and its weights")
+    inside(folder, path)
     try:
         raw = strict_loads(read_regular(path, "config.json"))
     except (ValueError, UnicodeDecodeError) as exc:  # StrictJSONError is a ValueError
@@ -78,10 +88,18 @@ def read_config_file(folder: Path) -> dict[str, Any]:
 
 
 def tensor_names(folder: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """name -> (dtype, shape) from the safetensors headers only (no tensor data is read)."""
+    """name -> (dtype, shape) from the safetensors headers only (no tensor data is read); the index, where
+    there is one, must list exactly what each shard holds, and no tensor may be in two shards."""
     out: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for f in weight_files(folder):
-        for name, info in read_header(f, f.name).tensors.items():
+    headers = {f.name: read_header(f, f.name) for f in weight_files(folder)}
+    if (folder / INDEX).is_file():
+        check_consistent(parse_index(read_regular(folder / INDEX, INDEX), str(folder / INDEX)), headers,
+                         str(folder / INDEX))
+    for file, header in headers.items():
+        for name, info in header.tensors.items():
+            if name in out:
+                raise CheckpointError(f"{folder}: tensor {name} is in two shards ({file} and another)",
+                                      "re-download the checkpoint; a draft holds each tensor once")
             out[name] = (info.dtype, tuple(info.shape))
     return out
 
@@ -90,8 +108,8 @@ def read_tensors(folder: Path) -> dict[str, Tensor]:
     from safetensors import SafetensorError, safe_open
 
     tensors: dict[str, Tensor] = {}
+    tensor_names(folder)  # our own strict header and index checks first
     for f in weight_files(folder):
-        read_header(f, f.name)  # our own strict header checks first
         try:
             with safe_open(str(f), framework="pt") as fh:
                 for k in fh.keys():
@@ -153,28 +171,77 @@ def read(folder: str | os.PathLike) -> CanonicalDraft:
     fmt = detect(folder, config, set(names))
     where = f"{folder}/config.json"
     flat, facts = fmt.read_config(config, where)  # type: ignore[misc]
-    cfg = DraftConfig.from_dict(flat, where)
+    try:
+        cfg = DraftConfig.from_dict(flat, where)
+    except CheckpointError as exc:  # say it in the file's own terms where they differ from the canonical ones
+        if fmt.layer_offset and "target" in exc.message and "layer" in exc.message:
+            raise CheckpointError(f"{exc.message} (canonical ids; the file's {facts.layer_ids_key} are "
+                                  f"{list(facts.layer_ids)}, canonical + {fmt.layer_offset})", exc.hint) from None
+        if "missing" in exc.message and facts.layer_ids_key != "target_layer_ids":
+            raise CheckpointError(exc.message.replace("target_layer_ids", facts.layer_ids_key),
+                                  "restore the config.json saved with these weights") from None
+        raise
     raw = read_tensors(folder)
     tensors: dict[str, Tensor] = {}
     for name, t in raw.items():
         tensors[fmt.to_canonical_name(name)] = t
     tool = config.get(TOOL_KEY) if isinstance(config.get(TOOL_KEY), dict) else {}
     conv = tool.get("conversion") if isinstance(tool.get("conversion"), dict) else {}
-    added = tuple(n for n in conv.get("added", []) if isinstance(n, str))
+    added = tuple(n for n in conv.get("added", []) if n in BORROWED)
     changes = tuple(c for c in conv.get("changes", []) if isinstance(c, str))
     tensors, cfg = _canonical_vocab(fmt, tensors, cfg, str(folder))
     named = tool.get("target")  # what dsparkctl recorded: a conversion's {name_or_path, ...}, training's name
     if facts.target is None and isinstance(named, (dict, str)):
         facts = dataclasses.replace(facts, target=named if isinstance(named, dict) else {"name_or_path": named})
-    for name in added:  # copies a conversion took from the target: not the draft's own
-        tensors.pop(name, None)
     if fmt.read_tensors is not None:
         tensors = fmt.read_tensors(tensors, cfg, facts, str(folder))
-    packed = sorted({str(t.dtype).removeprefix("torch.") for n, t in raw.items()
-                     if n.endswith(".weight") and t.dtype in (torch.float8_e4m3fn, torch.uint8)})
-    if packed and not facts.quantization:  # quantized weights whose config says nothing of them
-        facts = dataclasses.replace(facts, quantization={"weights": packed, "declared": False})
-    return CanonicalDraft(cfg, tensors, fmt.key, facts, (), changes)
+    cfg = check_structure(cfg, tensors, fmt, facts, str(folder))
+    packed = {t.dtype for n, t in raw.items() if n.endswith(".weight") and t.dtype in QUANTIZED}
+    declared = facts.quantization
+    facts = dataclasses.replace(facts, quantization={  # what the tensors hold; the config's word beside it
+        "scheme": " + ".join(sorted(QUANTIZED[d] for d in packed)),
+        "weights": sum(1 for n, t in raw.items() if n.endswith(".weight") and t.dtype in QUANTIZED),
+        "declared": declared} if packed else None)
+    return CanonicalDraft(cfg, tensors, fmt.key, facts, tuple(n for n in added if n in tensors), changes)
+
+
+def check_structure(cfg: DraftConfig, tensors: dict[str, Tensor], fmt: DraftFormat, facts: Any,
+                    where: str) -> DraftConfig:
+    """Every tensor the config implies is there with its shape, nothing else is, and every weight is
+    finite; the config as the weights have it (a backbone without q/k norms)."""
+    from dsparkctl.models.draft import DSparkDraft
+
+    fc = tensors.get("fc.weight")
+    if fc is not None and (fc.dim() != 2 or fc.shape[1] != len(cfg.target_layer_ids) * cfg.hidden_size):
+        raise CheckpointError(f"{where}: fc.weight has shape {list(fc.shape)}, expected [{cfg.hidden_size}, "
+                              f"{len(cfg.target_layer_ids) * cfg.hidden_size}] for {len(cfg.target_layer_ids)} tapped "
+                              f"layers ({facts.layer_ids_key} {list(facts.layer_ids)})",
+                              f"fix {facts.layer_ids_key} in config.json to the layers these weights were trained on")
+    if cfg.markov_rank == 0 and any(k.startswith("markov_head.") for k in tensors):
+        raise CheckpointError(f"{where}: the config says no Markov head (markov_rank 0) but the file has its tensors",
+                              "fix markov_rank in config.json (or the format's projector/DSpark fields)")
+    if "layers.0.self_attn.q_norm.weight" not in tensors and any(k.startswith("layers.0.") for k in tensors):
+        cfg = cfg.replace(qk_norm=False)
+    with torch.device("meta"):  # shapes only: nothing is allocated
+        expected = {k: tuple(v.shape) for k, v in DSparkDraft(cfg).state_dict().items()}
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        raise CheckpointError(f"{where}: tensor {fmt.to_file_name(unexpected[0])} does not belong to the draft its "
+                              f"config describes ({len(unexpected)} such)",
+                              "use the config.json saved with these weights (markov_head_type, confidence head?)")
+    for name, shape in expected.items():
+        if name not in tensors:
+            if name in BORROWED:
+                continue
+            raise CheckpointError(f"{where}: missing tensor {fmt.to_file_name(name)}", "the checkpoint is incomplete")
+        if tuple(tensors[name].shape) != shape:
+            raise CheckpointError(f"{where}: tensor {fmt.to_file_name(name)} has shape {tuple(tensors[name].shape)}, "
+                                  f"expected {tuple(shape)} from config.json", "use the config.json saved with these weights")
+        t = tensors[name]
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"{where}: tensor {fmt.to_file_name(name)} holds NaN or infinite values",
+                                  "the weights are damaged: re-download or re-export the draft")
+    return cfg
 
 
 def _canonical_vocab(fmt: DraftFormat, tensors: dict[str, Tensor], cfg: DraftConfig,
@@ -185,6 +252,9 @@ def _canonical_vocab(fmt: DraftFormat, tensors: dict[str, Tensor], cfg: DraftCon
         if "d2t" not in tensors:
             raise CheckpointError(f"{where}: t2d without d2t", "the draft-to-target offsets d2t are missing")
         ids = vmap.ids_from_d2t(tensors.pop("d2t"), tensors.pop("t2d", None), V, where)
+        if cfg.draft_vocab_size and cfg.draft_vocab_size != ids.numel():
+            raise CheckpointError(f"{where}: draft_vocab_size {cfg.draft_vocab_size} but d2t maps {ids.numel()} draft ids",
+                                  "make draft_vocab_size the length of d2t (re-export the draft)")
         if vmap.is_identity(ids, V):
             return tensors, cfg.replace(draft_vocab_size=0)
         tensors["draft_vocab_ids"] = ids
@@ -209,6 +279,7 @@ def plan(draft: CanonicalDraft, fmt: DraftFormat, drop: tuple[str, ...] = ()) ->
     if bad:
         raise UsageError(f"--drop {bad[0]!r} is not something a conversion can drop", f"use {' or '.join(DROPPABLE)}")
     cfg, changes, needed = draft.config, [], set()
+    _cannot_hold(cfg, fmt)  # what no drop can fix is said first
     if draft.reduced and fmt.vocab == "full":
         needed.add("vocab-map")
         if "vocab-map" in drop:
@@ -224,14 +295,11 @@ def plan(draft: CanonicalDraft, fmt: DraftFormat, drop: tuple[str, ...] = ()) ->
         if "confidence-head" in drop:
             changes.append("confidence head dropped: the format's head always reads the Markov embedding and this "
                            "draft's reads the hidden state only")
-    if fmt.needs_markov and cfg.markov_rank == 0:
-        raise UsageError(f"{fmt.title} holds DSpark drafts (with a Markov head) and this is a DFlash draft",
-                         "convert to deepspec or speculators, which hold DFlash drafts too")
     if draft.facts is not None and draft.facts.quantization:
         needed.add("quantization")
         if "quantization" in drop:
-            changes.append(f"quantization dropped: the {draft.facts.quantization.get('quantization', draft.facts.quantization)} "
-                           "weights were dequantized to the config's dtype")
+            changes.append(f"quantization dropped: {draft.facts.quantization['weights']} "
+                           f"{draft.facts.quantization['scheme']} weights were dequantized to the config's dtype")
     lost = sorted(needed - set(drop))
     if lost:
         why = {"vocab-map": f"{fmt.title} holds only full-vocabulary drafts and this draft's head covers "
@@ -243,18 +311,24 @@ def plan(draft: CanonicalDraft, fmt: DraftFormat, drop: tuple[str, ...] = ()) ->
         raise UsageError(f"converting to {fmt.key} would lose something: {why[lost[0]]}",
                          f"add --drop {lost[0]} to convert anyway (then measure it with eval-acceptance), or pick "
                          f"a format that holds it")
-    if not cfg.sample_from_anchor and not fmt.holds_anchor_free_slots:
-        raise UsageError(f"{fmt.title} cannot say that slot 0 predicts nothing (sample_from_anchor false): a "
-                         "loader would read every slot one position early and accept almost nothing",
-                         "convert to deepspec or speculators, which state the slot convention")
-    if cfg.markov_head_type not in fmt.holds_head_types:
-        raise UsageError(f"{fmt.title} has no {cfg.markov_head_type} Markov head",
-                         f"it holds {', '.join(fmt.holds_head_types)}")
     unused = set(drop) - needed
     if unused:
         raise UsageError(f"--drop {sorted(unused)[0]}: nothing to drop (the draft fits {fmt.key} as it is)",
                          "leave it out")
     return changes
+
+
+def _cannot_hold(cfg: DraftConfig, fmt: DraftFormat) -> None:
+    if not cfg.sample_from_anchor and not fmt.holds_anchor_free_slots:
+        raise UsageError(f"{fmt.title} cannot say that slot 0 predicts nothing (sample_from_anchor false): a "
+                         "loader would read every slot one position early and accept almost nothing",
+                         "convert to deepspec or speculators, which state the slot convention")
+    if fmt.needs_markov and cfg.markov_rank == 0:
+        raise UsageError(f"{fmt.title} holds DSpark drafts (with a Markov head) and this is a DFlash draft",
+                         "convert to deepspec or speculators, which hold DFlash drafts too")
+    if cfg.markov_rank and cfg.markov_head_type not in fmt.holds_head_types:
+        raise UsageError(f"{fmt.title} has no {cfg.markov_head_type} Markov head",
+                         f"convert to a format that holds it ({fmt.key} holds {', '.join(fmt.holds_head_types)})")
 
 
 def apply_drops(draft: CanonicalDraft, fmt: DraftFormat, drop: tuple[str, ...]) -> CanonicalDraft:
@@ -266,7 +340,10 @@ def apply_drops(draft: CanonicalDraft, fmt: DraftFormat, drop: tuple[str, ...]) 
     if "confidence-head" in drop:
         tensors = {k: v for k, v in tensors.items() if not k.startswith("confidence_head.")}
         cfg = cfg.replace(enable_confidence_head=False, confidence_head_with_markov=False)
-    return CanonicalDraft(cfg, tensors, draft.format, draft.facts, draft.added, draft.changes)
+    facts = draft.facts
+    if "quantization" in drop and facts is not None:  # the tensors were dequantized when they were read
+        facts = dataclasses.replace(facts, quantization=None)
+    return CanonicalDraft(cfg, tensors, draft.format, facts, draft.added, draft.changes)
 
 
 def with_borrowed(draft: CanonicalDraft, fmt: DraftFormat, embed: Tensor | None, head: Tensor | None) -> CanonicalDraft:
@@ -289,7 +366,8 @@ def with_borrowed(draft: CanonicalDraft, fmt: DraftFormat, embed: Tensor | None,
 
 def file_tensors(draft: CanonicalDraft, fmt: DraftFormat) -> dict[str, Tensor]:
     """The canonical tensors as `fmt` stores them: its vocabulary map and its names."""
-    tensors = dict(draft.tensors)
+    keep = set(fmt.needs(draft.config))
+    tensors = {k: v for k, v in draft.tensors.items() if k not in draft.added or k in keep}  # copies only where needed
     V = draft.config.vocab_size
     if fmt.vocab == "d2t" and "draft_vocab_ids" in tensors:  # a full vocabulary has no map at all
         tensors["d2t"], tensors["t2d"] = vmap.d2t_from_ids(tensors.pop("draft_vocab_ids"), V)
@@ -307,11 +385,18 @@ def write(draft: CanonicalDraft, fmt: DraftFormat, out: Path, provenance: dict[s
 
     tensors = file_tensors(draft, fmt)
     config = fmt.write_config(draft)  # type: ignore[misc]
+    floats = [t.dtype for k, t in draft.tensors.items() if t.is_floating_point() and k not in draft.added]
+    if floats:  # the config's dtype says what the file holds, not what the source's config said
+        name = str(max(set(floats), key=floats.count)).removeprefix("torch.")
+        for key in ("dtype", "torch_dtype"):
+            if key in config:
+                config[key] = name
     mine = config.get(TOOL_KEY) if isinstance(config.get(TOOL_KEY), dict) else {}
     if draft.facts is not None and draft.facts.target and not fmt.names_target:
         mine["target"] = draft.facts.target  # kept for the way back to a format that names it
+    kept = [n for n in draft.added if n in fmt.needs(draft.config)]
     config[TOOL_KEY] = {**mine, **(provenance or {}), "conversion": {
-        "from": draft.format, "added": list(draft.added), "changes": list(draft.changes)}}
+        "from": draft.format, "added": kept, "changes": list(draft.changes)}}
     with atomic_dir(out, on_exists="refuse") as tmp:
         save_file(tensors, str(tmp / SINGLE), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(finite(config), indent=2, allow_nan=False) + "\n")

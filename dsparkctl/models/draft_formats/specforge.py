@@ -23,6 +23,7 @@ from dsparkctl.models.draft_formats.base import TOOL_KEY, CanonicalDraft, DraftF
 
 NESTED = ("block_size", "mask_token_id", "target_layer_ids", "markov_rank", "markov_head_type", "enable_confidence_head",
           "confidence_head_with_markov")
+ENGINE_TOP_LEVEL = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
 DROP_FROM_TARGET = ("block_size", "mask_token_id", "target_layer_ids", "markov_rank", "markov_head_type",
                     "enable_confidence_head", "confidence_head_with_markov", "num_anchors", "qk_norm", "draft_vocab_size")
 
@@ -49,6 +50,10 @@ def _read_config(raw: dict[str, Any], where: str) -> tuple[dict[str, Any], FileF
         raise CheckpointError(f"{where}: dflash_config.projector_type {projector!r} is not a DSpark draft",
                               "dsparkctl reads SpecForge's dspark drafts")
     flat = {k: v for k, v in raw.items() if k != "dflash_config"}
+    for key in NESTED:  # written in both places by dsparkctl (see _write_config): they must agree
+        if key in d and key in raw and raw[key] != d[key]:
+            raise CheckpointError(f"{where}: dflash_config.{key} is {d[key]!r} but the top-level {key} is "
+                                  f"{raw[key]!r}", "make the two agree (SpecForge reads dflash_config's)")
     flat.update({k: d[k] for k in NESTED if k in d})
     flat.setdefault("markov_rank", 0)
     flat.setdefault("enable_confidence_head", False)
@@ -78,6 +83,9 @@ def _write_config(draft: CanonicalDraft) -> dict[str, Any]:
             "enable_confidence_head": c.enable_confidence_head,
             "confidence_head_with_markov": c.confidence_head_with_markov,
         })
+    # SGLang's and vLLM's DSpark model classes read the Markov and confidence fields at the top level
+    # only (their config parsers read dflash_config): without these a served draft loses its heads
+    cfg.update({k: cfg["dflash_config"][k] for k in ENGINE_TOP_LEVEL})
     return cfg
 
 

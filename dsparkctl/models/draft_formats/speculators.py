@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from dsparkctl.errors import CheckpointError
+from dsparkctl.models.draft_config import typed_field
 from dsparkctl.models.draft_formats.base import CanonicalDraft, DraftFormat, FileFacts
 
 TOP_KEYS = ("block_size", "mask_token_id", "markov_rank", "markov_head_type", "enable_confidence_head",
@@ -53,6 +54,9 @@ def _read_config(raw: dict[str, Any], where: str) -> tuple[dict[str, Any], FileF
                               "restore the config.json saved with these weights")
     flat: dict[str, Any] = {k: v for k, v in layer.items()}
     flat.update({k: raw[k] for k in TOP_KEYS if k in raw})
+    for key, kind in (("markov_rank", int), ("enable_confidence_head", bool), ("confidence_head_with_markov", bool),
+                      ("sample_from_anchor", bool), ("draft_vocab_size", int)):
+        typed_field(raw, key, kind, source=where)  # typed before any default is derived from them
     if isinstance(raw.get("dtype"), str):
         flat["dtype"] = raw["dtype"]
     flat["target_layer_ids"] = [i - 1 for i in ids]
@@ -63,7 +67,7 @@ def _read_config(raw: dict[str, Any], where: str) -> tuple[dict[str, Any], FileF
     flat.setdefault("enable_confidence_head", True)
     flat.setdefault("confidence_head_with_markov", bool(flat["enable_confidence_head"]) and flat.get("markov_rank", 256) > 0)
     flat.setdefault("markov_rank", 256)
-    if isinstance(raw.get("draft_vocab_size"), int) and raw["draft_vocab_size"] != layer.get("vocab_size"):
+    if raw.get("draft_vocab_size") is not None:  # = the target's vocabulary when there is no map (checked on read)
         flat["draft_vocab_size"] = raw["draft_vocab_size"]
     verifier = (raw.get("speculators_config") or {}).get("verifier") if isinstance(raw.get("speculators_config"), dict) else None
     target = {k: verifier[k] for k in ("name_or_path", "architectures") if k in verifier} if isinstance(verifier, dict) else None
