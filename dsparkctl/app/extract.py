@@ -12,7 +12,8 @@ from dsparkctl.app.preflight import Output, check_outputs, local_inputs
 from dsparkctl.checkpoint import hub
 from dsparkctl.checkpoint.extract import extract
 from dsparkctl.checkpoint.source import open_local
-from dsparkctl.errors import UsageError, option
+from dsparkctl.errors import CheckpointError, UsageError, option
+from dsparkctl.models import draft_formats as formats
 
 
 MIN_SHARD_SIZE = 100_000  # smaller shards only multiply files: a draft of 1-byte shards is one file per tensor
@@ -28,6 +29,20 @@ class ExtractSpec:
     max_shard_size: int = 5_000_000_000  # bytes per output shard, at most
     with_head: bool = False  # also the target's embed/head the draft borrows
     verify: bool = False  # re-read the output and check every tensor
+
+
+def _not_a_standalone_draft(source: str) -> None:
+    """A draft folder of a trainer's format is already standalone: `convert` moves it between formats."""
+    folder = Path(source).expanduser()
+    if not folder.is_dir():
+        return
+    try:
+        fmt = formats.detect(folder)
+    except CheckpointError:
+        return  # not a standalone draft: a whole checkpoint, which is what extract is for
+    if fmt.key != "deepspec":
+        raise UsageError(f"{source} is already a standalone draft ({fmt.title}); extract cuts drafts out of whole "
+                         "checkpoints", "use `dsparkctl convert` to write it in another format")
 
 
 def run_extract(spec: ExtractSpec, *, on_bytes: Callable[[int, int], None] | None = None,
@@ -50,6 +65,7 @@ def run_extract(spec: ExtractSpec, *, on_bytes: Callable[[int, int], None] | Non
     inputs = local_inputs(spec.source)
     inputs += [p.parent for p in inputs if p.is_file()]  # a checkpoint file: its folder is the model
     check_outputs([Output(out, option("out_dir"), "folder")], inputs)  # never inside the input model
+    _not_a_standalone_draft(spec.source)
     if hub.looks_like_repo(spec.source):
         ckpt = open_local(hub.download(spec.source, spec.revision, None, spec.with_head).folder)
     else:

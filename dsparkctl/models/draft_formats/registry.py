@@ -17,19 +17,18 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from dsparkctl.checkpoint.safetensors_io import read_header, read_regular
-from dsparkctl.checkpoint.source import INDEX, SINGLE, check_consistent, parse_index
-from dsparkctl.errors import CheckpointError, InputError, UsageError
+from dsparkctl.checkpoint.source import SINGLE
+from dsparkctl.errors import CheckpointError, UsageError
 from dsparkctl.files.atomic import atomic_dir
 from dsparkctl.models.draft_config import DraftConfig
 from dsparkctl.models.draft_formats import vocab as vmap
 from dsparkctl.models.draft_formats.base import BORROWED, TOOL_KEY, CanonicalDraft, DraftFormat
 from dsparkctl.models.draft_formats.deepspec import DEEPSPEC
+from dsparkctl.models.draft_formats.files import read_config_file, read_tensors, tensor_names
 from dsparkctl.models.draft_formats.modelopt import MODELOPT
 from dsparkctl.models.draft_formats.specforge import SPECFORGE
 from dsparkctl.models.draft_formats.speculators import SPECULATORS
 from dsparkctl.strict_json import finite
-from dsparkctl.strict_json import loads as strict_loads
 
 QUANTIZED = {torch.float8_e4m3fn: "FP8 (e4m3, per-tensor scale)", torch.uint8: "NVFP4 (e2m1, scales per 16)"}
 FORMATS: tuple[DraftFormat, ...] = (DEEPSPEC, SPECULATORS, SPECFORGE, MODELOPT)
@@ -41,86 +40,6 @@ def format_named(key: str) -> DraftFormat:
     if key not in BY_KEY:
         raise UsageError(f"unknown draft format {key!r}", f"use one of {', '.join(BY_KEY)}")
     return BY_KEY[key]
-
-
-# ------------------------------------------------------------------------------------------ files
-def weight_files(folder: Path) -> list[Path]:
-    """The safetensors files: the shards its index names (inside the folder), or the single file."""
-    index = folder / INDEX
-    if index.is_file():
-        root, files = folder.resolve(), []
-        for name in sorted(set(parse_index(read_regular(index, INDEX), str(index)).values())):
-            f = (folder / name).resolve()
-            if root not in f.parents:  # a symlinked shard may still lead out
-                raise CheckpointError(f"{index}: entry {name!r} points outside the checkpoint folder",
-                                      "use a checkpoint whose index names only shards in its own folder")
-            if not f.is_file():
-                raise CheckpointError(f"{index}: shard {name} is missing or not a regular file",
-                                      "re-download the checkpoint")
-            files.append(f)
-        return files
-    if (folder / SINGLE).is_file():
-        inside(folder, folder / SINGLE)
-        return [folder / SINGLE]
-    raise CheckpointError(f"{folder}: no {SINGLE} or {INDEX}",
-                          "a draft folder holds config.json and safetensors weights")
-
-
-def inside(folder: Path, path: Path) -> None:
-    """Refuse a file of the folder that is a link to somewhere else."""
-    if folder.resolve() not in path.resolve().parents:
-        raise CheckpointError(f"{path} leads outside the draft folder ({path.resolve()})",
-                              "copy the file into the folder instead of linking it")
-
-
-def read_config_file(folder: Path) -> dict[str, Any]:
-    path = folder / "config.json"
-    if not path.exists():
-        raise CheckpointError(f"{folder}: no config.json", "a draft folder holds config.json and its weights")
-    inside(folder, path)
-    try:
-        raw = strict_loads(read_regular(path, "config.json"))
-    except (ValueError, UnicodeDecodeError) as exc:  # StrictJSONError is a ValueError
-        raise CheckpointError(f"{path}: not valid JSON ({exc})", "fix or re-download config.json") from None
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{path}: expected a JSON object", "config.json must be a JSON object of the draft's settings")
-    return raw
-
-
-def tensor_names(folder: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """name -> (dtype, shape) from the safetensors headers only (no tensor data is read); the index, where
-    there is one, must list exactly what each shard holds, and no tensor may be in two shards."""
-    out: dict[str, tuple[str, tuple[int, ...]]] = {}
-    headers = {f.name: read_header(f, f.name) for f in weight_files(folder)}
-    if (folder / INDEX).is_file():
-        check_consistent(parse_index(read_regular(folder / INDEX, INDEX), str(folder / INDEX)), headers,
-                         str(folder / INDEX))
-    for file, header in headers.items():
-        for name, info in header.tensors.items():
-            if name in out:
-                raise CheckpointError(f"{folder}: tensor {name} is in two shards ({file} and another)",
-                                      "re-download the checkpoint; a draft holds each tensor once")
-            out[name] = (info.dtype, tuple(info.shape))
-    return out
-
-
-def read_tensors(folder: Path) -> dict[str, Tensor]:
-    from safetensors import SafetensorError, safe_open
-
-    tensors: dict[str, Tensor] = {}
-    tensor_names(folder)  # our own strict header and index checks first
-    for f in weight_files(folder):
-        try:
-            with safe_open(str(f), framework="pt") as fh:
-                for k in fh.keys():
-                    tensors[k] = fh.get_tensor(k)
-        except PermissionError:
-            raise InputError(f"{f} is not readable (permission denied)",
-                             f"make it readable (chmod u+r {f}) or run as its owner") from None
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise CheckpointError(f"{f}: unreadable safetensors file ({str(exc).splitlines()[0]})",
-                                  "re-download or re-convert the draft") from None
-    return tensors
 
 
 # --------------------------------------------------------------------------------------- detect
