@@ -91,11 +91,11 @@ def _pair(spec: InspectSpec, draft: formats.CanonicalDraft, folder: Path,
                               "pass a transformers model folder or hub id") from None
     found = pair_findings(draft, folder, tcfg, name)
     if spec.probe and not any(f["level"] == "error" for f in found):
-        found.append(_probe(spec, folder, log))
+        found.append(_probe(spec, folder, draft.facts.layer_ids_key if draft.facts else "target_layer_ids", log))
     return found
 
 
-def _probe(spec: InspectSpec, folder: Path, log: Callable[[str], None]) -> dict[str, Any]:
+def _probe(spec: InspectSpec, folder: Path, field: str, log: Callable[[str], None]) -> dict[str, Any]:
     texts = load_prompts(spec.dataset, None, spec.probe)
     sess = open_target(spec.target, revision=spec.revision, log=log, cpu_kernels="stock", draft_weights="fp32")
     draft, _, _ = sess.load_draft(str(folder), spec.revision)
@@ -111,19 +111,19 @@ def _probe(spec: InspectSpec, folder: Path, log: Callable[[str], None]) -> dict[
     else:
         message = (f"{folder}/config.json's conventions do not fit the weights: {result['best']} does, c1 "
                    f"+{100 * result['gain_c1']:.1f} points (t {result['t']:.1f}) over the file's reading "
-                   f"(measured on {len(seqs)} prompts: {rows}); fix: {_fix(result, folder)}")
+                   f"(measured on {len(seqs)} prompts: {rows}); fix: {_fix(result, folder, field)}")
     return {"level": "ok" if result["declared_fits"] else "error", "check": "conventions", "message": message,
             "probe": result}
 
 
-def _fix(result: dict[str, Any], folder: Path) -> str:
+def _fix(result: dict[str, Any], folder: Path, field: str) -> str:
     best = next(r for r in result["readings"] if r["reading"] == result["best"])
     declared = result["readings"][0]
     fixes = []
     if best["sample_from_anchor"] != declared["sample_from_anchor"]:
         fixes.append(f"the slot convention: sample_from_anchor {str(best['sample_from_anchor']).lower()}")
     if best["layer_shift"]:
-        fixes.append(f"the target layer ids: add {best['layer_shift']:+d} to each")
+        fixes.append(f"the target layer ids: add {best['layer_shift']:+d} to each of {field}")
     return f"set {' and '.join(fixes)} in {folder}/config.json (then inspect --probe again)"
 
 
