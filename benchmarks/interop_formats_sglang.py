@@ -34,36 +34,17 @@ from __future__ import annotations
 import json
 import os
 import sys
-import traceback
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ["SGLANG_RAGGED_VERIFY_MODE"] = "compact"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from interop_common import Checks, Note  # noqa: E402
+
+check = Checks("sglang")
+
 import interop_sglang  # noqa: E402,F401  (the inert torchvision stand-in, where torchvision is absent)
-
-FAILED: list[str] = []
-
-
-class Note(Exception):
-    """SGLang's code does not read this (the message says why, from its source): a note, not a FAIL."""
-
-
-def check(name: str, fn) -> object:
-    try:
-        detail = fn()
-    except Note as note:
-        print(f"     note: sglang: {name}: {note}", flush=True)
-        return None
-    except Exception as exc:  # one line per check; the traceback goes to stderr
-        FAILED.append(name)
-        print(f"FAIL sglang: {name}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", flush=True)
-        traceback.print_exc(file=sys.stderr)
-        return None
-    print(f"ok   sglang: {name}{': ' + str(detail) if detail not in (None, '') else ''}", flush=True)
-    return detail
-
 
 def expected(ours: Path) -> dict:
     c = json.loads((ours / "config.json").read_text())
@@ -247,7 +228,7 @@ def main() -> int:
             continue  # nothing further reads it (the note above)
         check(f"{fmt} export {d.name}: ModelRegistry picks a DSpark model class", lambda: registry(fmt, d))
         check(f"{fmt} export {d.name}: model built from the config + load_weights", lambda: load(fmt, d, Path(target)))
-    return 1 if FAILED else 0
+    return 1 if check.failed else 0
 
 
 if __name__ == "__main__":

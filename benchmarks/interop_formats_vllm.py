@@ -31,36 +31,17 @@ from __future__ import annotations
 import json
 import os
 import sys
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from interop_common import Checks, Note  # noqa: E402
+
+check = Checks("vllm")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import interop_vllm as iv  # noqa: E402  (engine_args, build_model, read_tensors, same, STACKED)
-
-FAILED: list[str] = []
-
-
-class Note(Exception):
-    """The engine's code does not read this (the message says why, from its source): a note, not a FAIL."""
-
-
-def check(name: str, fn) -> object:
-    try:
-        detail = fn()
-    except Note as note:
-        print(f"     note: vllm: {name}: {note}", flush=True)
-        return None
-    except Exception as exc:  # one line per check; the traceback goes to stderr
-        FAILED.append(name)
-        print(f"FAIL vllm: {name}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", flush=True)
-        traceback.print_exc(file=sys.stderr)
-        return None
-    print(f"ok   vllm: {name}{': ' + str(detail) if detail not in (None, '') else ''}", flush=True)
-    return detail
-
 
 def expected(ours: Path) -> dict:
     c = json.loads((ours / "config.json").read_text())
@@ -225,7 +206,7 @@ def main() -> int:
                       lambda: config_check_modelopt(target_p, d, want, method))
         else:
             raise SystemExit(f"unknown format {fmt}")
-    return 1 if FAILED else 0
+    return 1 if check.failed else 0
 
 
 if __name__ == "__main__":

@@ -20,24 +20,14 @@ from __future__ import annotations
 import json
 import os
 import sys
-import traceback
 from pathlib import Path
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-FAILED: list[str] = []
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from interop_common import Checks  # noqa: E402
 
-def check(name: str, fn) -> object:
-    try:
-        detail = fn()
-    except Exception as exc:  # one line per check; the traceback goes to stderr
-        FAILED.append(name)
-        print(f"FAIL vllm: {name}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", flush=True)
-        traceback.print_exc(file=sys.stderr)
-        return None
-    print(f"ok   vllm: {name}{': ' + str(detail) if detail not in (None, '') else ''}", flush=True)
-    return detail
-
+check = Checks("vllm")
 
 def read_tensors(folder: Path) -> dict:
     from safetensors import safe_open
@@ -169,7 +159,7 @@ def main() -> int:
                   lambda: spec_config(argv, str(export), k_table, drop_method=True).split(",")[0])
         check(f"{kind} export {export.name}: Qwen3DSparkForCausalLM.load_weights",
               lambda: load(argv, export, ours, target))
-    return 1 if FAILED else 0
+    return 1 if check.failed else 0
 
 
 if __name__ == "__main__":
