@@ -58,6 +58,10 @@ def run_inspect(spec: InspectSpec, log: Callable[[str], None] = print) -> dict[s
         report = inspect_report(ckpt)
         if ckpt.bytes_transferred:
             report["transferred_bytes"] = ckpt.bytes_transferred
+        if ckpt.layout.key.startswith("deepspec"):  # a remote standalone draft: read by its headers only
+            report["findings"].append({"level": "warning", "check": "format", "message": (
+                "read by its headers only: which trainer's format this is, and its conventions, need the files "
+                "(`dsparkctl download` it, then inspect the folder)")})
         return report
     folder = ckpt.folder
     fmt = formats.detect(folder)  # files that disagree on their format are refused here, in one line
