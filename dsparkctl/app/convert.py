@@ -66,11 +66,11 @@ def run_convert(spec: ConvertSpec, log: Callable[[str], None] = print) -> dict[s
     fmt = formats.format_named(spec.to)
     folder = _source_folder(spec.source)
     inputs = local_inputs(folder, target=spec.target if spec.target is not None else False)
+    check_outputs([Output(spec.out_dir, option("out_dir"), "folder")], inputs)  # empty, the input, inside it, ...
     if os.path.lexists(spec.out_dir):
         what = "is a symbolic link" if spec.out_dir.is_symlink() else "already exists"
         raise UsageError(f"{option('out_dir')} {spec.out_dir} {what}",
                          "choose a new folder (a conversion never writes over a folder, its input least of all)")
-    check_outputs([Output(spec.out_dir, option("out_dir"), "folder")], inputs)
     parent = spec.out_dir.expanduser().resolve().parent
     if (parent / "config.json").is_file() and any(parent.glob("*.safetensors")):
         raise UsageError(f"{option('out_dir')} {spec.out_dir} is inside the model folder {parent}",

@@ -37,6 +37,7 @@ DROPPABLE = ("vocab-map", "confidence-head", "quantization")  # what `convert --
 
 
 def format_named(key: str) -> DraftFormat:
+    key = key.strip().lower()  # SpecForge, ModelOpt: the names as their projects write them
     if key not in BY_KEY:
         raise UsageError(f"unknown draft format {key!r}", f"use one of {', '.join(BY_KEY)}")
     return BY_KEY[key]
