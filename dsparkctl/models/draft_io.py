@@ -83,12 +83,6 @@ def check_readable(folder: Path) -> None:
                                  f"make it readable (chmod u+r {f}) or run as its owner")
 
 
-def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a draft folder's safetensors files, as stored (names not translated)."""
-    check_readable(folder)
-    return draft_formats.read_tensors(folder)
-
-
 def check_compatible(cfg: DraftConfig, target: Any, source: str) -> None:
     """Refuse a draft that does not fit the target (vocab, width, tapped layers)."""
     if cfg.vocab_size != target.vocab_size:
@@ -107,22 +101,6 @@ def check_compatible(cfg: DraftConfig, target: Any, source: str) -> None:
         raise ModelMismatchError(
             f"{source}: draft taps target layer {max(cfg.target_layer_ids)} but the target has "
             f"{target.num_layers} layers (the last is not tappable)", "use a draft trained for this target")
-
-
-def check_draft_vocab(ids: torch.Tensor, cfg: DraftConfig, source: str) -> None:
-    """A reduced vocabulary's index map: [K] integer target ids, in range, strictly increasing."""
-    if ids.dtype != torch.int64 or ids.dim() != 1:
-        raise CheckpointError(f"{source}: draft_vocab_ids must be a 1-D int64 tensor, got {ids.dtype} "
-                              f"{list(ids.shape)}", "re-export the draft with dsparkctl train")
-    if ids.numel() != cfg.draft_vocab_size:
-        raise CheckpointError(f"{source}: draft_vocab_ids holds {ids.numel()} ids but config.json says "
-                              f"draft_vocab_size {cfg.draft_vocab_size}", "fix draft_vocab_size in config.json")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size):
-        raise CheckpointError(f"{source}: draft_vocab_ids has ids outside the vocabulary [0, {cfg.vocab_size})",
-                              "the index map must hold target token ids")
-    if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
-        raise CheckpointError(f"{source}: draft_vocab_ids must be strictly increasing (duplicate or unsorted ids)",
-                              "the index map must list distinct target ids in ascending order")
 
 
 def read_draft_config(folder: Path, source: str | None = None) -> DraftConfig:
@@ -153,8 +131,6 @@ def load_draft(source: str | os.PathLike, target: Any | None = None, revision: s
         if name not in state and target is None:
             raise CheckpointError(f"{folder}: missing tensor {name}",
                                   f"pass {option('target')} so the embedding/LM head can be borrowed")
-    if "draft_vocab_ids" in state:
-        check_draft_vocab(state["draft_vocab_ids"], cfg, str(folder))
     missing_ok = [k for k in BORROWED if k not in state]
     draft = DSparkDraft(cfg)
     draft.load_state_dict({k: v for k, v in state.items()}, strict=False)

@@ -74,7 +74,6 @@ class DraftFormat:
     layer_offset: int = 0  # id as written = canonical id + layer_offset
     layer_rule: str = "id i = output of decoder layer i (hidden_states[i + 1]); -1 = embeddings"
     vocab: str = "index"  # "index" (draft_vocab_ids) | "d2t" (d2t offsets + t2d mask) | "full" (no reduction)
-    holds_confidence_with_markov: bool = True
     holds_anchor_free_slots: bool = True  # can say sample_from_anchor false
     holds_head_types: tuple[str, ...] = ("vanilla", "gated", "rnn")
     holds_hidden_only_confidence: bool = True  # a confidence head that reads the hidden state alone

@@ -101,7 +101,7 @@ def read(folder: str | os.PathLike) -> CanonicalDraft:
             raise CheckpointError(exc.message.replace("target_layer_ids", facts.layer_ids_key),
                                   "restore the config.json saved with these weights") from None
         raise
-    raw = read_tensors(folder)
+    raw = read_tensors(folder, checked=True)  # tensor_names above checked the headers and the index
     tensors: dict[str, Tensor] = {}
     for name, t in raw.items():
         tensors[fmt.to_canonical_name(name)] = t
@@ -205,11 +205,6 @@ def plan(draft: CanonicalDraft, fmt: DraftFormat, drop: tuple[str, ...] = ()) ->
         if "vocab-map" in drop:
             changes.append(f"vocabulary map dropped: the {cfg.draft_vocab_size}-token draft head became the "
                            f"target's full {cfg.vocab_size}-token head (W2 zero outside the subset); acceptance moves")
-    if cfg.enable_confidence_head and cfg.confidence_head_with_markov and not fmt.holds_confidence_with_markov:
-        needed.add("confidence-head")
-        if "confidence-head" in drop:
-            changes.append("confidence head dropped: the format's head cannot read the Markov embedding; "
-                           "adaptive verification (dspark policy) needs a calibrated head again")
     if cfg.enable_confidence_head and not cfg.confidence_head_with_markov and not fmt.holds_hidden_only_confidence:
         needed.add("confidence-head")
         if "confidence-head" in drop:
