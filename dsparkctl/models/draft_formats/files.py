@@ -4,6 +4,7 @@ outside the folder (a link out is refused), and never a pickle."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,8 @@ def weight_files(folder: Path) -> list[Path]:
     if (folder / SINGLE).is_file():
         inside(folder, folder / SINGLE)
         return [folder / SINGLE]
+    if os.path.lexists(folder / SINGLE):  # there, but a folder, a FIFO, a dangling link: never waited on or read
+        raise CheckpointError(f"{folder / SINGLE}: is not a regular file", "replace it with the draft's weights file")
     raise CheckpointError(f"{folder}: no {SINGLE} or {INDEX}",
                           "a draft folder holds config.json and safetensors weights")
 
