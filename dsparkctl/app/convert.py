@@ -4,7 +4,6 @@ target, write atomically, read the result back and check it against what was wri
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import shutil
@@ -24,7 +23,6 @@ from dsparkctl.models.draft_formats.describe import pair_findings
 from dsparkctl.models.loading import (default_draft_dir, is_default_draft, is_embedded, load_target, resolve_device,
                                       resolve_folder)
 from dsparkctl.provenance import provenance
-from dsparkctl.strict_json import loads as strict_loads
 
 
 SIDECARS = ("calibration.json", "calibration.sglang-sts.json")  # dsparkctl's files beside a draft, kept with it
@@ -77,8 +75,9 @@ def run_convert(spec: ConvertSpec, log: Callable[[str], None] = print) -> dict[s
                          "write the converted draft to a folder of its own")
     draft = formats.read(folder)
     changes = formats.plan(draft, fmt, spec.drop)
-    if spec.target is not None:  # named: it must be the draft's target, whether or not rows are copied from it
-        _check_target(spec, draft, log)
+    named = None  # named, it must be the draft's target, whether or not rows are copied from it
+    if spec.target is not None:
+        named = _checked_target(spec, draft, folder, log)
     draft = formats.apply_drops(draft, fmt, spec.drop)
     missing = [n for n in fmt.needs(draft.config) if n not in draft.tensors]
     embed = head = None
@@ -90,11 +89,9 @@ def run_convert(spec: ConvertSpec, log: Callable[[str], None] = print) -> dict[s
         embed, head = _target_rows(spec, draft.config, log)
     had = set(draft.added)
     draft = formats.with_borrowed(draft, fmt, embed, head)
-    named = _target_named(spec, log)
     if named is not None and draft.facts is not None:  # the target the user named is the one to record
         draft = dataclasses.replace(draft, facts=dataclasses.replace(draft.facts, target=named))
-    draft = formats.CanonicalDraft(draft.config, draft.tensors, draft.format, draft.facts, draft.added,
-                                   tuple(draft.changes) + tuple(changes))
+    draft = dataclasses.replace(draft, changes=tuple(draft.changes) + tuple(changes))
     read_back: list[formats.CanonicalDraft] = []
     copied: list[str] = []
 
@@ -118,38 +115,23 @@ def run_convert(spec: ConvertSpec, log: Callable[[str], None] = print) -> dict[s
             "read_back_identical": True, "copied": copied}
 
 
-def _check_target(spec: ConvertSpec, draft: formats.CanonicalDraft, log: Callable[[str], None]) -> None:
-    """The draft against `--target`'s config (vocabulary, width, depth), before anything is written."""
-    folder = embedded_target_dir(log=log) if is_embedded(spec.target) else resolve_folder(spec.target, spec.revision)
+def _checked_target(spec: ConvertSpec, draft: formats.CanonicalDraft, folder: Path,
+                    log: Callable[[str], None]) -> dict[str, Any]:
+    """The draft against `--target`'s config (vocabulary, width, depth), before anything is written;
+    returns what a format that names its target records: a folder (the embedded target's converted
+    one) by its absolute path, a hub id as given, with the architectures its config lists."""
+    local = is_embedded(spec.target) or Path(str(spec.target)).expanduser().is_dir()
+    tfolder = embedded_target_dir(log=log) if is_embedded(spec.target) else resolve_folder(spec.target, spec.revision)
     try:
-        tcfg = AutoConfig.from_pretrained(folder)
+        tcfg = AutoConfig.from_pretrained(tfolder)
     except (OSError, ValueError, KeyError) as exc:
         raise InputError(f"cannot read target {spec.target}'s config: {str(exc).splitlines()[0]}",
                          f"pass a transformers model folder or hub id as {option('target')}") from None
-    bad = [f for f in pair_findings(draft, Path(draft_folder_name(spec)), tcfg, str(spec.target)) if f["level"] == "error"]
+    bad = [f for f in pair_findings(draft, folder, tcfg, str(spec.target)) if f["level"] == "error"]
     if bad:
         raise ModelMismatchError(bad[0]["message"], f"pass the target the draft was trained for as {option('target')}")
-
-
-def draft_folder_name(spec: ConvertSpec) -> str:
-    return str(default_draft_dir()) if is_default_draft(spec.source) else spec.source
-
-
-def _target_named(spec: ConvertSpec, log: Callable[[str], None]) -> dict[str, Any] | None:
-    """What a format that names its target should record for `--target`: a folder (the embedded
-    target's converted one) by its absolute path, a hub id as given, with the architectures its
-    config.json lists."""
-    if spec.target is None:
-        return None
-    folder = embedded_target_dir(log=log) if is_embedded(spec.target) else Path(spec.target).expanduser()
-    if not folder.is_dir():
-        return {"name_or_path": spec.target, "architectures": []}
-    archs: list[str] = []
-    with contextlib.suppress(OSError, ValueError):
-        raw = strict_loads((folder / "config.json").read_bytes())
-        found = raw.get("architectures") if isinstance(raw, dict) else None
-        archs = [a for a in found if isinstance(a, str)] if isinstance(found, list) else []
-    return {"name_or_path": str(folder.resolve()), "architectures": archs}
+    return {"name_or_path": str(tfolder.resolve()) if local else spec.target,
+            "architectures": [a for a in (tcfg.architectures or []) if isinstance(a, str)]}
 
 
 def _unnamed(fmt: formats.DraftFormat, draft: formats.CanonicalDraft) -> list[str]:
