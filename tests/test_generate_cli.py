@@ -80,7 +80,7 @@ def test_generate_human_output_has_acceptance_table(models):
     res = run("generate", "--target", target, "--draft", draft, "--no-chat", "--max-new-tokens", 6,
               "--temperature", 0.8, "--top-p", 0.9, "--seed", 3, "w1 w2")
     assert res.exit_code == 0, res.output
-    assert "τ (tokens per round" in res.stdout and "survival" in res.stdout
+    assert "τ (its chain" in res.stdout and "engine τ" in res.stdout and "survival" in res.stdout
 
 
 def _bad(tmp_path, models, kind):
@@ -186,7 +186,9 @@ def test_profile_sps_then_scheduled_generation_then_calibration(models, tmp_path
                   "--policy", policy, "--sps-table", sps, "--calibration", calib, "--json", "w1 w2", "w3")
         assert res.exit_code == 0, (policy, res.output)
         rep = json.loads(res.stdout)
-        assert rep["policy"] == policy and rep["acceptance"]["rounds"] > 0
+        assert rep["policy"] == policy and rep["engine_steps"] > 0
+        # the draft's rounds, and the engine's plain steps beside them, account for every step's rows
+        assert rep["acceptance"]["rounds"] + rep["engine"]["plain_rows"] >= rep["engine_steps"]
 
 
 def test_draft_and_target_from_a_hub_over_loopback(models, tmp_path, monkeypatch):

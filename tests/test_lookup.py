@@ -90,11 +90,14 @@ def test_greedy_output_is_the_targets_with_lookup_blocks_taken_and_refused(famil
     eng.round = spy
     rep = eng.generate(PROMPTS, 40)
     assert [o.tokens for o in rep.outputs] == [o.tokens for o in base.outputs]
-    assert rep.siblings.get("lookup", 0) == sum(int(lk.sum()) for lk, _, _ in seen) > 0
+    assert rep.streams.lookup.rounds == sum(int(lk.sum()) for lk, _, _ in seen) > 0
     accepted = torch.cat([acc[lk] for lk, acc, _ in seen])
     ell = torch.cat([e[lk] for lk, _, e in seen])
     assert (accepted > 0).any() and (accepted < ell).any()  # copies both accepted and cut short
-    assert rep.stats.tokens == sum(len(o.tokens) - 1 for o in rep.outputs)
+    st = rep.streams
+    assert st.speculative_tokens + st.plain_rows == sum(len(o.tokens) - 1 for o in rep.outputs)
+    copied = torch.cat([acc[lk] for lk, acc, _ in seen])  # the lookup's stream holds its copies, the draft's none
+    assert st.lookup.tokens == st.lookup.rounds + int(copied.sum())
 
 
 def test_lookup_is_off_when_sampling_and_a_rewound_round_repeats_itself():
@@ -117,28 +120,46 @@ def test_lookup_is_off_when_sampling_and_a_rewound_round_repeats_itself():
     assert torch.equal(a.emitted, b.emitted) and hist_a == hist_b
 
 
-def test_cli_switch_and_the_draft_alone_beside_the_pair(tmp_path):
-    """generate reports its lookup rounds (and --no-lookup has none); eval-acceptance --lookup keeps
-    the draft's own teacher-forced figures beside the pair's. Real embedded target, one prompt."""
+def test_cli_lookup_is_used_kept_apart_and_refused_where_it_cannot_apply(tmp_path):
+    """generate (default: lookup on) copies blocks and still prints plain decoding's tokens; its
+    copies are counted apart from the draft's rounds; --no-lookup copies none; asked for under
+    sampling it is refused, and left off by default there, saying so. eval-acceptance --lookup
+    keeps the draft's own teacher-forced figures at the top, the pair's beside them. Real embedded
+    target, one prompt."""
     runner = CliRunner()
     base = ["List the numbers one two three one two three one two", "--max-new-tokens", "24",
             "--policy", "static:5", "--json", "--no-text"]
-    on = runner.invoke(app, ["generate", *base])
+    on = runner.invoke(app, ["generate", *base, "--baseline"])
     off = runner.invoke(app, ["generate", *base, "--no-lookup"])
     assert on.exit_code == 0 and off.exit_code == 0, (on.output, off.output)
     ron, roff = json.loads(on.stdout), json.loads(off.stdout)
-    assert ron["lookup"]["setting"] is True and roff["lookup"] == {"setting": False, "rows_verified_with": 0}
+    assert ron["lookup"]["setting"] == "auto" and ron["lookup"]["effective"] is True  # the default, on
+    copied = ron["lookup"]["rows_verified_with"]
+    assert copied > 0 and ron["lookup"]["acceptance"]["rounds"] == copied  # a lookup happened, counted apart
+    assert ron["baseline"]["identical_outputs"] == 1  # ... and the tokens are plain decoding's
+    eng = ron["engine"]
+    assert eng["speculative_rounds"] == ron["acceptance"]["rounds"] + copied
+    assert eng["tokens"] == ron["acceptance"]["tokens"] + ron["lookup"]["acceptance"]["tokens"]
+    assert roff["lookup"]["effective"] is False and roff["lookup"]["rows_verified_with"] == 0
+    assert roff["engine"]["speculative_rounds"] == roff["acceptance"]["rounds"]
     assert ron["requests"][0]["text"] == roff["requests"][0]["text"]
+    hot = runner.invoke(app, ["generate", *base, "--temperature", "0.7", "--lookup"])
+    assert hot.exit_code == 2 and "greedy" in hot.output and "Traceback" not in hot.output
+    hot = runner.invoke(app, ["generate", *base, "--temperature", "0.7"])
+    assert hot.exit_code == 0 and json.loads(hot.stdout)["lookup"]["effective"] is False
     out = tmp_path / "e.json"
-    res = runner.invoke(app, ["eval-acceptance", "--dataset", "mt-bench", "--limit", "2", "--max-new-tokens", "32",
-                              "--mode", "teacher-forced", "--lookup", "--out", str(out)])
+    args = ["eval-acceptance", "--dataset", "mt-bench", "--limit", "2", "--max-new-tokens", "32",
+            "--mode", "teacher-forced", "--lookup", "--out", str(out)]
+    res = runner.invoke(app, args)
     assert res.exit_code == 0, res.output
     tf = json.loads(out.read_text())["datasets"]["mt-bench"]["drafts"]
     tf = next(iter(tf.values()))["teacher_forced"]
-    alone = tf["lookup"]["draft_alone"]
-    assert alone["anchors"] == tf["anchors"] and 0 <= tf["lookup"]["anchors_looked_up"] <= tf["anchors"]
+    pair = tf["lookup"]["with_lookup"]
+    assert pair["anchors"] == tf["anchors"] and 0 <= tf["lookup"]["anchors_looked_up"] <= tf["anchors"]
     if tf["lookup"]["anchors_looked_up"] == 0:
-        assert tf["tau"] == alone["tau"]
+        assert tf["tau"] == pair["tau"]
+    res = runner.invoke(app, [*args[:-2], "--temperature", "1"])
+    assert res.exit_code == 2 and "greedy" in res.output
 
 
 def test_a_lookup_row_never_widens_a_batchs_verify_and_teaches_the_gate_nothing():
@@ -193,4 +214,4 @@ def test_a_lone_row_that_looks_up_runs_no_draft(policy):
     assert copied and all(n == 0 and ms == 0.0 for _, n, ms, _ in copied)
     assert all(gap == 0 for *_, gap in copied)  # all γ = 4 verified, within the budget
     assert all(n == 1 for f, n, _, _ in rounds if not f)  # a round without a copy drafts
-    assert rep.siblings["lookup"] == len(copied)
+    assert rep.streams.lookup.rounds == len(copied)

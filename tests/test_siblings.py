@@ -93,11 +93,15 @@ def test_greedy_identity_with_siblings(family, oracle, siblings, policy, monkeyp
         assert a.tokens == b.tokens, f"request {i} differs"
     single = eng.generate([PROMPTS[2]], 40)
     assert single.outputs[0].tokens == base.outputs[2].tokens
-    assert rep.siblings.get("rows", 0) > 0  # siblings were verified
-    # τ counts every emitted token: rounds' tokens add up to what was generated after the prefill's
-    assert rep.stats.tokens == sum(len(o.tokens) - 1 for o in rep.outputs)
+    st = rep.streams
+    assert st.sibling_rows > 0 and st.siblings_verified >= st.sibling_rows  # siblings were verified
+    # the engine's τ counts every emitted token: its rounds' tokens add up to what was generated after the prefill's
+    assert st.speculative_tokens + st.plain_rows == sum(len(o.tokens) - 1 for o in rep.outputs)
+    # the draft's own stream counts its chain alone: a taken sibling is none of its accepted drafts
+    assert st.draft.tokens == st.speculative_tokens - st.sibling_taken - st.lookup.tokens
+    assert st.sibling_taken <= st.sibling_chances <= st.sibling_rows
     if not oracle:  # a random draft misses x1 often: its runners-up must have been taken somewhere
-        assert rep.siblings["taken"] > 0, rep.siblings
+        assert st.sibling_taken > 0, st
 
 
 def test_siblings_off_or_refused_when_sampling():
@@ -109,11 +113,11 @@ def test_siblings_off_or_refused_when_sampling():
         SpeculativeEngine(tgt, draft, parse_policy("static:2"), hot, siblings=2)
     eng = SpeculativeEngine(tgt, draft, parse_policy("dspark", sps=FLAT), hot, siblings="auto")
     rep = eng.generate(PROMPTS[:2], 12, generator=torch.Generator().manual_seed(0))
-    assert rep.siblings == {}
+    assert rep.streams.sibling_rows == 0
     # auto without a table to price them proposes none; 0 proposes none
     for s, pol in (("auto", "static:2"), (0, "static:2")):
         e = SpeculativeEngine(tgt, draft, parse_policy(pol), SamplingParams(0.0), siblings=s)
-        assert e._proposed_siblings() == 0 and e.generate(PROMPTS[:1], 8).siblings == {}
+        assert e._proposed_siblings() == 0 and e.generate(PROMPTS[:1], 8).streams.sibling_rows == 0
 
 
 @pytest.mark.parametrize("bad", ["many", "-1", "17", "2.5"])
@@ -193,7 +197,7 @@ def test_siblings_with_other_heads_and_a_reduced_vocabulary(kw):
     rep = eng.generate(PROMPTS, 32)
     base = plain_generate(TargetAdapter(model), PROMPTS, 32, SamplingParams(0.0))
     assert [o.tokens for o in rep.outputs] == [o.tokens for o in base.outputs]
-    assert rep.siblings["rows"] > 0
+    assert rep.streams.sibling_rows > 0
     prop = draft.propose(eng.draft.new_state(1, "cpu", torch.float32), torch.tensor([5]), SamplingParams(0.0), None,
                          need_probs=False, alternatives=3)
     alts = prop.block.alternatives
@@ -222,7 +226,7 @@ def test_an_eager_target_keeps_its_chain():
         SpeculativeEngine(tgt, draft, parse_policy("static:2"), SamplingParams(0.0), siblings=2)
     eng = SpeculativeEngine(tgt, draft, parse_policy("dspark", sps=FLAT), SamplingParams(0.0), siblings="auto")
     rep = eng.generate(PROMPTS[:2], 16)
-    assert rep.siblings == {}
+    assert rep.streams.sibling_rows == 0
     assert [o.tokens for o in rep.outputs] == [o.tokens for o in plain_generate(TargetAdapter(model), PROMPTS[:2], 16,
                                                                                 SamplingParams(0.0)).outputs]
 

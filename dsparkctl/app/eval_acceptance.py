@@ -12,6 +12,7 @@ from typing import Any, Callable
 from dsparkctl.app.preflight import Output, check_outputs, local_inputs
 from dsparkctl.checks import check_positive
 from dsparkctl.data.prompts import apply_preset_wrap, encode_prompts, load_prompts, with_preset
+from dsparkctl.engine.lookup import lookup_setting
 from dsparkctl.engine.session import ModelSettings, open_target
 from dsparkctl.errors import UsageError, option
 from dsparkctl.evaluation.acceptance import MODES, EvalOptions, drafts_under_test, evaluate_acceptance, trace_paths
@@ -36,7 +37,7 @@ class EvalSpec(ModelSettings):
     mode: str = "both"  # one of MODES
     batch_size: int = 8
     chat: bool = True  # wrap prompts in the target's chat template
-    lookup: bool = False  # greedy: the draft with context lookup, as generate runs it (engine/lookup.py)
+    lookup: bool = False  # greedy: the draft with context lookup, as generate runs it (engine/lookup.py); refused sampled
     plot: Path | None = None  # a Figure-2-style PNG
     trace: Path | None = None  # live round traces (`trace_paths`)
     out: Path | None = None  # the document, also written here
@@ -57,9 +58,7 @@ def run_eval_acceptance(spec: EvalSpec, *,
         raise UsageError(f"{option('labels')} must be given once per {option('drafts')}",
                          f"give as many {option('labels')} as {option('drafts')}, in the same order, or none")
     live = spec.mode != "teacher-forced"
-    if spec.lookup and spec.trace is not None and live:
-        raise UsageError(f"{option('trace')} records the draft's own rounds (for calibrate and sweep-scheduler); "
-                         "context lookup's would mix into them", f"drop {option('lookup')}, or {option('trace')}")
+    lookup_setting(bool(spec.lookup), temperature == 0, spec.trace is not None and live)  # asked for where it cannot apply
     sources = spec.drafts or (None,)
     inputs = local_inputs(*spec.datasets, target=spec.target, drafts=sources)
     check_outputs([o for o in (Output(spec.out, option("out")) if spec.out else None,

@@ -17,6 +17,7 @@ from dsparkctl.checks import check_positive
 from dsparkctl.data.prompts import apply_preset_wrap, encode_prompts, prompt_texts, with_preset
 from dsparkctl.distributed import from_main
 from dsparkctl.engine.decode import OnTokens
+from dsparkctl.engine.lookup import lookup_setting
 from dsparkctl.engine.policy_choice import (calibration_notes, default_policy, plan_policy, policy_notes,
                                             recording_policy)
 from dsparkctl.engine.report import GenerateOptions, generate_report
@@ -53,8 +54,9 @@ class GenerateSpec(ModelSettings):
     baseline: bool = False  # also plain decoding of the same prompts
     repeats: int = 1  # timed runs of each decoder (GenerateOptions)
     siblings: str = "auto"  # greedy: x1's siblings verified beside the chain (engine/siblings.py): auto or a count
-    lookup: bool = True  # greedy: where the context repeats itself, verify the block copied from it (engine/lookup.py);
-                         # off with a trace, which records the draft's own rounds for calibrate and sweep-scheduler
+    lookup: bool | None = None  # greedy: where the context repeats itself, verify the block copied from it
+                                # (engine/lookup.py). None: on where it applies (greedy, no trace, which records
+                                # the draft's own rounds for calibrate and sweep-scheduler); True there refused
 
 
 def _quiet(message: str) -> None:
@@ -77,6 +79,7 @@ def run_generate(spec: GenerateSpec, *,
     sampling = SamplingParams(temperature=temperature, top_k=spec.top_k, top_p=spec.top_p)
     check_positive(spec.batch_size, "batch_size")
     siblings = _siblings(spec, sampling.greedy)
+    lookup = lookup_setting(spec.lookup, sampling.greedy, spec.trace is not None)
     if spec.trace is not None:
         check_outputs([Output(spec.trace, option("trace"))],
                       local_inputs(spec.prompts_file, spec.sps_table, spec.calibration, spec.dataset,
@@ -114,7 +117,7 @@ def run_generate(spec: GenerateSpec, *,
         note(m)
     opts = GenerateOptions(
         sampling=sampling, max_new_tokens=max_new_tokens, batch_size=1 if spec.stream else spec.batch_size,
-        seed=spec.seed, policy=pol, siblings=siblings, lookup=spec.lookup and spec.trace is None, baseline=spec.baseline, repeats=spec.repeats, trace=spec.trace,
+        seed=spec.seed, policy=pol, siblings=siblings, lookup=lookup, baseline=spec.baseline, repeats=spec.repeats, trace=spec.trace,
         trace_header=provenance(target=sess.target.name, draft=sess.draft_name, draft_fingerprint=sess.draft.fingerprint(),
                                 dataset=spec.dataset or (str(spec.prompts_file) if spec.prompts_file else "args"),
                                 temperature=temperature, top_p=spec.top_p, top_k=spec.top_k, seed=spec.seed,
@@ -122,6 +125,7 @@ def run_generate(spec: GenerateSpec, *,
     on_tokens = _text_stream(sess.target.tokenizer, on_text or (lambda r, text: None)) if spec.stream else None
     progress = (lambda done, total: on_progress(len(ids) * done // total, len(ids))) if on_progress else None
     report = generate_report(sess, ids, opts, on_tokens=on_tokens, on_batch=progress)
+    report["lookup"]["setting"] = "auto" if spec.lookup is None else spec.lookup  # as asked; `effective`: as run
     if "trace_note" in report:  # a trace calibrate or sweep-scheduler cannot (fully) use: said, and kept in notes
         sess.notes.append(report["trace_note"])
         note(report["trace_note"])

@@ -80,10 +80,12 @@ def generate(
     siblings: Annotated[str, typer.Option("--siblings", help="Greedy only: also verify the draft's next-best "
                                           "tokens for the first position beside its chain, as a tree (one forward); "
                                           "auto prices them with the SPS table, a number fixes how many, 0 is off.")] = "auto",
-    lookup: Annotated[bool, typer.Option("--lookup/--no-lookup", help="Greedy only: where the text so far holds "
-                                         "the last 2-4 tokens earlier, verify what followed them there instead of "
-                                         "the draft's block (all γ positions). Off with --trace, which records "
-                                         "the draft's own rounds.")] = True,
+    lookup: Annotated[Optional[bool], typer.Option("--lookup/--no-lookup", help="Greedy only: where the text so far "
+                                                   "holds the last 2-4 tokens earlier, verify what followed them there "
+                                                   "instead of the draft's block (all γ positions). Default: on under "
+                                                   "greedy decoding without --trace (which records the draft's own "
+                                                   "rounds); asked for with sampling or --trace, refused.",
+                                                   show_default=False)] = None,
     chat: Annotated[bool, typer.Option("--chat/--no-chat", help="Wrap prompts in the target's chat template.")] = True,
     show_text: Annotated[bool, typer.Option("--text/--no-text", help="Print the generated text.")] = True,
     trust_remote_code: TrustRemoteCodeOpt = False,
@@ -124,8 +126,8 @@ def print_report(report: dict[str, Any], texts: bool) -> None:
     out.print(summary_table(report))
     if "scheduler_note" in report:
         out.print(styled(("note: ", "yellow"), (report["scheduler_note"], "")))
-    out.print(acceptance_table(report, "per-position acceptance (conditional = accepted/reached; "
-                                       "survival = P(first j accepted))"))
+    out.print(acceptance_table(report, "the draft's per-position acceptance: its chain only, without siblings or "
+                                       "copied blocks (conditional = accepted/reached; survival = P(first j accepted))"))
 
 
 def _stream_printer():
@@ -147,21 +149,30 @@ def summary_table(report: dict[str, Any]) -> Table:
               f"policy {report['policy']} · T={s['temperature']}", title_justify="left")
     t.add_column("metric")
     t.add_column("value", justify="right")
+    eng = report.get("engine") or {}
+    if eng.get("tau") is not None:
+        t.add_row("engine τ (tokens per speculative round, every proposer)", f"{eng['tau']:.3f}")
     tau = acc["tau"]
-    t.add_row("τ (tokens per round, bonus included)", f"{tau:.3f}" if tau else "-")
-    for key, label in (("draft_acceptance_rate", "draft acceptance rate (vLLM)"),
-                       ("verify_rate", "verify rate (DeepSpec)")):
+    t.add_row("the draft's τ (its chain's tokens per round it verified)", f"{tau:.3f}" if tau else "-")
+    for key, label in (("draft_acceptance_rate", "the draft's acceptance rate (vLLM)"),
+                       ("verify_rate", "the draft's verify rate (DeepSpec)")):
         if acc.get(key) is not None:
             t.add_row(label, f"{100 * acc[key]:.1f}%")
-    t.add_row("rounds / engine steps", f"{acc['rounds']} / {report['engine_steps']}")
+    t.add_row("rounds verifying the draft / engine steps", f"{acc['rounds']} / {report['engine_steps']}")
     if "drafted_steps" in report:
         t.add_row("engine steps that speculated (drafted or copied)", f"{report['drafted_steps']} / {report['engine_steps']}")
     sib = report.get("siblings") or {}
     if sib.get("rows_verified_with"):
-        t.add_row("rows verified with siblings of x1 / that took one",
-                  f"{sib['rows_verified_with']} / {sib['rows_that_took_one']}")
-    if (report.get("lookup") or {}).get("rows_verified_with"):
-        t.add_row("rounds verifying a block copied from the context", str(report["lookup"]["rows_verified_with"]))
+        t.add_row("siblings of x1: rounds verified with / chain lost x1 / took one",
+                  f"{sib['rows_verified_with']} / {sib['chain_lost_x1']} / {sib['rows_that_took_one']}")
+    look = report.get("lookup") or {}
+    if look.get("rows_verified_with"):
+        la = look["acceptance"]
+        t.add_row("rounds verifying a block copied from the context (its τ)",
+                  f"{look['rows_verified_with']} ({la['tau']:.3f})")
+    run = lambda v: "off" if not v else "on" if v is True else str(v)  # noqa: E731
+    t.add_row("context lookup / siblings of x1, as run",
+              f"{run(look.get('effective'))} / {run(sib.get('effective'))}")
     t.add_row("generated tokens", str(report["generated_tokens"]))
     runs = f" (median of {report['repeats']})" if report.get("repeats", 1) > 1 else ""
     t.add_row(f"speculative tokens/s{runs}", f"{report['tokens_per_s']:.1f}")

@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Protocol, Sequence
 import torch
 
 from dsparkctl.distributed import DATA_PARALLEL, Split
-from dsparkctl.engine.rounds import RequestOutput, RunReport
+from dsparkctl.engine.rounds import RequestOutput, RunReport, Streams
 from dsparkctl.engine.speculative import SpeculativeEngine, plain_generate
 from dsparkctl.errors import UsageError, option
 from dsparkctl.formats.trace import TraceRound
@@ -62,29 +62,31 @@ def batch_generator(device: torch.device | str, seed: int, index: int) -> torch.
 @dataclass
 class PromptsResult:
     outputs: list[RequestOutput | None]  # prompt order; None for prompts this process did not run
-    stats: AcceptanceStats | None  # merged over batches (None for plain decoding)
+    streams: Streams | None  # each proposer's outcomes, merged over batches (None for plain decoding)
     times_ms: dict[str, float] = field(default_factory=dict)  # summed engine phase times
     rounds: int = 0  # engine steps
     drafted_steps: int = 0  # engine steps that speculated, drafted or copied (the policy planned the rest as plain steps)
-    siblings: dict[str, int] = field(default_factory=dict)  # rows verified with siblings / that took one
     wall_s: float = 0.0
     trace_rows: list[TraceRound] = field(default_factory=list)  # merged runs only (distributed)
+
+    @property
+    def stats(self) -> AcceptanceStats | None:
+        """The draft's own acceptance (None for plain decoding)."""
+        return None if self.streams is None else self.streams.draft
 
     @property
     def generated(self) -> int:
         return sum(len(o.tokens) for o in self.outputs if o is not None)
 
-    def add(self, outputs: Iterable[tuple[int, RequestOutput]], stats: AcceptanceStats | None, rounds: int,
-            times_ms: dict[str, float], drafted_steps: int = 0, siblings: dict[str, int] | None = None) -> None:
+    def add(self, outputs: Iterable[tuple[int, RequestOutput]], streams: Streams | None, rounds: int,
+            times_ms: dict[str, float], drafted_steps: int = 0) -> None:
         """Fold in one batch's or one rank's part: outputs by prompt index, summed statistics and times."""
         for i, o in outputs:
             self.outputs[i] = o
-        if self.stats is not None:
-            self.stats = self.stats.merge(stats)
+        if self.streams is not None:
+            self.streams = self.streams.merge(streams)
         self.rounds += rounds
         self.drafted_steps += drafted_steps
-        for k, v in (siblings or {}).items():
-            self.siblings[k] = self.siblings.get(k, 0) + v
         for k, v in times_ms.items():
             self.times_ms[k] = self.times_ms.get(k, 0.0) + v
 
@@ -107,8 +109,7 @@ def run_prompts(decode: Decoder, prompts: Sequence[Sequence[int]], batch_size: i
         todo = split.mine(todo)
         rows: list[TraceRound] = []
         final_on_round, on_round = on_round, rows.extend  # every rank keeps its rows (writers are rank-aware)
-    res = PromptsResult(outputs=[None] * len(prompts),
-                        stats=AcceptanceStats(block_size=block_size) if block_size else None)
+    res = PromptsResult(outputs=[None] * len(prompts), streams=Streams.empty(block_size) if block_size else None)
     t0 = time.perf_counter()
     for done, b in enumerate(todo, 1):
         idx = ranges[b]
@@ -117,8 +118,7 @@ def run_prompts(decode: Decoder, prompts: Sequence[Sequence[int]], batch_size: i
                          ) if on_round else None
         shifted_tokens = (lambda r, toks, base=base: on_tokens(r + base, toks)) if on_tokens else None
         rep = decode([list(prompts[i]) for i in idx], batch_generator(device, seed, b), shifted_round, shifted_tokens)
-        res.add(zip(idx, rep.outputs), rep.stats, rep.rounds, rep.times_ms, rep.drafted_steps,
-                rep.siblings)
+        res.add(zip(idx, rep.outputs), rep.streams, rep.rounds, rep.times_ms, rep.drafted_steps)
         if on_batch:
             on_batch(done, len(todo))
     res.wall_s = time.perf_counter() - t0
@@ -132,10 +132,10 @@ def run_prompts(decode: Decoder, prompts: Sequence[Sequence[int]], batch_size: i
 def _merge(pieces: list[tuple[PromptsResult, list[TraceRound]]], n: int, block_size: int | None) -> PromptsResult:
     """Every rank's part of a run -> the one-process result (outputs in prompt order, summed
     statistics and times, the slowest rank's wall time, trace rows ordered by request and round)."""
-    out = PromptsResult(outputs=[None] * n, stats=AcceptanceStats(block_size=block_size) if block_size else None)
+    out = PromptsResult(outputs=[None] * n, streams=Streams.empty(block_size) if block_size else None)
     for part, _ in pieces:
-        out.add(((i, o) for i, o in enumerate(part.outputs) if o is not None), part.stats, part.rounds, part.times_ms,
-                part.drafted_steps, part.siblings)
+        out.add(((i, o) for i, o in enumerate(part.outputs) if o is not None), part.streams, part.rounds,
+                part.times_ms, part.drafted_steps)
         out.wall_s = max(out.wall_s, part.wall_s)
     out.trace_rows = sorted((r for _, rows in pieces for r in rows), key=lambda r: (r.request, r.round))
     return out

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dsparkctl.errors import UsageError, option
+
 MATCH_LENGTHS = (4, 3, 2)  # longest first: a longer match is right more often
 
 
@@ -90,3 +92,18 @@ def lookup_betas(tokens: Tensor, start: int, count: int, gamma: int) -> tuple[Te
             found[i] = True
             hits[i] = (block == t[a + 1: a + 1 + gamma]).float()
     return hits, found
+
+
+def lookup_setting(asked: bool | None, greedy: bool, trace: bool) -> bool:
+    """`--lookup`: on by default where it applies (greedy decoding without a trace); asked for
+    where it cannot apply, refused rather than dropped."""
+    if asked is None:
+        return greedy and not trace
+    if asked and not greedy:
+        raise UsageError(f"{option('lookup')} copies blocks only under greedy decoding: sampled, a copy would "
+                         "not be drawn from the draft's distribution", f"drop {option('lookup')}, or use "
+                         f"{option('temperature')} 0")
+    if asked and trace:
+        raise UsageError(f"{option('trace')} records the draft's own rounds (for calibrate and sweep-scheduler); "
+                         "context lookup's would mix into them", f"drop {option('lookup')}, or {option('trace')}")
+    return asked

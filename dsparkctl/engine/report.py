@@ -63,7 +63,7 @@ def generate_report(sess: Session, prompt_ids: Sequence[Sequence[int]], opts: Ge
                            sess.device, block_size=gamma, on_round=writer.write if writer else None,
                            on_tokens=on_tokens, on_batch=on_batch, split=sess.split)
     spec_tps, plain_tps, plain = _timed_runs(sess, engine, prompt_ids, opts, spec)
-    report = _settings(sess, pol, prompt_ids, opts) | _acceptance(spec, spec_tps, opts)
+    report = _settings(sess, pol, prompt_ids, opts) | _acceptance(spec, spec_tps, opts, engine)
     report["notes"] = sess.notes
     if (why := scheduler_note(pol, spec.drafted_steps, spec.rounds, min(opts.batch_size, len(prompt_ids)),
                               gamma)) is not None:
@@ -124,18 +124,22 @@ def _settings(sess: Session, pol: Policy, prompt_ids: Sequence[Sequence[int]], o
             "prompts": len(prompt_ids), "batch_size": opts.batch_size, "max_new_tokens": opts.max_new_tokens}
 
 
-def _acceptance(spec: PromptsResult, spec_tps: list[float], opts: GenerateOptions) -> dict[str, Any]:
-    """The speculative run's counts, acceptance and timing."""
-    stats = spec.stats
+def _acceptance(spec: PromptsResult, spec_tps: list[float], opts: GenerateOptions,
+                engine: SpeculativeEngine) -> dict[str, Any]:
+    """The speculative run's counts, each proposer's acceptance apart (engine/rounds.py: `acceptance`
+    is the draft's own chain), the engine's τ over them all, and timing."""
+    streams = spec.streams
+    stats = streams.draft
     out: dict[str, Any] = {
         "generated_tokens": spec.generated, "wall_s": spec.wall_s, "repeats": opts.repeats,
         "tokens_per_s": statistics.median(spec_tps), "tokens_per_s_runs": spec_tps,
         "acceptance": stats.to_json(), "conditional_interval": stats.conditional_interval(),
-        "survival_interval": stats.survival_interval(), "timing_ms": spec.times_ms, "engine_steps": spec.rounds,
-        "drafted_steps": spec.drafted_steps,
-        "siblings": {"setting": opts.siblings, "rows_verified_with": spec.siblings.get("rows", 0),
-                     "rows_that_took_one": spec.siblings.get("taken", 0)},
-        "lookup": {"setting": opts.lookup, "rows_verified_with": spec.siblings.get("lookup", 0)}}
+        "survival_interval": stats.survival_interval(), "engine": streams.engine_json(),
+        "timing_ms": spec.times_ms, "engine_steps": spec.rounds, "drafted_steps": spec.drafted_steps,
+        "siblings": {"setting": opts.siblings, "effective": engine.effective_siblings,
+                     **streams.siblings_json()},
+        "lookup": {"setting": opts.lookup, "effective": engine.lookup, "rows_verified_with": streams.lookup.rounds,
+                   "acceptance": streams.lookup.to_json() if streams.lookup.rounds else None}}
     return out
 
 

@@ -22,14 +22,13 @@ from dsparkctl.checks import check_positive
 from dsparkctl.engine import siblings as sib
 from dsparkctl.engine.clock import Clock
 from dsparkctl.engine.lookup import History
-from dsparkctl.engine.rounds import RequestOutput, Round, RunReport, count_siblings, trace_rows
+from dsparkctl.engine.rounds import RequestOutput, Round, RunReport, Streams, trace_rows
 from dsparkctl.errors import UsageError, option
 from dsparkctl.formats.trace import TraceRound
 from dsparkctl.math.draft_sampling import DraftBlock
 from dsparkctl.math.policies import Policy
 from dsparkctl.math.policy_spec import check_fits
 from dsparkctl.math.sampling import SamplingParams, draw, warp_probs
-from dsparkctl.math.stats import AcceptanceStats
 from dsparkctl.math.verify import VerifyResult, verify
 from dsparkctl.models.draft import DSparkDraft
 from dsparkctl.models.draft_inference import DraftState
@@ -86,14 +85,20 @@ class SpeculativeEngine:
         self.sibling_rate = sib.SiblingRate()  # what runners-up realised this batch (`auto`; reset per batch)
         self.lookup = lookup and sampling.greedy and self.draft_sampling.greedy  # engine/lookup.py: greedy only
 
-    def _proposed_siblings(self) -> int:
-        """How many runners-up the draft keeps: none unless both sides are greedy; for `auto`
-        none without an SPS table to price them."""
+    @property
+    def effective_siblings(self) -> int | str:
+        """What the siblings setting comes to in this engine: 0 where it cannot apply (sampling, a
+        target without tree attention, `auto` without an SPS table)."""
         if not (self.sampling.greedy and self.draft_sampling.greedy) or not self.target.takes_trees:
             return 0
         if self.siblings == sib.AUTO:
-            return sib.MAX_SIBLINGS if self.policy.sps is not None else 0
+            return sib.AUTO if self.policy.sps is not None else 0
         return int(self.siblings)
+
+    def _proposed_siblings(self) -> int:
+        """How many runners-up the draft keeps (`auto`: as many as `plan` may price)."""
+        eff = self.effective_siblings
+        return sib.MAX_SIBLINGS if eff == sib.AUTO else int(eff)
 
     def sibling_feed(self, block, conf: torch.Tensor | None,
                      ell: torch.Tensor) -> tuple[sib.SiblingFeed | None, torch.Tensor]:
@@ -223,9 +228,8 @@ class SpeculativeEngine:
         # drafting pays, siblings and all
         self.policy.observe(*self._the_drafts(ell, res.accepted, looked))
         kept, stopped = self.commit(live, res, out, feed, taken)
-        if taken is not None:
-            ell = torch.where(taken >= 0, 1, ell)
-        return Round(verify_lengths=ell, budget_capped=capped, accepted=res.accepted, emitted=res.emitted, kept=kept,
+        chain = res.accepted if taken is None else res.accepted - (taken >= 0).long()  # a taken sibling is not the chain's
+        return Round(verify_lengths=ell, budget_capped=capped, accepted=chain, emitted=res.emitted, kept=kept,
                      stopped=stopped, confidence_logits=prop.confidence_logits, draft_ms=draft_ms, verify_ms=verify_ms,
                      siblings=0 if feed is None else int(feed.tokens.shape[1]), sibling_taken=taken, looked_up=looked)
 
@@ -299,7 +303,7 @@ class SpeculativeEngine:
         check_positive(max_new_tokens, "max_new_tokens")
         gamma = self.draft.block_size
         outputs = [RequestOutput(prompt_tokens=list(p)) for p in prompts]
-        stats = AcceptanceStats(block_size=gamma)
+        streams = Streams.empty(gamma)
         clock = Clock(self.target.device)
         clock.start()
         live = self.prefill(prompts, max_new_tokens, generator)
@@ -317,7 +321,6 @@ class SpeculativeEngine:
         finished = torch.tensor([t in stop or max_new_tokens <= 1 for t in first], device=live.anchors.device)
         round_no = [0] * len(prompts)
         steps = drafted_steps = 0
-        sibs: dict[str, int] = {}
         while True:
             if bool(finished.any()):
                 rows = (~finished).nonzero().flatten()
@@ -327,10 +330,9 @@ class SpeculativeEngine:
             clock.lap("accept")
             rd = self.round(live, max_new_tokens, generator, clock)
             finished = rd.stopped | (live.produced >= max_new_tokens)
-            stats.add_rounds(rd.verify_lengths, rd.accepted)
+            streams.add(rd)
             steps += 1
             drafted_steps += rd.drafted
-            count_siblings(sibs, rd)
             emitted, kept, requests = rd.emitted.tolist(), rd.kept.tolist(), live.requests.tolist()
             for i, req in enumerate(requests):
                 toks = emitted[i][: kept[i]]
@@ -347,8 +349,7 @@ class SpeculativeEngine:
         clock.lap("accept")
         times = dict(clock.totals)
         times["total"] = sum(clock.totals.values())
-        return RunReport(outputs=outputs, stats=stats, times_ms=times, rounds=steps, drafted_steps=drafted_steps,
-                         siblings=sibs)
+        return RunReport(outputs=outputs, streams=streams, times_ms=times, rounds=steps, drafted_steps=drafted_steps)
 
 
 @torch.no_grad()
@@ -394,4 +395,4 @@ def plain_generate(target: TargetAdapter, prompts: Sequence[Sequence[int]], max_
     clock.lap("decode")
     times = dict(clock.totals)
     times["total"] = sum(clock.totals.values())
-    return RunReport(outputs=outputs, stats=AcceptanceStats(block_size=1), times_ms=times, rounds=steps)
+    return RunReport(outputs=outputs, streams=Streams.empty(1), times_ms=times, rounds=steps)

@@ -128,11 +128,18 @@ def evaluate_acceptance(model: Any, target_name: str, drafts: Sequence[DraftUnde
     return doc
 
 
-def live_json(res: LiveResult) -> dict[str, Any]:
+def live_json(res: LiveResult, lookup: bool = False) -> dict[str, Any]:
+    """The draft's own live figures at the top; with context lookup, the copies' and the engine's
+    τ over both under `lookup` (engine/rounds.py)."""
     s = res.stats
-    return {**s.to_json(), "conditional_interval": s.conditional_interval(), "survival_interval": s.survival_interval(),
-            "positions": res.positions, "seconds": round(res.seconds, 3),
-            "ms_per_position": round(1000 * res.seconds / max(res.positions, 1), 4)}
+    out = {**s.to_json(), "conditional_interval": s.conditional_interval(), "survival_interval": s.survival_interval(),
+           "positions": res.positions, "seconds": round(res.seconds, 3),
+           "ms_per_position": round(1000 * res.seconds / max(res.positions, 1), 4)}
+    if lookup and res.streams is not None:
+        look = res.streams.lookup
+        out["lookup"] = {"rounds_looked_up": look.rounds, "copies": look.to_json() if look.rounds else None,
+                         "engine_tau": res.streams.engine_tau}
+    return out
 
 
 def evaluate_dataset(model: Any, drafts: Sequence[DraftUnderTest], prompts: Sequence[Sequence[int]], *, mode: str,
@@ -166,7 +173,7 @@ def evaluate_dataset(model: Any, drafts: Sequence[DraftUnderTest], prompts: Sequ
                                      on_round=on_round if keep or writer else None, split=split, lookup=lookup)
             if writer:
                 r["trace"] = str(tp)
-            r["live"] = live_json(live)
+            r["live"] = live_json(live, lookup and params.greedy)
             r["live"]["confidence"] = confidence_report(rounds, d.calibration)  # rank 0 gets every rank's rounds
             conts = live.continuations
             log(f"{d.label}: live τ {live.stats.tau:.3f} in {live.seconds:.1f}s")
@@ -199,7 +206,8 @@ def evaluate_dataset(model: Any, drafts: Sequence[DraftUnderTest], prompts: Sequ
 
 def _tf_line(label: str, tf: Any, secs: float) -> str:
     """The log line of a teacher-forced pass (with context lookup: the draft's own τ beside)."""
-    alone = f" (the draft alone: {tf.draft_alone.tau:.3f})" if tf.draft_alone is not None and tf.draft_alone.tau else ""
+    pair = tf.with_lookup
+    alone = f" (with context lookup: {pair.tau:.3f})" if pair is not None and pair.tau else ""
     return f"{label}: teacher-forced τ {tf.tau if tf.tau is not None else float('nan'):.3f}{alone} in {secs:.1f}s"
 
 

@@ -14,6 +14,7 @@ import torch
 
 from dsparkctl.distributed import DATA_PARALLEL, Split
 from dsparkctl.engine.decode import plain_decoder, run_prompts, speculative_decoder
+from dsparkctl.engine.rounds import Streams
 from dsparkctl.engine.speculative import SpeculativeEngine
 from dsparkctl.formats.trace import TraceRound
 from dsparkctl.math.policy_spec import parse_policy
@@ -25,9 +26,10 @@ from dsparkctl.models.target import TargetAdapter
 
 @dataclass
 class LiveResult:
-    stats: AcceptanceStats
+    stats: AcceptanceStats  # the draft's own chain (engine/rounds.py)
     continuations: list[list[int]]  # generated ids per prompt (EOS included when hit)
     seconds: float  # wall time of the rollouts (prefill included)
+    streams: Streams | None = None  # every proposer's outcomes (with context lookup: the copies' apart)
 
     @property
     def positions(self) -> int:
@@ -45,7 +47,8 @@ def live_rollouts(model: torch.nn.Module, draft: DSparkDraft, prompts: Sequence[
                                lookup=lookup)
     res = run_prompts(speculative_decoder(engine, max_new_tokens), prompts, batch_size, seed, adapter.device,
                       block_size=draft.block_size, on_round=on_round, on_batch=on_batch, split=split)
-    return LiveResult(stats=res.stats, continuations=[o.tokens for o in res.outputs], seconds=res.wall_s)
+    return LiveResult(stats=res.stats, continuations=[o.tokens for o in res.outputs], seconds=res.wall_s,
+                      streams=res.streams)
 
 
 def target_continuations(model: torch.nn.Module, prompts: Sequence[Sequence[int]], params: SamplingParams,

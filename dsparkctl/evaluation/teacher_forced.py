@@ -19,7 +19,8 @@ Intervals are 95% cluster-robust (prompts are the clusters) delta-method interva
 
 With context lookup (greedy; engine/lookup.py), an anchor whose prefix repeats its last 2–4
 tokens earlier is scored by the block copied from there instead of the draft's: β_k(a) = 1 where
-the copied token is x_{a+k}. The draft's own figures are kept beside the pair's (`draft_alone`).
+the copied token is x_{a+k}. The top-level figures stay the draft's own; the pair's are kept
+beside them (`with_lookup`).
 """
 
 from __future__ import annotations
@@ -94,8 +95,8 @@ class TeacherForcedStats:
     block_size: int
     sums: list[list[float]] = field(default_factory=list)  # per sequence: [Σ_a s_1(a), ..., Σ_a s_γ(a)]
     counts: list[int] = field(default_factory=list)  # per sequence: anchors
-    draft_alone: "TeacherForcedStats | None" = None  # with context lookup: the draft's own figures
-    looked_up: int = 0  # with context lookup: anchors scored by the lookup's block
+    with_lookup: "TeacherForcedStats | None" = None  # with context lookup: the draft and the lookup together
+    looked_up: int = 0  # with context lookup: anchors the lookup's block scores in the pair
 
     def add(self, betas: torch.Tensor) -> None:
         """betas: [A, γ] for one sequence (A may be 0: nothing recorded)."""
@@ -182,8 +183,8 @@ class TeacherForcedStats:
                "anchors": self.anchors, "tau": self.tau, "tau_interval": self.tau_interval(),
                "conditional": self.conditional(), "conditional_interval": self.conditional_interval(),
                "survival": self.survival(), "survival_interval": self.survival_interval()}
-        if self.draft_alone is not None:
-            out["lookup"] = {"anchors_looked_up": self.looked_up, "draft_alone": self.draft_alone.to_json()}
+        if self.with_lookup is not None:
+            out["lookup"] = {"anchors_looked_up": self.looked_up, "with_lookup": self.with_lookup.to_json()}
         return out
 
 
@@ -211,7 +212,7 @@ def evaluate_sequences(draft: DSparkDraft, model: Any, seqs: Sequence[Sequence[i
                        params: SamplingParams, batch_size: int = 8, split: Split = DATA_PARALLEL,
                        lookup: bool = False) -> TeacherForcedStats:
     """Teacher-forced statistics of `draft` on target continuations `seqs` (prompt + response ids);
-    with `lookup` (greedy only) those of the draft with context lookup, the draft's own beside them.
+    with `lookup` (greedy only) those of the draft with context lookup beside them (`with_lookup`).
 
     Under torchrun the sequences are shared among ranks as `split` says and every rank gets the
     merged result, with sequences in their original order (so intervals are the one-process ones)."""
@@ -231,11 +232,11 @@ def evaluate_sequences(draft: DSparkDraft, model: Any, seqs: Sequence[Sequence[i
     for other in split.merged(per_seq):
         per_seq.update(other)
     stats = TeacherForcedStats(block_size=draft.block_size)
-    alone = TeacherForcedStats(block_size=draft.block_size)
+    pair = TeacherForcedStats(block_size=draft.block_size)
     for j in range(len(seqs)):
-        stats.add(per_seq[j][0])
-        alone.add(per_seq[j][1])
+        pair.add(per_seq[j][0])
+        stats.add(per_seq[j][1])
         stats.looked_up += int(per_seq[j][2][:, 0].sum()) if per_seq[j].shape[1] else 0
     if lookup:
-        stats.draft_alone = alone
+        stats.with_lookup = pair
     return stats

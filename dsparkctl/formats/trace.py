@@ -18,6 +18,12 @@ Every further line is one round of one request:
                              (max new tokens); optional, false when absent (older traces)
     drafted            bool  false when the policy skipped the draft (a plain step: no
                              confidences, ℓ = 0); optional, true when absent
+    proposer           str   "lookup" when the row verified a block copied from the context
+                             instead of the draft's (no confidences); optional, the draft's when
+                             absent. `generate --trace` runs without lookup, so its traces hold none
+    sibling_taken      bool  the chain lost x1 and the round emitted a sibling of it: verify_length
+                             and accepted stay the chain's, the round emitted accepted + 2 tokens;
+                             optional, false when absent (traces run without siblings)
 
 Extra keys are allowed and preserved (forward compatible); these names never change.
 The reader is strict: UTF-8 lines of strict JSON (no NaN/Infinity, each key once), integers

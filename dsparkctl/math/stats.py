@@ -284,4 +284,10 @@ class AcceptanceStats:
             raise ValueError(f"malformed acceptance stats: {exc}") from exc
         if sum(stats.histogram) != stats.rounds:
             raise ValueError("malformed acceptance stats: histogram does not sum to rounds")
+        before = [stats.rounds, *stats.accepted_at[:-1]]  # a position is tested only after the one before passed
+        if (min(stats.histogram + stats.reached + stats.accepted_at + [stats.verified]) < 0
+                or any(not a <= n <= b for a, n, b in zip(stats.accepted_at, stats.reached, before))
+                or stats.tokens != sum((1 + j) * c for j, c in enumerate(stats.histogram))):
+            raise ValueError("malformed acceptance stats: the counts contradict each other (accepted within reached "
+                             "within the position before, tokens = Σ (1 + a) over rounds, none negative)")
         return stats

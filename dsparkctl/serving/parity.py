@@ -84,17 +84,50 @@ def read_offline(path: Path, dataset: str | None = None, draft: str | None = Non
     if not measures:
         raise InputError(f"{path}: draft {label!r} has no live or teacher-forced result", OFFLINE_HINT)
     m = entry[measures[0]]
-    stats = m if measures[0] == "teacher_forced" else _live_stats(m, path)
+    where = f"{path}: {ds_name}/{label} {measures[0].replace('_', '-')}"
+    stats = _tf_stats(m, where) if measures[0] == "teacher_forced" else _live_stats(m, where, bool(doc.get("lookup")))
     return {"source": str(path), "dataset": ds_name, "label": label, "measure": measures[0].replace("_", "-"),
             "block_size": entry.get("block_size"), "temperature": doc.get("temperature"), **stats}
 
 
-def _live_stats(m: dict[str, Any], path: Path) -> dict[str, Any]:
+def _live_stats(m: dict[str, Any], where: str, lookup: bool) -> dict[str, Any]:
+    """The draft's own live figures. A document measured with context lookup before the draft's
+    rounds were kept apart (no `lookup` entry beside them) pools the copies in: refused."""
+    if lookup and not isinstance(m.get("lookup"), dict):
+        raise InputError(f"{where} pools the draft's rounds with context lookup's copies (written before they were "
+                         "kept apart), so it cannot be compared with an engine's draft",
+                         "use --offline-measure teacher-forced, or rerun eval-acceptance")
     try:
         s = AcceptanceStats.from_json(m)
-    except ValueError as exc:
-        raise InputError(f"{path}: {exc}", OFFLINE_HINT) from None
+    except (ValueError, TypeError, KeyError) as exc:
+        raise InputError(f"{where}: {exc}", OFFLINE_HINT) from None
     return _stats_fields(s)
+
+
+def _unit(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 <= v <= 1.0
+
+
+def _tf_stats(m: dict[str, Any], where: str) -> dict[str, Any]:
+    """The draft's own teacher-forced figures, checked (a damaged document is named, not compared).
+    A document from before the draft's figures went to the top keeps them in `lookup.draft_alone`."""
+    look = m.get("lookup")
+    if isinstance(look, dict) and isinstance(look.get("draft_alone"), dict):
+        m = look["draft_alone"]
+    g = m.get("block_size")
+    cond, ci, tau, tci = m.get("conditional"), m.get("conditional_interval"), m.get("tau"), m.get("tau_interval")
+    ok = (isinstance(g, int) and not isinstance(g, bool) and g >= 1 and isinstance(cond, list) and len(cond) == g
+          and isinstance(ci, list) and len(ci) == g
+          and all(c is None or _unit(c) for c in cond)
+          and all((x is None and c is None) or (isinstance(x, list) and len(x) == 2 and all(map(_unit, x))
+                                               and x[0] <= x[1]) for c, x in zip(cond, ci))
+          and (tau is None or (isinstance(tau, (int, float)) and not isinstance(tau, bool) and 1.0 <= tau <= g + 1))
+          and (tci is None or (isinstance(tci, list) and len(tci) == 2
+                               and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in tci))))
+    if not ok:
+        raise InputError(f"{where} is damaged: block_size, conditional (γ values in [0, 1] or null), their "
+                         "intervals and τ (in [1, γ+1]) do not hold together", "rerun eval-acceptance")
+    return {"tau": tau, "tau_interval": tci, "conditional": cond, "conditional_interval": ci}
 
 
 def _stats_fields(s: AcceptanceStats) -> dict[str, Any]:
@@ -148,8 +181,10 @@ def parity(served: dict[str, Any], offline: dict[str, Any]) -> dict[str, Any]:
     tau_agree = _overlap(offline.get("tau_interval"), served.get("tau_interval"))
     causes = _causes(served, offline, rows)
     disagree = [r["position"] for r in rows if r["agree"] is False]
+    served_k, off_k = served.get("positions"), offline.get("block_size")
+    other_size = bool(served_k and off_k and served_k != off_k)  # positions past the shorter side go unchecked
     verdict = ("not-running" if causes and causes[0] == "not-running" else
-               "disagree" if disagree else "agree" if rows else "no-positions")
+               "disagree" if disagree or other_size else "agree" if rows else "no-positions")
     return {"offline": {k: offline[k] for k in ("source", "dataset", "label", "measure", "block_size", "temperature",
                                                 "tau", "tau_interval")},
             "served_tau": served["tau"], "served_tau_interval": served["tau_interval"], "tau_agree": tau_agree,
@@ -183,7 +218,7 @@ def _causes(served: dict[str, Any], offline: dict[str, Any], rows: list[dict[str
     elif first_low:
         out += ["template", "sampling"] + (["markov"] if later_low else [])
     served_k, off_k = served.get("positions"), offline.get("block_size")
-    if (served_k and off_k and served_k != off_k) and (lower or "not-running" in out):
+    if served_k and off_k and served_k != off_k:
         out.insert(1 if out and out[0] == "not-running" else 0, "block-size")
     if higher and not lower:
         out.append("prompts")
