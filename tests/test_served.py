@@ -276,6 +276,50 @@ def test_verdict_from_a_trace_and_a_mixed_scrape(tmp_path):
     assert not par["positions"][1]["served_identified"]
 
 
+def test_parity_compares_the_draft_alone_and_refuses_what_cannot_be_compared(tmp_path):
+    """The engine's counters are the draft's alone: an offline document whose live figures pool the
+    draft with context lookup (written before they were kept apart) is refused; one that keeps the
+    copies apart is compared by the draft's own figures. A damaged document is named, not compared;
+    an engine drafting more positions than offline measured is not an agreement."""
+    scrape = VllmServer().feed(rounds(4000, seed=31)).scrape(tmp_path / "m.txt")
+    doc = json.loads(offline_doc(tmp_path / "off.json", rounds(4000, seed=30)).read_text())
+    entry = doc["datasets"]["mt-bench"]["drafts"]["shipped"]
+
+    def run_with(d, *extra):
+        (tmp_path / "d.json").write_text(json.dumps(d))
+        return runner.invoke(app, ["served", str(scrape), "--offline", str(tmp_path / "d.json"), "--json", *extra])
+
+    pooled = {**doc, "lookup": True}
+    r = run_with(pooled)
+    assert r.exit_code != 0 and "pools the draft's rounds with context lookup" in r.stderr and not r.stdout
+    apart = {**pooled, "datasets": {"mt-bench": {"prompts": 80, "drafts": {"shipped": {
+        **entry, "live": {**entry["live"], "lookup": {"rounds_looked_up": 9, "copies": None, "engine_tau": 3.0}}}}}}}
+    r = run_with(apart)
+    assert r.exit_code == 0, r.output
+    assert loads(r.stdout)["parity"]["verdict"] == "agree"
+    tf = {"block_size": K, "anchors": 10, "tau": 2.0, "tau_interval": [1.8, 2.2],
+          "conditional": [0.6, 0.5, 0.45, 0.4, 0.35], "conditional_interval": [[0.5, 0.7]] * K}
+    for bad in ({"conditional": [1.5, 0.5, 0.45, 0.4, 0.35]}, {"conditional": [0.6] * 3},
+                {"conditional_interval": [[0.7, 0.5]] * K}, {"tau": float("nan")}, {"block_size": "5"}):
+        d = {**doc, "mode": "teacher-forced", "datasets": {"mt-bench": {"drafts": {"shipped": {
+            "block_size": K, "teacher_forced": {**tf, **bad}}}}}}
+        (tmp_path / "d.json").write_text(json.dumps(d, allow_nan=True))
+        r = runner.invoke(app, ["served", str(scrape), "--offline", str(tmp_path / "d.json")])
+        assert r.exit_code != 0 and "Traceback" not in r.output, (bad, r.output)
+        assert ("damaged" in r.stderr or "NaN" in r.stderr or "strict" in r.stderr.lower()), (bad, r.stderr)
+    broken = json.loads(json.dumps(doc))
+    broken["datasets"]["mt-bench"]["drafts"]["shipped"]["live"]["accepted_at"][0] += 10 ** 6  # c1 > 1
+    r = run_with(broken)
+    assert r.exit_code != 0 and "contradict" in r.stderr, r.output
+    s3 = AcceptanceStats(block_size=3)
+    short = rounds(4000, seed=30, lengths=(3,))
+    s3.add_rounds([e for e, _ in short], [a for _, a in short])
+    fewer = json.loads(json.dumps(doc))
+    fewer["datasets"]["mt-bench"]["drafts"]["shipped"].update(block_size=3, live=s3.to_json())
+    par = loads(run_with(fewer).stdout)["parity"]
+    assert par["verdict"] == "disagree" and par["causes"][0]["cause"] == "block-size"
+
+
 # ---- planning from served acceptance ---------------------------------------------------------
 
 def test_sweep_and_serve_config_from_served(tmp_path):
