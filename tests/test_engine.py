@@ -19,15 +19,21 @@ PROMPTS = [[5, 6, 7, 8, 9], [3, 4], [10, 11, 12, 13, 14, 15, 16, 17], [20]]
 SPS = SPSTable([1, 2, 4, 8, 16, 32], [100.0, 99.0, 97.0, 90.0, 80.0, 60.0])
 
 
-def _engine(family, policy, oracle, stop=(), block_size=4):
+def _engine(family, policy, oracle, stop=(), block_size=4, **defaults):
     model = tiny_target(family)
     tgt = TargetAdapter(model, [0, 1])
     if oracle:
         draft = bigram_oracle_draft(tgt, PROMPTS, block_size=block_size, layer_ids=[0, 1])
     else:
         draft = random_draft(tgt, seed=3, block_size=block_size, markov_rank=8, layer_ids=[0, 1])
-    eng = SpeculativeEngine(tgt, draft, parse_policy(policy, sps=SPS), SamplingParams(0.0), stop_token_ids=stop)
+    eng = SpeculativeEngine(tgt, draft, parse_policy(policy, sps=SPS), SamplingParams(0.0), stop_token_ids=stop,
+                            **defaults)
     return model, eng
+
+
+# what `generate` runs by default: the dspark gate, siblings priced by the table, context lookup
+DEFAULTS = {"policy": "dspark", "siblings": "auto", "lookup": True}
+CONFIGS = pytest.mark.parametrize("config", [{"policy": "static:4"}, DEFAULTS], ids=["static4", "defaults"])
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -49,28 +55,66 @@ def test_greedy_identity_batched_and_single(family, policy, oracle):
         assert hist[4] > 0 and sum(hist[1:4]) > 0 and rep.stats.tau > 1.4, hist
 
 
-def test_eos_mid_block_stops_exactly_where_plain_decoding_stops():
-    model, eng = _engine("llama", "static:4", True)
-    base = plain_generate(TargetAdapter(model), PROMPTS, 40, SamplingParams(0.0))
+def _proposers(eng):
+    """Spy on `eng.round`: the proposers each round used (draft chain, copied block, sibling taken)."""
+    seen = {"draft": 0, "lookup": 0, "sibling": 0, "plain": 0}
+    real = eng.round
+
+    def spy(*a):
+        rd = real(*a)
+        if not rd.drafted:
+            seen["plain"] += int(rd.accepted.numel())
+        else:
+            seen["lookup"] += int(rd.copied().sum())
+            seen["draft"] += int((~rd.copied()).sum())
+            seen["sibling"] += int(rd.took_sibling().sum())
+        return rd
+    eng.round = spy
+    return seen
+
+
+REPEATING = [[5, 6, 7, 5, 6, 7, 5, 6], [3, 4], [10, 11, 12, 10, 11, 12, 13, 10, 11], [20, 21, 20, 21]]
+
+
+@CONFIGS
+@pytest.mark.parametrize("at", [3, 7])
+def test_eos_mid_block_stops_exactly_where_plain_decoding_stops(config, at):
+    """A stop token inside an accepted block, a copied block or a taken sibling ends the request
+    exactly where plain decoding ends it; under the defaults every proposer took part."""
+    policy = config["policy"]
+    extra = {k: v for k, v in config.items() if k != "policy"}
+    prompts = REPEATING if extra else PROMPTS
+    model, eng = _engine("llama", policy, not extra, **extra)
+    base = plain_generate(TargetAdapter(model), prompts, 40, SamplingParams(0.0))
     # pick a token that plain decoding emits mid-way in request 0 as the stop token
-    stop = base.outputs[0].tokens[7]
-    _, eng = _engine("llama", "static:4", True, stop=(stop,))
-    ref = plain_generate(TargetAdapter(model), PROMPTS, 40, SamplingParams(0.0), stop_token_ids=(stop,))
-    rep = eng.generate(PROMPTS, 40)
+    stop = base.outputs[0].tokens[at]
+    _, eng = _engine("llama", policy, not extra, stop=(stop,), **extra)
+    seen = _proposers(eng)
+    ref = plain_generate(TargetAdapter(model), prompts, 40, SamplingParams(0.0), stop_token_ids=(stop,))
+    rep = eng.generate(prompts, 40)
     for a, b in zip(rep.outputs, ref.outputs):
         assert a.tokens == b.tokens
         assert a.finish_reason == b.finish_reason
     assert rep.outputs[0].finish_reason == "stop" and rep.outputs[0].tokens[-1] == stop
-    assert len(rep.outputs[0].tokens) <= 8
+    assert len(rep.outputs[0].tokens) <= at + 1
+    if extra:
+        assert seen["draft"] > 0 and seen["lookup"] > 0 and seen["sibling"] > 0, seen
 
 
+@CONFIGS
 @pytest.mark.parametrize("max_new", [1, 2, 5, 13])
-def test_budget_is_exact(max_new):
-    model, eng = _engine("qwen3", "static:4", True)
-    rep = eng.generate(PROMPTS, max_new)
-    base = plain_generate(TargetAdapter(model), PROMPTS, max_new, SamplingParams(0.0))
+def test_budget_is_exact(config, max_new):
+    policy = config["policy"]
+    extra = {k: v for k, v in config.items() if k != "policy"}
+    prompts = REPEATING if extra else PROMPTS
+    model, eng = _engine("qwen3", policy, not extra, **extra)
+    seen = _proposers(eng)
+    rep = eng.generate(prompts, max_new)
+    base = plain_generate(TargetAdapter(model), prompts, max_new, SamplingParams(0.0))
     assert [o.tokens for o in rep.outputs] == [o.tokens for o in base.outputs]
     assert all(len(o.tokens) == max_new for o in rep.outputs)
+    if extra and max_new == 13:
+        assert seen["lookup"] > 0 and seen["draft"] > 0, seen
 
 
 def test_static_k_beyond_block_size_is_refused():
@@ -202,3 +246,39 @@ def test_sampled_output_with_skipped_drafts_matches_target_distribution(policy):
     rep = eng.generate([prompt] * 4000, 4, generator=gen, on_round=rows.extend)
     assert any(not r.drafted for r in rows)
     assert_three_tokens_distributed_as(rep.outputs, _exact_three_token_distribution(model, prompt, params), params)
+
+
+@pytest.mark.slow  # ~6 s
+@pytest.mark.parametrize("plain_ms", [5.0, 1.0], ids=["gate-open", "gate-closing"])
+def test_the_default_gate_samples_the_targets_law(plain_ms):
+    """`generate`'s default policy (dspark: Algorithm 1 on the confidence head's survivals, and its
+    skip gate) under sampling, through the engine: the first three tokens follow the target's law
+    by chi-square. The tables make drafting pay at every batch size (gate open: ℓ chosen per row
+    from the confidences) or not at this one once the gate has an estimate (it closes: the first
+    round drafts, the later ones are plain steps), 5000 rows in one batch, 4 tokens each."""
+    params = SamplingParams(1.0)
+    model = tiny_target("llama", vocab=8, hidden=32, seed=4)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.25)
+    tgt = TargetAdapter(model, [0, 1])
+    draft = random_draft(tgt, seed=5, block_size=3, markov_rank=4, layer_ids=[0, 1], confidence=True)
+    from dsparkctl.math.sps import StepGrid
+
+    grid = StepGrid([1, 8192], [1, 2, 3, 4], [[10.0, 10.2, 10.4, 10.6], [10.0, 10.2, 10.4, 10.6]],
+                    [plain_ms, plain_ms])
+    eng = SpeculativeEngine(tgt, draft, parse_policy("dspark", sps=SPSTable([1, 2], [1.0, 0.99], grid=grid)), params,
+                            siblings="auto", lookup=True)  # both off under sampling, as generate leaves them
+    assert eng.effective_siblings == 0 and not eng.lookup
+    prompt = [3, 5, 6]
+    rows = []
+    rep = eng.generate([prompt] * 5000, 4, generator=torch.Generator().manual_seed(13), on_round=rows.extend)
+    drafted = [r for r in rows if r.drafted]
+    print({"drafted": len(drafted), "plain": len(rows) - len(drafted),
+           "lengths": sorted({r.verify_length for r in drafted})})
+    assert drafted and any(not r.drafted for r in rows) == (plain_ms < 2)
+    if plain_ms > 2:
+        assert len({r.verify_length for r in drafted}) >= 2, "the policy must choose lengths, not one"
+    hist = rep.stats.histogram
+    assert hist[0] > 100 and sum(hist[1:]) > 100, hist  # rejections and acceptances both
+    assert_three_tokens_distributed_as(rep.outputs, _exact_three_token_distribution(model, prompt, params), params)
+
