@@ -64,11 +64,13 @@ def test_greedy_identity_with_an_int8_draft(family, policy, siblings):
     tgt = TargetAdapter(model, [0, 1])
     draft = bigram_oracle_draft(tgt, PROMPTS, block_size=4, layer_ids=[0, 1])
     assert quantize_draft(draft) > 0
-    plain = plain_generate(TargetAdapter(model), PROMPTS, 40, SamplingParams(0.0))
+    # the reference is plain decoding by a target loaded apart, stock kernels: nothing shared with the run
+    plain = plain_generate(TargetAdapter(tiny_target(family)), PROMPTS, 40, SamplingParams(0.0))
     eng = SpeculativeEngine(tgt, draft, parse_policy(policy, sps=SPS), SamplingParams(0.0), siblings=siblings)
     rep = eng.generate(PROMPTS, 40)
     assert [o.tokens for o in rep.outputs] == [o.tokens for o in plain.outputs]
     assert eng.generate([PROMPTS[2]], 40).outputs[0].tokens == plain.outputs[2].tokens
+    assert any(isinstance(m, Int8Linear) for m in eng.draft.modules())  # the run drafted in int8
     if policy == "static:4":
         assert rep.stats.tau > 1.4  # the oracle still drafts well in int8: real multi-token accepts
 
