@@ -442,3 +442,11 @@ def test_a_route_is_one_of_three_and_names_itself():
             Route(**bad)
     with pytest.raises(AttributeError):
         PACKED.stock_rows = 2  # frozen
+
+
+def test_packed_kernels_asked_for_where_they_cannot_run_are_refused_before_loading(qwen3_pair):
+    """`--cpu-kernels packed` with bf16 used to run stock without a word."""
+    target, draft = qwen3_pair
+    res = CliRunner().invoke(app, ["generate", "--target", str(target), "--draft", str(draft), "--cpu-kernels",
+                                   "packed", "--dtype", "bf16", "--max-new-tokens", "4", "w1"])
+    assert res.exit_code == 2 and "packed" in res.output and "fp32" in res.output and "Traceback" not in res.output

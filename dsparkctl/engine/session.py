@@ -193,8 +193,16 @@ def open_target(target: str | None, device: str = "auto", dtype: str = "auto", r
                          f"{dev.type}, {str(dt).replace('torch.', '')}"
                          f"{'' if int8_supported() or dev.type != 'cpu' else ', no working int8 ops'})",
                          f"use {option('draft_weights')} fp32 or auto")
+    packs = f"{option('cpu_kernels')} packed runs oneDNN's kernels on one process's fp32 CPU model"
+    if cpu_kernels == "packed" and (dev.type != "cpu" or dt != torch.float32 or parallel != "none"):
+        raise UsageError(f"{packs} (this run: {dev.type}, {str(dt).replace('torch.', '')}"
+                         f"{', ' + option('target_parallel') + ' ' + parallel if parallel != 'none' else ''})",
+                         f"use {option('cpu_kernels')} auto or stock, or {option('dtype')} fp32 on the CPU")
     tgt = load_target(target, dev, dt, revision=revision, trust_remote_code=trust_remote_code, log=log,
                       parallel=parallel)
+    if cpu_kernels == "packed" and not packing_supported(tgt.model):
+        raise UsageError(f"{packs}: this torch lacks them, or the target's linears are not plain fp32 ones",
+                         f"use {option('cpu_kernels')} auto or stock")
     sess = Session(target=tgt, device=dev, dtype=dt, stop_ids=stop_token_ids(tgt.tokenizer, tgt.model),
                    embedded_target=is_embedded(target), draft_weights=draft_weights)
     if cpu_kernels == "packed" and parallel == "none":
