@@ -179,3 +179,30 @@ def test_a_prefill_keeps_transformers_attention():
     before = ta._last_mask[0]
     folded_sdpa(attn, q, k, v, mask, scaling=0.3)
     assert ta._last_mask[0] is before  # nothing folded, nothing cached
+
+
+def test_a_prefill_over_budget_goes_in_chunks_and_decodes_the_same(monkeypatch):
+    """Many or long ragged prompts are prefilled in chunks (neither R × T × V logits nor an R × T²
+    mask at once): the last logits and tapped features equal one whole forward's, and speculative
+    and plain decoding after it give the same tokens."""
+    from dsparkctl.engine.speculative import SpeculativeEngine, plain_generate
+    from dsparkctl.math.policy_spec import parse_policy
+    from dsparkctl.math.sampling import SamplingParams
+    from dsparkctl.models.draft_io import random_draft
+
+    model = tiny_target("llama", vocab=64, layers=3, seed=2)
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [7, 8], [9, 10, 11, 12, 13], [3]]
+    whole = TargetAdapter(model, [0, 1]).prefill(prompts)
+    assert whole.logits is not None
+    monkeypatch.setattr(TargetAdapter, "PREFILL_BUDGET", 4 * 64 * 3)  # chunks of 3 tokens
+    ad = TargetAdapter(model, [0, 1])
+    parts = ad.prefill(prompts)
+    assert parts.logits is None and torch.allclose(parts.last_logits, whole.last_logits, atol=1e-5)
+    for r, p in enumerate(prompts):
+        assert torch.allclose(parts.features[r, : len(p)], whole.features[r, : len(p)], atol=1e-5)
+    assert ad.seq_len.tolist() == [len(p) for p in prompts]
+    draft = random_draft(ad, seed=3, block_size=4, markov_rank=8, layer_ids=[0, 1])
+    rep = SpeculativeEngine(ad, draft, parse_policy("static:4"), SamplingParams(0.0)).generate(prompts, 20)
+    monkeypatch.setattr(TargetAdapter, "PREFILL_BUDGET", 2 ** 27)
+    base = plain_generate(TargetAdapter(model), prompts, 20, SamplingParams(0.0))
+    assert [o.tokens for o in rep.outputs] == [o.tokens for o in base.outputs]

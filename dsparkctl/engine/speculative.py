@@ -126,7 +126,7 @@ class SpeculativeEngine:
         context = drf.new_state(R, dev, next(drf.fc.parameters()).dtype,
                                 capacity=int(lengths.max()) + max_new_tokens + drf.block_size + 2)
         drf.append_context(context, pre.features, lengths)
-        anchors = draw(pre.logits[torch.arange(R, device=dev), lengths - 1], self.sampling, generator)  # [R]
+        anchors = draw(pre.last_logits, self.sampling, generator)  # [R]
         history = History.start(prompts, anchors, int(lengths.max()) + max_new_tokens + 2) if self.lookup else None
         return LiveRows(requests=torch.arange(R, device=dev), anchors=anchors,
                         produced=torch.ones(R, dtype=torch.long, device=dev), context=context, history=history)
@@ -363,9 +363,7 @@ def plain_generate(target: TargetAdapter, prompts: Sequence[Sequence[int]], max_
     clock = Clock(dev)
     clock.start()
     R = len(prompts)
-    pre = target.prefill(prompts)
-    lengths = torch.tensor([len(p) for p in prompts], device=dev)
-    logits = pre.logits[torch.arange(R, device=dev), lengths - 1]
+    logits = target.prefill(prompts).last_logits
     clock.lap("prefill")
     rows = torch.arange(R, device=dev)
     steps = 0

@@ -179,8 +179,9 @@ def keep_cache_rows(layers, rows: torch.Tensor) -> None:
 
 @dataclass
 class TargetOutput:
-    logits: torch.Tensor  # [R, T, V] float32, row r valid for t < lengths[r]
+    logits: torch.Tensor | None  # [R, T, V] float32, row r valid for t < lengths[r] (a chunked prefill: None)
     features: torch.Tensor | None  # [R, T, n_taps*H] concatenated tapped layer outputs (model dtype)
+    last_logits: torch.Tensor | None = None  # prefill: [R, V] each row's last position
 
 
 class TargetAdapter:
@@ -236,9 +237,13 @@ class TargetAdapter:
         out, feats = cached_forward(self.model, ids, attn, pos, self.cache, self.layer_ids)
         return TargetOutput(logits=out.logits.float().to(ids.device), features=feats)
 
+    PREFILL_BUDGET = 2 ** 27  # logits or attention-mask entries one prefill forward may hold
+
     @torch.no_grad()
     def prefill(self, prompts: Sequence[Sequence[int]]) -> TargetOutput:
-        """Start a new batch: feed each prompt (right-padded) and commit all of it."""
+        """Start a new batch: feed each prompt (right-padded) and commit all of it. `last_logits`
+        holds each row's last position; `logits` every position, unless the batch was fed in chunks
+        (over PREFILL_BUDGET), where it is None."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prefill needs non-empty prompts")
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
@@ -249,9 +254,28 @@ class TargetAdapter:
         self.cache = new_cache(self.config)
         self.valid = torch.zeros(len(prompts), 0, dtype=torch.bool, device=self.device)
         self.seq_len = torch.zeros(len(prompts), dtype=torch.long, device=self.device)
-        out = self.extend(ids, lengths)
-        self.commit(lengths)
-        return out
+        R, rows = len(prompts), torch.arange(len(prompts), device=self.device)
+        chunk = max(1, self.PREFILL_BUDGET // (R * max(self.vocab_size, T)))
+        if chunk >= T:
+            out = self.extend(ids, lengths)
+            self.commit(lengths)
+            out.last_logits = out.logits[rows, lengths - 1]
+            return out
+        # long or many prompts: in chunks, so that neither the logits nor the attention mask hold
+        # R × T × V or R × T² entries at once; only each row's last logits are kept
+        last = torch.zeros(R, self.vocab_size, dtype=torch.float32, device=self.device)
+        feats = []
+        for t0 in range(0, T, chunk):
+            n = (lengths - t0).clamp(min=0, max=chunk)
+            width = min(chunk, T - t0)
+            out = self.extend(ids[:, t0: t0 + width], n)
+            self.commit(n)
+            ends = (lengths - 1 >= t0) & (lengths - 1 < t0 + width)
+            if bool(ends.any()):
+                last[ends] = out.logits[rows[ends], (lengths - 1 - t0)[ends]]
+            if out.features is not None:
+                feats.append(out.features)
+        return TargetOutput(logits=None, features=torch.cat(feats, dim=1) if feats else None, last_logits=last)
 
     @torch.no_grad()
     def extend(self, ids: torch.Tensor, lengths: torch.Tensor, tree=None) -> TargetOutput:
