@@ -293,6 +293,9 @@ def test_sweep_notes_name_the_right_range(rows, swept, notes):  # another block 
     got = sweep_notes(sweep, 4, k_table_from_sweep(sweep, 4))
     notes = ["vLLM's length table: planned from recorded traces (t.jsonl)", *notes]  # the source first, always
     assert len(got) == len(notes) and all(n in g for n, g in zip(notes, got)), got
+    sweep["rows"][-1]["beyond_profile"] = 0.25  # steps priced past the SPS table: said, not dropped
+    got = sweep_notes(sweep, 4, k_table_from_sweep(sweep, 4))
+    assert any("at concurrency 16 the sweep priced steps past" in g for g in got), got
 
 
 def test_the_sts_twin_beside_the_calibration_wins_and_a_bad_sweep_fails_first(tmp_path, monkeypatch):

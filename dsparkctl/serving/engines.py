@@ -128,6 +128,13 @@ def sweep_notes(sweep: Any, block_size: int, k_table: list[list[int]]) -> list[s
     else:
         notes = ["vLLM's length table: planned from a sweep that does not name its acceptance source (an older "
                  "dsparkctl)"]
+    rows = sweep.get("rows") if isinstance(sweep, dict) else None
+    beyond = sorted({r["concurrency"] for r in rows or [] if isinstance(r, dict) and isinstance(r.get("concurrency"), int)
+                     and isinstance(r.get("beyond_profile"), (int, float)) and r["beyond_profile"] > 0})
+    if beyond:
+        notes.append(f"vLLM's length table: at concurrency {', '.join(map(str, beyond))} the sweep priced steps past "
+                     "the batch tokens its SPS table measured, by extending its step time linearly (the sweep's "
+                     "beyond_profile); profile larger batches (`dsparkctl profile-sps --requests ...`) to measure them")
     swept_c = swept_concurrencies(sweep)
     end = k_table[-1][1]
     if swept_c and swept_c[-1] < end:
