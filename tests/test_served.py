@@ -231,6 +231,65 @@ def test_metrics_url_on_loopback(tmp_path):
         server.shutdown()
 
 
+def test_a_server_that_trickles_or_stalls_is_given_up_on_within_the_deadline(monkeypatch):
+    """The per-read socket timeout never fires for a server that sends a byte now and then: the
+    whole fetch has one deadline, and the message says so."""
+    import time
+
+    from dsparkctl.serving import served as srv
+
+    class Slow(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", "100000")
+            self.end_headers()
+            for _ in range(60):  # a byte every 0.1 s: each read is quick, the whole is not
+                self.wfile.write(b"#")
+                self.wfile.flush()
+                time.sleep(0.1)
+
+        def log_message(self, *a):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setattr(srv, "URL_TIMEOUT_S", 1.0)
+    try:
+        t = time.monotonic()
+        r = runner.invoke(app, ["served", f"http://127.0.0.1:{server.server_address[1]}/metrics"])
+        assert time.monotonic() - t < 4
+        assert r.exit_code != 0 and "did not finish answering within 1 s" in r.stderr and not r.stdout
+    finally:
+        server.shutdown()
+
+
+def test_evidence_given_twice_is_refused_and_a_window_without_creation_times_says_so(tmp_path):
+    srv = VllmServer().feed(rounds(300, seed=40))
+    a = srv.scrape(tmp_path / "a.txt")
+    copy = tmp_path / "copy.txt"
+    copy.write_bytes(a.read_bytes())
+    for args, expect in (([a, a], "given twice"), ([a, tmp_path / "." / "a.txt"], "given twice"),
+                         ([a, copy], "the same evidence twice")):
+        r = runner.invoke(app, ["served", *map(str, args)])
+        assert r.exit_code != 0 and expect in r.stderr and "Traceback" not in r.output, (args, r.output)
+    resp = vllm_responses(tmp_path / "r.jsonl", rounds(100, seed=41))
+    r = runner.invoke(app, ["served", str(resp), str(resp)])
+    assert r.exit_code != 0 and "given twice" in r.stderr
+    b = srv.feed(rounds(300, seed=42)).scrape(tmp_path / "b.txt")
+    strip = lambda p: "".join(ln for ln in p.read_text().splitlines(True) if "_created" not in ln)  # noqa: E731
+    (tmp_path / "a0.txt").write_text(strip(a))
+    (tmp_path / "b0.txt").write_text(strip(b))
+    doc = served(str(tmp_path / "a0.txt"), str(tmp_path / "b0.txt"))
+    assert doc["drafts"] == 300 and any("no creation times" in n for n in doc["notes"])
+    assert not any("no creation times" in n for n in served(str(a), str(b))["notes"])
+    # a restart the process start time shows, where no `_created` series does
+    (tmp_path / "a1.txt").write_text(strip(a) + "process_start_time_seconds 100.0\n")
+    (tmp_path / "b1.txt").write_text(strip(b) + "process_start_time_seconds 200.0\n")
+    r = runner.invoke(app, ["served", str(tmp_path / "a1.txt"), str(tmp_path / "b1.txt")])
+    assert r.exit_code != 0 and "restarted" in r.stderr, r.output
+
+
 # ---- the parity verdict ----------------------------------------------------------------------
 
 def offline_doc(path: Path, steps, temperature: float = 0.0) -> Path:

@@ -120,6 +120,9 @@ def _vllm_counts(series, where: str, model: str | None) -> ServedCounts:
                    accepted_at[-1]]
     c.length_at_least = [counts["drafts"]] + [None] * (K - 1)  # every counted step drafted ≥ 1 token
     c.created = {name: total(name, created=True) for name in (*VLLM_COUNTERS.values(), VLLM_PER_POS)}
+    start = [v for (n, _), v in series.items() if n == "process_start_time_seconds"]
+    if len(start) == 1:  # prometheus_client's process collector (absent in its multiprocess mode)
+        c.created["process_start_time_seconds"] = {"": start[0]}
     return c
 
 
@@ -161,12 +164,17 @@ def scrape_window(earlier: ServedCounts, later: ServedCounts, where: str) -> Ser
         raise InputError(f"{where}: the counters went backwards between the scrapes ({what}): the server restarted "
                          "in between, or the scrapes are in the wrong order", "pass two scrapes of one server run, "
                          "earlier first (or one scrape: the totals since it started)")
+    blind = not any(per for per in earlier.created.values()) or not any(per for per in later.created.values())
     diff = ServedCounts(engine="vllm", kind="prometheus-window", positions=later.positions,
                         drafts=later.drafts - earlier.drafts,
                         draft_tokens=(later.draft_tokens - earlier.draft_tokens
                                       if later.draft_tokens is not None and earlier.draft_tokens is not None else None),
                         accepted_tokens=later.accepted_tokens - earlier.accepted_tokens, model=later.model,
                         notes=list(later.notes))
+    if blind:
+        diff.notes.append("a scrape carries no creation times (no `_created` series nor process_start_time_seconds: "
+                          "prometheus_client's multiprocess mode, or created series disabled), so a server restart "
+                          "between the scrapes is caught only where the counts contradict each other")
     if later.accepted_at is not None and earlier.accepted_at is not None:
         diff.accepted_at = [b - a for a, b in zip(earlier.accepted_at, later.accepted_at)]
         K, D = diff.positions, diff.drafts

@@ -16,6 +16,9 @@ the source carries the histogram of accepted counts, and per position k:
 
 from __future__ import annotations
 
+import hashlib
+import http.client
+import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -46,6 +49,25 @@ def is_url(source: str) -> bool:
     return source.startswith(("http://", "https://"))
 
 
+def _once(source: str, seen: dict[str, str]) -> None:
+    """A source named twice (the same URL, or the same file by any path) would count its steps twice."""
+    key = source if is_url(source) else str(Path(source).expanduser().resolve())
+    if key in seen:
+        raise UsageError(f"{source} is given twice (as {seen[key]!r} before): its steps would be counted twice",
+                         "pass each scrape or responses file once")
+    seen[key] = source
+
+
+def _once_content(where: str, body: bytes, seen: dict[str, str]) -> None:
+    """Two sources with the same bytes: a copy of one file, or two scrapes with nothing served between."""
+    key = "sha256:" + hashlib.sha256(body).hexdigest()
+    if key in seen:
+        raise UsageError(f"{where} holds exactly what {seen[key]} holds: the same evidence twice (a copy, or two "
+                         "scrapes with no traffic between them)", "pass each scrape or responses file once; a window "
+                         "needs traffic between its two scrapes")
+    seen[key] = where
+
+
 def check_sources(sources: Sequence[str]) -> None:
     """Before anything is read: the count and the local files exist."""
     if not sources:
@@ -61,24 +83,45 @@ def check_sources(sources: Sequence[str]) -> None:
             raise InputError(f"{s} is not a regular file", "pass a saved scrape or a responses file")
 
 
-def fetch_url(url: str, timeout: float = URL_TIMEOUT_S) -> str:
-    """GET a metrics page; one line on any failure."""
-    req = urllib.request.Request(url, headers={"Accept": "text/plain"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 (http(s) only, checked by is_url)
-            body = resp.read(MAX_SCRAPE_BYTES + 1)
-    except urllib.error.HTTPError as exc:
-        raise InputError(f"{url} answered HTTP {exc.code}", "check the URL (vLLM: http://HOST:PORT/metrics)") from None
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise InputError(f"{url} did not answer ({str(reason)[:80]})", "check that the server runs and the port "
-                         "is right") from None
+def fetch_url(url: str, timeout: float | None = None) -> str:
+    """GET a metrics page within `timeout` seconds in all (default URL_TIMEOUT_S; a server that
+    accepts and never answers, or trickles its bytes, is given up on); one line on any failure."""
+    timeout = URL_TIMEOUT_S if timeout is None else timeout
+    box: dict[str, Any] = {}
+
+    def get() -> None:
+        try:
+            box["body"] = _get(url, timeout)
+        except BaseException as exc:  # noqa: BLE001 (handed to the caller's thread)
+            box["error"] = exc
+    worker = threading.Thread(target=get, name="served-fetch", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        raise InputError(f"{url} did not finish answering within {timeout:g} s", "check that the server runs, "
+                         "answers /metrics, and the port is right")
+    if "error" in box:
+        raise box["error"]
+    body = box["body"]
     if len(body) > MAX_SCRAPE_BYTES:
         raise InputError(f"{url} sent more than {MAX_SCRAPE_BYTES >> 20} MB", "point at the /metrics page")
     try:
         return body.decode("utf-8")
     except UnicodeDecodeError:
         raise InputError(f"{url} did not send UTF-8 text", SCRAPE_HINT) from None
+
+
+def _get(url: str, timeout: float) -> bytes:
+    req = urllib.request.Request(url, headers={"Accept": "text/plain"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 (http(s) only, checked by is_url)
+            return resp.read(MAX_SCRAPE_BYTES + 1)
+    except urllib.error.HTTPError as exc:
+        raise InputError(f"{url} answered HTTP {exc.code}", "check the URL (vLLM: http://HOST:PORT/metrics)") from None
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise InputError(f"{url} did not answer ({str(reason)[:80]})", "check that the server runs and the port "
+                         "is right") from None
 
 
 def _is_json_lines(path: Path) -> bool:
@@ -132,11 +175,18 @@ def read_sources(sources: Sequence[str], model: str | None = None,
     if scrapes and responses:
         raise UsageError("scrapes and response files cannot be pooled: they may count the same steps twice",
                          "pass either one or two scrapes, or response files")
-    if responses:
-        return parse_responses((item for p in responses for item in _json_lines(p)), model)
     if len(scrapes) > 2:
         raise UsageError(f"{len(scrapes)} scrapes: pass one (totals) or two (the window between them, earlier first)",
                          "counters are cumulative; more scrapes add nothing")
+    seen: dict[str, str] = {}
+    for s in sources:
+        _once(s, seen)
+    for where, text in scrapes:
+        _once_content(where, text.encode("utf-8"), seen)
+    for p in responses:
+        _once_content(str(p), p.read_bytes(), seen)
+    if responses:
+        return parse_responses((item for p in responses for item in _json_lines(p)), model)
     counts = [parse_scrape(text, where, model) for where, text in scrapes]
     for i, (c, (where, _)) in enumerate(zip(counts, scrapes)):
         c.check(where, allow_empty=len(counts) == 2 and i == 0)  # a window may start before any request
