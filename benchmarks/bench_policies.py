@@ -19,9 +19,16 @@ SPS table (--sps-table, profiled on this machine minutes before).
 
 Per (B, policy): decode tokens/s (tokens after the first / seconds after prefill: what the
 scheduler controls; whole-run tokens/s is reported too), its median over groups, the median of
-the per-group ratios to plain with a 95% bootstrap interval over groups, the mean verified
-length ℓ (skipped steps count as 0), the share of steps that ran the draft, the draft's share of
-step time, and greedy identity with plain decoding. The static:γ runs' rounds (full
+the per-group ratios to plain (`ratio_to_plain`), the mean verified length ℓ (skipped steps count
+as 0), the share of steps that ran the draft, the draft's share of step time, and greedy identity
+with plain decoding. The unit of the ratio's statistics is the GROUP (each group is decoded once
+per decoder, on its own prompts): `ratio_over_groups` holds the median over groups with a
+distribution-free 95% interval (order statistics, `benchmarks/unit_stats.py`) where there are at
+least 6 groups, and otherwise the range of the groups, called a range (`kind`); `ratio_interval`
+is that interval, null where there is only a range. (Groups wrap around the prompt set, so at 32
+requests a third group shares prompts with the first.) `closed_gate_over_groups` pools what
+`dspark` and `dspark-async` measured in groups where they drafted no step (the gate closed: the
+engine's plain steps against plain decoding), one unit per (batch size, group). The static:γ runs' rounds (full
 verification) are pooled over all batch sizes into a replay pool, and `sweep-scheduler`'s
 batch replay (`dsparkctl.tuning.sweep.replay_batches`: batches of B requests of --max-new-tokens each,
 run to the end, as this benchmark runs them) predicts each cell's decode tokens/s from that pool
@@ -29,7 +36,8 @@ and the same SPS table: the error of the prediction is reported beside the measu
 the predicted and measured rank of every policy at each batch size.
 
 The results file is rewritten after every batch size (a crash loses at most one), and it keeps
-the replay pool, so `--predict-only` recomputes the predictions from it without decoding again.
+the replay pool, so `--predict-only` recomputes the predictions from it without decoding again,
+and every run, so `--recompute` rewrites the ratio statistics from them (`recomputed_from_runs`).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_policies.py --sps-table T.json \
         --out benchmarks/results/policies.json --plot benchmarks/results/policies.png
@@ -39,13 +47,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import statistics
 import time
 from pathlib import Path
 
 import torch
 from provenance import provenance_of  # benchmarks/provenance.py
+from unit_stats import interval_or_none, over_units, read_results, rewrite_results  # benchmarks/unit_stats.py
 
 from dsparkctl.data.prompts import encode_prompts, load_prompts
 from dsparkctl.engine.session import open_session
@@ -116,22 +124,62 @@ def wait_for_quiet(limit_s: float = 300.0) -> None:
             return
 
 
-def bootstrap(xs: list[float], n: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """95% percentile interval of the median of xs, resampling xs."""
-    if len(xs) < 2:
-        return (xs[0], xs[0]) if xs else (float("nan"), float("nan"))
-    rng = random.Random(seed)
-    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(n))
-    return meds[int(0.025 * n)], meds[int(0.975 * n) - 1]
+GATED = ("dspark", "dspark-async")  # the policies whose gate can close (every step a plain step)
+
+
+def cell_ratios(rs: list[dict], plain_runs: list[dict]) -> list[float]:
+    """Per group: the decoder's decode tokens/s over its plain neighbour's (--paired-plain) or over
+    the group's plain run."""
+    return [r["decode_tok_s"] / r.get("paired_plain_decode_tok_s", p["decode_tok_s"]) for r, p in zip(rs, plain_runs)]
+
+
+def ratio_statistics(ratios: list[float]) -> dict:
+    """A cell's ratio figures, the group as the unit."""
+    st = over_units(ratios, "group")
+    return {"ratio_to_plain": statistics.median(ratios), "ratio_over_groups": st, "ratio_interval": interval_or_none(st)}
+
+
+def closed_gate(cells: list[dict]) -> dict | None:
+    """The gated policies' runs that drafted no step, against plain decoding: one unit per (batch
+    size, group), the median of the gated decoders' ratios in that group. None if there are none."""
+    plain = {c["batch_size"]: c["runs"] for c in cells if c["policy"] == "plain"}
+    units: dict[tuple[int, int], list[float]] = {}
+    for c in cells:
+        if c["policy"] in GATED:
+            for g, (r, ratio) in enumerate(zip(c["runs"], cell_ratios(c["runs"], plain[c["batch_size"]]))):
+                if r["drafted_share"] == 0.0:
+                    units.setdefault((c["batch_size"], g), []).append(ratio)
+    if not units:
+        return None
+    return {**over_units([statistics.median(v) for v in units.values()], "group"),
+            "batch_sizes": sorted({b for b, _ in units}), "decoders": list(GATED),
+            "what": "gated decoders' runs with 0% drafted steps (the engine's plain steps) over plain decoding"}
+
+
+def recompute(path: Path) -> dict:
+    """Rewrite a stored result's ratio statistics from its runs, decoding nothing; the run's own
+    provenance and predictions stay, and the superseded intervals are kept."""
+    doc, read_as = read_results(path)
+    plain = {c["batch_size"]: c["runs"] for c in doc["cells"] if c["policy"] == "plain"}
+    for c in doc["cells"]:
+        c.setdefault("before_recompute", {"ratio_interval": c.get("ratio_interval"),
+                                          "what": "95% percentile bootstrap of the median over groups"})
+        c.update(ratio_statistics(cell_ratios(c["runs"], plain[c["batch_size"]])))
+    doc["closed_gate_over_groups"] = closed_gate(doc["cells"])
+    doc["recomputed_from_runs"] = True
+    doc["recompute_provenance"] = provenance_of(__file__)["provenance"]
+    rewrite_results(path, doc, read_as)
+    return doc
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dataset", default="mt-bench")
     ap.add_argument("--batch-sizes", default="1,4,8,16,32")
-    ap.add_argument("--groups", default="8,4,4,3,3", help="prompt groups per batch size")
+    ap.add_argument("--groups", default="8,4,4,3,3", help="prompt groups per batch size (the unit of the "
+                    "ratios' statistics: under 6 give their range, not a 95%% interval)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--sps-table", required=True)
+    ap.add_argument("--sps-table", default=None, help="required to decode (not for --predict-only or --recompute)")
     ap.add_argument("--calibration", default=None, help="default: the shipped draft's")
     ap.add_argument("--siblings", default="auto", help="dspark's siblings of x1 (generate's default: auto); the "
                     "other policies run their chains alone")
@@ -150,7 +198,18 @@ def main() -> None:
                     "took our core (> STEAL)")
     ap.add_argument("--predict-only", action="store_true",
                     help="recompute the predictions of an existing --out file from its replay pool")
+    ap.add_argument("--recompute", action="store_true",
+                    help="rewrite the ratio statistics of an existing --out file from its stored runs (the group as "
+                    "the unit) and print its table; decodes nothing, leaves the plot alone")
     args = ap.parse_args()
+    if args.recompute:
+        if why := cannot_write_file(args.out):
+            ap.error(f"--out {args.out} cannot be rewritten: {why}")
+        print_table(recompute(args.out))
+        print(f"rewrote {args.out} (recomputed_from_runs: true)")
+        return
+    if args.sps_table is None and not args.predict_only:
+        ap.error("--sps-table is required to decode")
     if args.plot is None:  # beside its own --out, never over another run's stored plot
         args.plot = args.out.with_suffix(".png")
     if args.plot.resolve() == args.out.resolve():
@@ -277,12 +336,10 @@ def main() -> None:
                   + f"  ({time.time() - t_start:.0f} s)", flush=True)
         for name in names:
             rs = runs[name]
-            ratios = [r["decode_tok_s"] / r.get("paired_plain_decode_tok_s", p["decode_tok_s"])
-                      for r, p in zip(rs, runs["plain"])]
             cells.append({"batch_size": B, "policy": name, "groups": len(rs),
                           "decode_tok_s": statistics.median(r["decode_tok_s"] for r in rs),
                           "tok_s": statistics.median(r["tok_s"] for r in rs),
-                          "ratio_to_plain": statistics.median(ratios), "ratio_interval": bootstrap(ratios),
+                          **ratio_statistics(cell_ratios(rs, runs["plain"])),
                           "mean_verify": statistics.mean(r["mean_verify"] for r in rs),
                           "drafted_share": statistics.mean(r["drafted_share"] for r in rs),
                           "draft_share_of_time": statistics.mean(r["draft_share_of_time"] for r in rs),
@@ -292,6 +349,7 @@ def main() -> None:
                "verify_layout": "padded" if sps.padded else "ragged", "calibration": str(cal) if cal else None, "siblings": args.siblings, "lookup": args.lookup,
                "temperatures": temps, "threads": torch.get_num_threads(), "cpu_kernels": sess.cpu_kernels,
                "batch_sizes_done": sizes[: sizes.index(B) + 1], "cells": cells, "seconds": time.time() - t_start,
+               "closed_gate_over_groups": closed_gate(cells),
                "paired_plain": args.paired_plain, "quiet_threshold": QUIET, "steal_threshold": STEAL, "groups_discarded_for_load": discarded,
                "replay_pool": {"gamma": gamma, "confidence_logits": pool_logits, "accepted": pool_acc},
                **provenance_of(__file__)}
@@ -344,21 +402,39 @@ def predict(doc: dict, sps, temps, prior) -> None:
                                              key=lambda c: c["measured_rank"])["policy"] for B in sizes}}
 
 
+def print_table(doc: dict) -> None:
+    """Every cell: its ratio to plain with the 95% interval over groups, or with the range of the
+    groups where there are too few for one (marked `range`)."""
+    cells = doc["cells"]
+    print(f"{'B':>3} {'policy':>16} {'tok/s':>7} {'× plain [95% interval] or (range)':>34} {'pred':>7} {'err':>6} "
+          f"{'rank m/p':>8} {'mean ℓ':>6} {'drafted':>7} {'draft%':>6} same")
+    for c in cells:
+        st = c["ratio_over_groups"]
+        bounds = (f"[{st['low']:.3f}, {st['high']:.3f}]" if st["kind"] == "interval"
+                  else f"(range {st['low']:.3f}–{st['high']:.3f})")
+        pred = (f"{c['predicted_tok_s']:7.1f} {100 * c['prediction_error']:+5.1f}% "
+                f"{c['measured_rank']:>3}/{c['predicted_rank']:<3}") if "predicted_tok_s" in c else f"{'':>7} {'':>6} {'':>8}"
+        print(f"{c['batch_size']:>3} {c['policy']:>16} {c['decode_tok_s']:7.1f} {c['ratio_to_plain']:6.3f} "
+              f"{bounds:>27} {pred} {c['mean_verify']:6.2f} "
+              f"{100 * c['drafted_share']:6.0f}% {100 * c['draft_share_of_time']:5.1f}% {c['identical']}")
+    groups = sorted({c["groups"] for c in cells})
+    print(f"the unit is the group ({', '.join(map(str, groups))} per batch size); fewer than 6 groups give no 95% "
+          "interval, only their range")
+    if cg := doc.get("closed_gate_over_groups"):
+        kind = f"[{cg['low']:.3f}, {cg['high']:.3f}] 95% interval" if cg["kind"] == "interval" else \
+            f"range {cg['low']:.3f}–{cg['high']:.3f}"
+        print(f"closed gate (dspark, dspark-async with 0% drafted, B = {cg['batch_sizes']}): {cg['median']:.3f}× plain, "
+              f"{kind} over {cg['n_units']} groups")
+    if s := doc.get("prediction_summary"):
+        print(f"prediction: {s['within_10pct']}/{s['cells']} cells within ±10%, median |error| "
+              f"{100 * s['median_abs_error']:.1f}%, max {100 * s['max_abs_error']:.1f}%; of {s['pairs_apart']} policy "
+              f"pairs measured > {100 * s['rank_gap']:.0f}% apart, {s['pairs_ordered_right']} predicted in the right order")
+
+
 def finish(doc: dict, args) -> None:
     cells = doc["cells"]
     write_json(args.out, doc)
-    print(f"{'B':>3} {'policy':>16} {'tok/s':>7} {'× plain [95% CI]':>22} {'pred':>7} {'err':>6} "
-          f"{'rank m/p':>8} {'mean ℓ':>6} {'drafted':>7} {'draft%':>6} same")
-    for c in cells:
-        lo, hi = c["ratio_interval"]
-        print(f"{c['batch_size']:>3} {c['policy']:>16} {c['decode_tok_s']:7.1f} {c['ratio_to_plain']:6.3f} "
-              f"[{lo:.3f}, {hi:.3f}] {c['predicted_tok_s']:7.1f} {100 * c['prediction_error']:+5.1f}% "
-              f"{c['measured_rank']:>3}/{c['predicted_rank']:<3} {c['mean_verify']:6.2f} "
-              f"{100 * c['drafted_share']:6.0f}% {100 * c['draft_share_of_time']:5.1f}% {c['identical']}")
-    s = doc["prediction_summary"]
-    print(f"prediction: {s['within_10pct']}/{s['cells']} cells within ±10%, median |error| "
-          f"{100 * s['median_abs_error']:.1f}%, max {100 * s['max_abs_error']:.1f}%; of {s['pairs_apart']} policy pairs "
-          f"measured > {100 * s['rank_gap']:.0f}% apart, {s['pairs_ordered_right']} predicted in the right order")
+    print_table(doc)
     sizes = sorted({c["batch_size"] for c in cells})
     names = list(dict.fromkeys(c["policy"] for c in cells))
     plot(cells, sizes, names, args.plot)

@@ -14,15 +14,24 @@ three alike:
   * plain-stock  (unless --cpu-kernels stock; the default is auto) our plain decoding on the
            stock model, so the gain of the kernel choice and the gain of speculation are reported
            apart: spec/plain is speculation alone (same kernels), plain/plain-stock the kernels alone.
-Tokens/s of a run = generated tokens / wall seconds (prefill included for all three). The
-figures are medians over all (prompt, repeat) runs; the ratios are medians of the per-run
-ratios within one (prompt, repeat) triple. Also reported: τ, and the draft's share of a
-speculative round (draft ms / round ms, medians over rounds). Greedy outputs of spec and plain
-must be identical (checked); HF's are compared and reported.
+Tokens/s of a run = generated tokens / wall seconds (prefill included for all three); a run's
+ratio is taken within one (prompt, repeat) triple. The unit of the statistics is the PROMPT:
+greedy repeats of one prompt decode the same tokens, so they measure the machine's noise on one
+unit, not new units. Each prompt's ratio is the median of its repeats' ratios, and the figure is
+the median over prompts with a distribution-free 95% interval over prompts (order statistics,
+`benchmarks/unit_stats.py`); with fewer than 6 prompts there is no such interval, and the range
+of the prompts is reported and called a range (`ratio_over_prompts`: median, low, high, kind,
+n_units, unit). Kept for older readers: `median_tok_s` and `median_ratio` (medians over all runs)
+and `median_ratio_interval95` (now the interval over prompts, null where there is only a range).
+Also reported: τ, and the draft's share of a speculative round (draft ms / round ms, medians over
+rounds). Greedy outputs of spec and plain must be identical (checked); HF's are compared and
+reported.
 
     .venv/bin/python benchmarks/bench_speedup.py [--draft PATH] [--prompts 8] [--repeats 3]
         [--max-new-tokens 128] [--policy static:5 [--policy dspark --sps-table T]]
         [--out benchmarks/results/speedup.json]
+    .venv/bin/python benchmarks/bench_speedup.py --recompute benchmarks/results/speedup_X.json
+        # rewrites a stored file's statistics from its `runs`, decoding nothing
 """
 
 from __future__ import annotations
@@ -34,6 +43,8 @@ from pathlib import Path
 
 import torch
 from provenance import provenance_of  # benchmarks/provenance.py
+from unit_stats import (describe, interval_or_none, over_units, read_results, rewrite_results,  # benchmarks/unit_stats.py
+                        unit_medians)
 
 from dsparkctl.data.prompts import encode_prompts, load_prompts
 from dsparkctl.engine.policy_choice import load_policy
@@ -46,16 +57,79 @@ from dsparkctl.models.loading import load_target
 from dsparkctl.models.target import TargetAdapter
 
 
-def median_interval(xs: list[float], level: float = 0.95) -> list[float]:
-    """A distribution-free interval for the median: the order statistics whose ranks bound it with
-    probability ≥ level (binomial(n, 1/2)); the whole range when n is too small for that level."""
-    from math import comb
+def ratio_pairs(names: list[str]) -> dict[str, tuple[str, str]]:
+    """The ratios a run reports, as key -> (numerator, denominator) decoder names."""
+    pairs = {f"{k}_over_hf": (k, "hf") for k in names if k not in ("hf", "plain", "spec")}
+    pairs.update({f"{k}_over_plain": (k, "plain") for k in names if k.startswith("spec:")})
+    if "plain-stock" in names:
+        pairs["plain_over_plain_stock"] = ("plain", "plain-stock")
+    pairs.update({"spec_over_hf": ("spec", "hf"), "spec_over_plain": ("spec", "plain"), "plain_over_hf": ("plain", "hf")})
+    return pairs
 
-    v, n = sorted(xs), len(xs)
-    k = 0  # largest k with P(Binom(n, 1/2) < k+1) ≤ (1 - level)/2: [v[k], v[n-1-k]] covers the median
-    while k + 1 < n - 1 - k and sum(comb(n, i) for i in range(k + 2)) / 2 ** n <= (1 - level) / 2:
-        k += 1
-    return [v[k], v[n - 1 - k]]
+
+def summarize(runs: list[dict]) -> dict:
+    """The statistics of a list of runs (one dict per (prompt, repeat), as `main` records them):
+    what a new run writes and what --recompute rewrites. The prompt is the unit (module docstring)."""
+    names = [k[: -len("_tok_s")] for k in runs[0] if k.endswith("_tok_s")]
+    prompts = [r["prompt"] for r in runs]
+    n_prompts = len(set(prompts))
+    repeats = max(sum(p == q for q in prompts) for p in set(prompts))
+
+    def per_prompt(values: list[float]) -> dict:
+        return over_units(unit_medians(values, prompts).values(), "prompt", repeats=repeats)
+
+    pairs = ratio_pairs(names)
+    ratios = {key: [r[f"{a}_tok_s"] / r[f"{b}_tok_s"] for r in runs] for key, (a, b) in pairs.items()}
+    over_prompts = {key: per_prompt(v) for key, v in ratios.items()}
+    legacy = [key for key in pairs if key.startswith("spec:") and key.endswith("_over_plain")] + \
+        ["spec_over_plain", "spec_over_hf"]
+    return {
+        "median_tok_s": {k: statistics.median(r[f"{k}_tok_s"] for r in runs) for k in names},
+        "median_ratio": {key: statistics.median(v) for key, v in ratios.items()},
+        "unit": "prompt", "n_units": n_prompts, "repeats_per_unit": repeats,
+        "ratio_over_prompts": over_prompts,
+        "ratio_interval95_over_prompts": {key: interval_or_none(st) for key, st in over_prompts.items()},
+        "median_ratio_interval95": {key: interval_or_none(over_prompts[key]) for key in legacy},
+        "tau_median": statistics.median(r["tau"] for r in runs),
+        "tau_over_prompts": per_prompt([r["tau"] for r in runs]),
+    }
+
+
+def recompute(path: Path) -> dict:
+    """Rewrite a stored result's statistics from its `runs`, decoding nothing: the run's own
+    provenance stays, the recompute's goes beside it, and the superseded figures are kept."""
+    doc, read_as = read_results(path)
+    if not doc.get("runs"):
+        raise SystemExit(f"{path} has no runs to recompute from")
+    fresh = summarize(doc["runs"])
+    if "before_recompute" not in doc:  # the first recompute keeps what the run itself reported
+        doc["before_recompute"] = {k: doc[k] for k in ("median_ratio_interval95",) if k in doc}
+        doc["before_recompute"]["note"] = ("intervals over (prompt, repeat) runs: greedy repeats of a prompt are one "
+                                           "unit, so these were too narrow, or a min and max called an interval")
+    for key in ("tau_median", "median_tok_s", "median_ratio"):
+        fresh.pop(key)  # unchanged by the recompute: the run's own values stay as written
+    doc.update(fresh)
+    doc["recomputed_from_runs"] = True
+    doc["recompute_provenance"] = provenance_of(__file__)["provenance"]
+    rewrite_results(path, doc, read_as)
+    return doc
+
+
+def print_ratios(result: dict, spec_policy: str, cpu_kernels: str) -> None:
+    """The ratios with their interval over prompts, or their range where there are too few."""
+    st = result["ratio_over_prompts"]
+    med = result["median_tok_s"]
+    print("median tokens/s: " + "  ".join(f"{k} {v:.1f}" for k, v in med.items())
+          + f"  (τ median {result['tau_median']:.2f})")
+    print(f"spec ({spec_policy}) / plain: {describe(st['spec_over_plain'])}")
+    print(f"spec / hf: {describe(st['spec_over_hf'])};  plain / hf: {describe(st['plain_over_hf'])}")
+    if "plain_over_plain_stock" in st:
+        print(f"kernels alone: plain ({cpu_kernels}) / plain (stock): {describe(st['plain_over_plain_stock'])}")
+    for key in st:
+        if key.startswith("spec:") and key.endswith("_over_plain"):
+            print(f"  {key[5:-len('_over_plain')]} / plain: {describe(st[key])}")
+    print(f"(the unit is the prompt: each prompt's repeats are aggregated first; {result['n_units']} prompts × "
+          f"{result['repeats_per_unit']} repeats)")
 
 
 def decoder_options(pol: str, defaults: dict[str, str]) -> tuple[str, dict[str, str]]:
@@ -88,7 +162,17 @@ def main() -> None:
     ap.add_argument("--skip-stock", action="store_true",
                     help="do not run plain decoding on the stock kernels (the kernel choice's own gain)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "speedup.json")
+    ap.add_argument("--recompute", type=Path, default=None, metavar="FILE",
+                    help="rewrite FILE's statistics from its stored runs (the prompt as the unit) and exit; "
+                    "decodes nothing, so every other option is ignored")
     args = ap.parse_args()
+    if args.recompute is not None:
+        if why := cannot_write_file(args.recompute):
+            ap.error(f"--recompute {args.recompute} cannot be rewritten: {why}")
+        doc = recompute(args.recompute)
+        print_ratios(doc, doc.get("policy", "spec"), doc.get("cpu_kernels", "?"))
+        print(f"rewrote {args.recompute} (recomputed_from_runs: true)")
+        return
     defaults = {"siblings": args.siblings, "lookup": "1" if args.lookup == "on" else "0"}
     for pol in args.policy or ():  # every decoder's options checked before any model loads
         if decoder_options(pol, defaults)[1]["lookup"] not in ("0", "1"):
@@ -179,37 +263,21 @@ def main() -> None:
                          **{f"{k}_tau": res[k][2].stats.tau for k in names if k.startswith("spec:")}})
             print(f"prompt {i} repeat {rep_i}: " + "  ".join(f"{k} {len(toks[k]) / res[k][1]:.1f} tok/s"
                                                              for k in names) + f"  τ {r.stats.tau:.2f}", flush=True)
-    med = {k: statistics.median(r[f"{k}_tok_s"] for r in runs) for k in names}
-    ratio = {
-        **{f"{k}_over_hf": statistics.median(r[f"{k}_tok_s"] / r["hf_tok_s"] for r in runs) for k in names[3:]},
-        **{f"{k}_over_plain": statistics.median(r[f"{k}_tok_s"] / r["plain_tok_s"] for r in runs)
-           for k in names if k.startswith("spec:")},
-        **({"plain_over_plain_stock": statistics.median(r["plain_tok_s"] / r["plain-stock_tok_s"] for r in runs)}
-           if "plain-stock" in names else {}),
-        "spec_over_hf": statistics.median(r["spec_tok_s"] / r["hf_tok_s"] for r in runs),
-        "spec_over_plain": statistics.median(r["spec_tok_s"] / r["plain_tok_s"] for r in runs),
-        "plain_over_hf": statistics.median(r["plain_tok_s"] / r["hf_tok_s"] for r in runs),
-    }
-    interval = {
-        **{f"{k}_over_plain": median_interval([r[f"{k}_tok_s"] / r["plain_tok_s"] for r in runs])
-           for k in names if k.startswith("spec:")},
-        "spec_over_plain": median_interval([r["spec_tok_s"] / r["plain_tok_s"] for r in runs]),
-        "spec_over_hf": median_interval([r["spec_tok_s"] / r["hf_tok_s"] for r in runs]),
-    }
+    stats = summarize(runs)
+    med = stats["median_tok_s"]
     primary = rounds[spec_policy]
     draft_share = statistics.median(d / (d + v) for d, v in primary) if primary else None
     result = {
         "draft": sess.draft_name, "policy": spec_policy, "siblings": args.siblings, "lookup": args.lookup, "calibration": str(calibration) if calibration else None, "dataset": args.dataset, "prompts": len(prompts),
         "repeats": args.repeats, "max_new_tokens": N, "threads": torch.get_num_threads(),
         "cpu_kernels": sess.cpu_kernels, "draft_weights": sess.draft_precision,
-        "median_tok_s": med, "median_ratio": ratio, "median_ratio_interval95": interval,
-        "tau_median": statistics.median(r["tau"] for r in runs),
+        **stats,
         "draft_share_of_round_median": draft_share,
         "round_ms_median": statistics.median(d + v for d, v in primary) if primary else None,
         "draft_ms_median": statistics.median(d for d, _ in primary) if primary else None,
         "verify_ms_median": statistics.median(v for _, v in primary) if primary else None,
         "other_policies": {pol: {"median_tok_s": med[f"spec:{pol}"],
-                                 "over_hf": ratio[f"spec:{pol}_over_hf"],
+                                 "over_hf": stats["median_ratio"][f"spec:{pol}_over_hf"],
                                  "tau_median": statistics.median(r[f"spec:{pol}_tau"] for r in runs)}
                            for pol in policies[1:]},
         "greedy_identical_plain_stock_plain": (f"{stock_identical}/{len(runs)}" if "plain-stock" in names else None),
@@ -217,19 +285,9 @@ def main() -> None:
         "greedy_identical_hf_plain": f"{hf_identical}/{len(runs)}",
         "runs": runs, **provenance_of(__file__),
     }
-    print(f"median tokens/s: hf {med['hf']:.1f}  plain {med['plain']:.1f}  spec {med['spec']:.1f}  "
-          f"(τ median {result['tau_median']:.2f})")
-    lo, hi = interval["spec_over_plain"]
-    print(f"median ratios: spec/hf {ratio['spec_over_hf']:.2f}×  spec/plain {ratio['spec_over_plain']:.2f}× "
-          f"[{lo:.2f}, {hi:.2f}]  plain/hf {ratio['plain_over_hf']:.2f}×  (spec = {spec_policy}; [95% interval of "
-          f"the median])")
-    if "plain_over_plain_stock" in ratio:
-        print(f"kernels alone: plain ({sess.cpu_kernels}) / plain (stock) {ratio['plain_over_plain_stock']:.2f}×; "
-              f"plain-stock {med['plain-stock']:.1f} tok/s")
+    print_ratios(result, spec_policy, sess.cpu_kernels)
     for pol, o in result["other_policies"].items():
-        lo, hi = interval[f"spec:{pol}_over_plain"]
-        print(f"  {pol}: {o['median_tok_s']:.1f} tok/s, /hf {o['over_hf']:.2f}×, "
-              f"/plain {ratio[f'spec:{pol}_over_plain']:.2f}× [{lo:.2f}, {hi:.2f}], τ median {o['tau_median']:.2f}")
+        print(f"  {pol}: {o['median_tok_s']:.1f} tok/s, τ median {o['tau_median']:.2f}")
     if draft_share is not None:
         print(f"draft share of a round: {100 * draft_share:.1f}% (draft {result['draft_ms_median']:.1f} ms, "
               f"verify {result['verify_ms_median']:.1f} ms, medians)")
