@@ -138,3 +138,36 @@ def test_intervals_contain_estimates_under_ragged_verification():
         assert ci[0] <= est <= ci[1]
     for est, ci in zip(s.survival(), s.survival_interval()):
         assert ci[0] <= est <= ci[1]
+
+
+def test_intervals_over_prompts_resample_prompts_not_rounds():
+    """Rounds of one prompt move together: eight prompts whose c_1 is 0 or 1 each (all rounds alike)
+    give a wide interval over prompts, where Wilson over their 400 rounds would be narrow. With
+    fewer than eight prompts the report falls back to Wilson and says its unit is the round."""
+    from dsparkctl.math.stats import acceptance_intervals, prompt_intervals
+
+    units = []
+    for i in range(8):
+        u = AcceptanceStats(block_size=2)
+        u.add_rounds([2] * 50, [2 if i % 2 else 0] * 50)
+        units.append(u)
+    pooled = units[0]
+    for u in units[1:]:
+        pooled = pooled.merge(u)
+    boot = prompt_intervals(units)
+    lo, hi = boot["conditional"][0]
+    wl, wh = pooled.conditional_interval()[0]
+    assert boot["unit"] == "prompt" and boot["units"] == 8
+    assert lo < 0.3 and hi > 0.7 and wh - wl < 0.1  # the prompt is the unit: the spread of 8, not of 400
+    got = acceptance_intervals(pooled, units)
+    assert got["interval_unit"] == "prompt" and got["conditional_interval"][0] == (lo, hi)
+    few = acceptance_intervals(pooled, units[:7])
+    assert few["interval_unit"] == "round" and few["conditional_interval"][0] == (wl, wh)
+    # a position few rounds reached is never narrower than Wilson (0 of 2 resamples to 0 every time)
+    rare = [AcceptanceStats(block_size=2) for _ in range(8)]
+    for k, u in enumerate(rare):
+        u.add_rounds([2] * 10, [1 if k else 0] + [0] * 9)  # position 2 reached once, rejected
+    both = rare[0]
+    for u in rare[1:]:
+        both = both.merge(u)
+    assert acceptance_intervals(both, rare)["conditional_interval"][1][1] >= both.conditional_interval()[1][1]

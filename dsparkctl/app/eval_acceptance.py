@@ -20,7 +20,7 @@ from dsparkctl.evaluation.plot import plot_acceptance
 from dsparkctl.files.atomic import write_json
 from dsparkctl.files.commit import transaction
 from dsparkctl.math.sampling import SamplingParams
-from dsparkctl.models.target import check_positions
+from dsparkctl.models.target_checks import check_positions
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from dsparkctl.engine.siblings import AUTO, parse_siblings
 from dsparkctl.engine.sps_cache import machine_sps_table
 from dsparkctl.errors import UsageError, option
 from dsparkctl.math.sampling import SamplingParams
-from dsparkctl.models.target import check_positions
+from dsparkctl.models.target_checks import check_positions
 from dsparkctl.provenance import provenance
 
 

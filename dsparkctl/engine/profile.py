@@ -41,7 +41,8 @@ from dsparkctl.math.policies import Static
 from dsparkctl.math.policy_spec import parse_policy
 from dsparkctl.math.sampling import SamplingParams
 from dsparkctl.math.sps import SPSTable, StepGrid, fit_step_grid, isotonic
-from dsparkctl.models.target import TargetAdapter, position_limit
+from dsparkctl.models.target import TargetAdapter
+from dsparkctl.models.target_checks import position_limit
 from dsparkctl.provenance import provenance
 
 

@@ -19,6 +19,7 @@ from dsparkctl.formats.trace import TraceWriter
 from dsparkctl.math.policies import Policy
 from dsparkctl.math.policy_spec import parse_policy
 from dsparkctl.math.sampling import SamplingParams
+from dsparkctl.math.stats import acceptance_intervals
 
 
 @dataclass(frozen=True)
@@ -133,8 +134,9 @@ def _acceptance(spec: PromptsResult, spec_tps: list[float], opts: GenerateOption
     out: dict[str, Any] = {
         "generated_tokens": spec.generated, "wall_s": spec.wall_s, "repeats": opts.repeats,
         "tokens_per_s": statistics.median(spec_tps), "tokens_per_s_runs": spec_tps,
-        "acceptance": stats.to_json(), "conditional_interval": stats.conditional_interval(),
-        "survival_interval": stats.survival_interval(), "engine": streams.engine_json(),
+        "acceptance": stats.to_json(),
+        **acceptance_intervals(stats, [o.draft for o in spec.outputs if o is not None and o.draft is not None]),
+        "engine": streams.engine_json(),
         "timing_ms": spec.times_ms, "engine_steps": spec.rounds, "drafted_steps": spec.drafted_steps,
         "siblings": {"setting": opts.siblings, "effective": engine.effective_siblings,
                      **streams.siblings_json()},

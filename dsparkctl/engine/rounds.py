@@ -29,6 +29,7 @@ class RequestOutput:
     tokens: list[int] = field(default_factory=list)  # generated ids (EOS included when hit)
     finish_reason: str = "length"  # "stop" | "length"
     rounds: int = 0
+    draft: AcceptanceStats | None = None  # this request's draft stream (intervals over prompts: math/stats.py)
 
 
 @dataclass
@@ -78,13 +79,18 @@ class Streams:
     def empty(cls, block_size: int) -> "Streams":
         return cls(draft=AcceptanceStats(block_size=block_size), lookup=AcceptanceStats(block_size=block_size))
 
-    def add(self, rd: Round) -> None:
+    def add(self, rd: Round, per_request: list[AcceptanceStats | None] | None = None) -> None:
+        """One round's rows; `per_request` (one tally per live row, or None) gets each row's draft round."""
         if not rd.drafted:
             self.plain_rows += int(rd.accepted.numel())
             return
         copied = rd.copied()
         mine = ~copied
         self.draft.add_rounds(rd.verify_lengths[mine], rd.accepted[mine])
+        if per_request is not None:
+            for tally, own, ell, a in zip(per_request, mine.tolist(), rd.verify_lengths.tolist(), rd.accepted.tolist()):
+                if own and tally is not None:
+                    tally.add_round(ell, a)
         self.lookup.add_rounds(rd.verify_lengths[copied], rd.accepted[copied])
         if rd.siblings:
             fed = mine & (rd.verify_lengths >= 1)

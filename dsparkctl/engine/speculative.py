@@ -29,6 +29,7 @@ from dsparkctl.math.draft_sampling import DraftBlock
 from dsparkctl.math.policies import Policy
 from dsparkctl.math.policy_spec import check_fits
 from dsparkctl.math.sampling import SamplingParams, draw, warp_probs
+from dsparkctl.math.stats import AcceptanceStats
 from dsparkctl.math.verify import VerifyResult, verify
 from dsparkctl.models.draft import DSparkDraft
 from dsparkctl.models.draft_inference import DraftState
@@ -302,7 +303,7 @@ class SpeculativeEngine:
         built only when `on_round` listens."""
         check_positive(max_new_tokens, "max_new_tokens")
         gamma = self.draft.block_size
-        outputs = [RequestOutput(prompt_tokens=list(p)) for p in prompts]
+        outputs = [RequestOutput(prompt_tokens=list(p), draft=AcceptanceStats(block_size=gamma)) for p in prompts]
         streams = Streams.empty(gamma)
         clock = Clock(self.target.device)
         clock.start()
@@ -330,10 +331,11 @@ class SpeculativeEngine:
             clock.lap("accept")
             rd = self.round(live, max_new_tokens, generator, clock)
             finished = rd.stopped | (live.produced >= max_new_tokens)
-            streams.add(rd)
+            requests = live.requests.tolist()
+            streams.add(rd, [outputs[r].draft for r in requests])
             steps += 1
             drafted_steps += rd.drafted
-            emitted, kept, requests = rd.emitted.tolist(), rd.kept.tolist(), live.requests.tolist()
+            emitted, kept = rd.emitted.tolist(), rd.kept.tolist()
             for i, req in enumerate(requests):
                 toks = emitted[i][: kept[i]]
                 outputs[req].tokens.extend(toks)

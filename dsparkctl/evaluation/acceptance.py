@@ -22,6 +22,7 @@ from dsparkctl.evaluation.teacher_forced import evaluate_sequences
 from dsparkctl.formats.calibration import load_temperatures, own_calibration
 from dsparkctl.formats.trace import TraceWriter
 from dsparkctl.math.sampling import SamplingParams
+from dsparkctl.math.stats import acceptance_intervals
 from dsparkctl.models.draft import DSparkDraft
 from dsparkctl.provenance import provenance
 from dsparkctl.tuning.calibration import confidence_report
@@ -132,8 +133,7 @@ def live_json(res: LiveResult, lookup: bool = False) -> dict[str, Any]:
     """The draft's own live figures at the top; with context lookup, the copies' and the engine's
     τ over both under `lookup` (engine/rounds.py)."""
     s = res.stats
-    out = {**s.to_json(), "conditional_interval": s.conditional_interval(), "survival_interval": s.survival_interval(),
-           "positions": res.positions, "seconds": round(res.seconds, 3),
+    out = {**s.to_json(), **acceptance_intervals(s, res.per_prompt or []), "positions": res.positions, "seconds": round(res.seconds, 3),
            "ms_per_position": round(1000 * res.seconds / max(res.positions, 1), 4)}
     if lookup and res.streams is not None:
         look = res.streams.lookup

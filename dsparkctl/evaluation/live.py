@@ -30,6 +30,7 @@ class LiveResult:
     continuations: list[list[int]]  # generated ids per prompt (EOS included when hit)
     seconds: float  # wall time of the rollouts (prefill included)
     streams: Streams | None = None  # every proposer's outcomes (with context lookup: the copies' apart)
+    per_prompt: list[AcceptanceStats] | None = None  # the draft's stream of each prompt (intervals over prompts)
 
     @property
     def positions(self) -> int:
@@ -48,7 +49,7 @@ def live_rollouts(model: torch.nn.Module, draft: DSparkDraft, prompts: Sequence[
     res = run_prompts(speculative_decoder(engine, max_new_tokens), prompts, batch_size, seed, adapter.device,
                       block_size=draft.block_size, on_round=on_round, on_batch=on_batch, split=split)
     return LiveResult(stats=res.stats, continuations=[o.tokens for o in res.outputs], seconds=res.wall_s,
-                      streams=res.streams)
+                      streams=res.streams, per_prompt=[o.draft for o in res.outputs if o.draft is not None])
 
 
 def target_continuations(model: torch.nn.Module, prompts: Sequence[Sequence[int]], params: SamplingParams,

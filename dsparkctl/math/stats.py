@@ -35,8 +35,10 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["AcceptanceStats", "conditional_acceptance", "mean_interval", "reached_bounds", "survival_from_conditional",
-           "survival_full", "tau_full", "wilson_interval"]
+__all__ = ["AcceptanceStats", "acceptance_intervals", "conditional_acceptance", "mean_interval", "prompt_intervals", "reached_bounds",
+           "survival_from_conditional", "survival_full", "tau_full", "wilson_interval"]
+
+MIN_UNITS = 8  # independent units (prompts) below which a bootstrap over them is not an interval worth printing
 
 FORMAT = "dsparkctl-acceptance/1"
 
@@ -128,6 +130,54 @@ def reached_bounds(accepted_at: Sequence[int], rounds: int, length_at_least: Seq
     return out
 
 
+def prompt_intervals(units: Sequence["AcceptanceStats"], level: float = 0.95, resamples: int = 2000,
+                     seed: int = 0) -> dict | None:
+    """95% percentile-bootstrap intervals of c_j, a_j and τ over independent units (prompts: the
+    rounds of one prompt are correlated, so they are resampled together), or None with fewer than
+    MIN_UNITS units that ran rounds. Positions no resample reached are None."""
+    units = [u for u in units if u.rounds]
+    if len(units) < MIN_UNITS:
+        return None
+    g = units[0].block_size
+    acc = np.asarray([u.accepted_at for u in units], dtype=np.float64)  # [P, γ]
+    reach = np.asarray([u.reached for u in units], dtype=np.float64)
+    tok = np.asarray([u.tokens for u in units], dtype=np.float64)
+    rnd = np.asarray([u.rounds for u in units], dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    w = rng.multinomial(len(units), [1.0 / len(units)] * len(units), size=resamples).astype(np.float64)  # [B, P]
+    A, N = w @ acc, w @ reach  # [B, γ]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        cond = np.where(N > 0, A / N, np.nan)
+        surv = np.cumprod(np.where(np.isnan(cond), 1.0, cond), axis=1)
+        surv[np.isnan(cond).cumsum(axis=1) > 0] = np.nan
+        tau = (w @ tok) / (w @ rnd)
+    lo, hi = 100 * (1 - level) / 2, 100 * (1 + level) / 2
+
+    def band(x: np.ndarray) -> tuple[float, float] | None:
+        x = x[~np.isnan(x)]
+        return (float(np.percentile(x, lo)), float(np.percentile(x, hi))) if x.size >= resamples // 2 else None
+    return {"unit": "prompt", "units": len(units), "resamples": resamples,
+            "conditional": [band(cond[:, j]) for j in range(g)], "survival": [band(surv[:, j]) for j in range(g)],
+            "tau": band(tau)}
+
+
+def acceptance_intervals(stats: "AcceptanceStats", units: Sequence["AcceptanceStats"]) -> dict:
+    """The intervals a report prints beside c_j and a_j: over prompts (`prompt_intervals`, widened
+    to Wilson's where that is wider: a position few rounds reached) when there are enough of them,
+    else Wilson over rounds, which counts correlated rounds as independent (too narrow) and says
+    so by its unit."""
+    boot = prompt_intervals(units)
+    cond, surv = stats.conditional_interval(), stats.survival_interval()
+    if boot is None:
+        return {"conditional_interval": cond, "survival_interval": surv, "interval_unit": "round",
+                "interval_units": stats.rounds}
+
+    def hull(b, w):  # a bootstrap over few rounds collapses (0 of 2 resamples to 0 always): never narrower than Wilson
+        return [None if x is None or y is None else (min(x[0], y[0]), max(x[1], y[1])) for x, y in zip(b, w)]
+    return {"conditional_interval": hull(boot["conditional"], cond), "survival_interval": hull(boot["survival"], surv),
+            "tau_interval": boot["tau"], "interval_unit": "prompt", "interval_units": boot["units"]}
+
+
 def _as_int_array(values) -> np.ndarray:
     if hasattr(values, "detach"):  # torch tensor, without importing torch here
         values = values.detach().cpu().numpy()
@@ -178,6 +228,19 @@ class AcceptanceStats:
         self.histogram = [int(a + b) for a, b in zip(self.histogram, hist)]
         self.reached = [int(a + b) for a, b in zip(self.reached, reached)]
         self.accepted_at = [int(a + b) for a, b in zip(self.accepted_at, accepted_at)]
+
+    def add_round(self, verify_length: int, accepted: int) -> None:
+        """One round, in plain Python (a request's own tally, one round at a time)."""
+        if not 0 <= accepted <= verify_length <= self.block_size:
+            raise ValueError(f"need 0 <= accepted <= verify_length <= block_size={self.block_size}")
+        self.rounds += 1
+        self.tokens += 1 + accepted
+        self.verified += verify_length
+        self.histogram[accepted] += 1
+        for j in range(min(verify_length, accepted + 1)):
+            self.reached[j] += 1
+        for j in range(accepted):
+            self.accepted_at[j] += 1
 
     def merge(self, other: "AcceptanceStats") -> "AcceptanceStats":
         """A new object holding both sets of rounds (same block size required)."""

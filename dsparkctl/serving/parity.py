@@ -101,7 +101,12 @@ def _live_stats(m: dict[str, Any], where: str, lookup: bool) -> dict[str, Any]:
         s = AcceptanceStats.from_json(m)
     except (ValueError, TypeError, KeyError) as exc:
         raise InputError(f"{where}: {exc}", OFFLINE_HINT) from None
-    return _stats_fields(s)
+    out = _stats_fields(s)
+    ci = m.get("conditional_interval")
+    if m.get("interval_unit") == "prompt" and isinstance(ci, list) and len(ci) == s.block_size and all(
+            x is None or (isinstance(x, list) and len(x) == 2 and all(map(_unit, x)) and x[0] <= x[1]) for x in ci):
+        out["conditional_interval"] = ci  # over prompts: the rounds of one prompt are not independent
+    return out
 
 
 def _unit(v: Any) -> bool:
