@@ -279,7 +279,9 @@ def main() -> None:
             "mean_verify": (st.verified / st.rounds) if st and st.rounds else 0.0,
             "drafted_share": (rep.drafted_steps / rep.rounds) if name != "plain" and rep.rounds else 0.0,
             "draft_share_of_time": rep.times_ms.get("draft", 0.0) / max(rep.times_ms.get("total", 1.0), 1e-9),
-            "tau": st.tau if st else 1.0}
+            "tau": ((rep.streams.speculative_tokens + rep.streams.plain_rows)  # tokens per row-step, every proposer
+                    / max(rep.streams.speculative_rounds + rep.streams.plain_rows, 1)) if st else 1.0,
+            "draft_tau": st.tau if st else None}
         return figures, [o.tokens for o in rep.outputs], rows, others_busy(before, after), stolen(before, after)
 
     def run_group(group: list[list[int]], order: list[str], flip: bool) -> tuple[dict[str, dict], list, float, float]:

@@ -259,10 +259,12 @@ def main() -> None:
             n = len(toks["plain"])
             runs.append({"prompt": i, "repeat": rep_i, "tokens": n,
                          **{f"{k}_tok_s": len(toks[k]) / res[k][1] for k in names},
-                         "tau": r.stats.tau,
-                         **{f"{k}_tau": res[k][2].stats.tau for k in names if k.startswith("spec:")}})
+                         "tau": r.streams.engine_tau or 1.0, "draft_tau": r.stats.tau,  # every proposer / the draft alone
+                         **{f"{k}_tau": res[k][2].streams.engine_tau or 1.0 for k in names if k.startswith("spec:")},
+                         **{f"{k}_draft_tau": res[k][2].stats.tau for k in names if k.startswith("spec:")}})
             print(f"prompt {i} repeat {rep_i}: " + "  ".join(f"{k} {len(toks[k]) / res[k][1]:.1f} tok/s"
-                                                             for k in names) + f"  τ {r.stats.tau:.2f}", flush=True)
+                                                             for k in names)
+                  + f"  engine τ {r.streams.engine_tau or 0:.2f}, the draft's {r.stats.tau or 0:.2f}", flush=True)
     stats = summarize(runs)
     med = stats["median_tok_s"]
     primary = rounds[spec_policy]
