@@ -34,9 +34,10 @@ def result_table(dataset: str, label: str, r: dict[str, Any]) -> Table:
     head = "  ".join(f"{m} τ {x['tau']:.3f}" if x.get("tau") is not None else f"{m} τ -" for m, x in modes)
     t = Table(title=f"{dataset} · {label} ({r['kind']}, γ={r['block_size']})  {head}", title_justify="left")
     t.add_column("position", justify="right")
-    for m, _ in modes:
-        t.add_column(f"{m} conditional c_j [95% CI]", justify="right")
-        t.add_column(f"{m} survival a_j [95% CI]", justify="right")
+    for m, x in modes:
+        unit = "prompts" if m == "TF" or x.get("interval_unit") == "prompt" else "rounds"  # TF: clustered by prompt
+        t.add_column(f"{m} conditional c_j [95% CI over {unit}]", justify="right")
+        t.add_column(f"{m} survival a_j [95% CI over {unit}]", justify="right")
     agree = {a["position"]: a for a in r.get("agreement", {}).get("positions", [])}
     if agree:
         t.add_column("agree", justify="center")

@@ -24,7 +24,9 @@ def register(app: typer.Typer) -> None:
 def acceptance_table(report: dict[str, Any], title: str) -> Table:
     """Per-position conditional acceptance and survival with 95% Wilson intervals."""
     t = Table(title=title, title_justify="left")
-    for col in ("position", "reached", "accepted", "conditional c_j [95% CI]", "survival a_j [95% CI]"):
+    unit = (f"over {report['interval_units']} prompts" if report.get("interval_unit") == "prompt" else
+            "over rounds, counted as independent")
+    for col in ("position", "reached", "accepted", f"conditional c_j [95% CI {unit}]", f"survival a_j [95% CI {unit}]"):
         t.add_column(col, justify="right")
     acc = report["acceptance"]
     cond, surv = acc["conditional"], acc["survival"]
