@@ -1,25 +1,27 @@
 """One commit point per command, recovery on the next run: outputs survive SIGKILL the way a
-database's rows do.
+database's rows do, and nothing this tool did not write is ever replaced.
 
 Terms:
   run       this process. Its id is a random nonce; in every folder it stages into it creates and
             `flock`s `.dsparkctl-run.<id>.lock` for as long as it lives. The kernel drops the lock
             when the process dies, however it dies, so a lock anyone can take is proof of death
-            (a pid proves nothing: it is reused, and means nothing on another host).
+            (a pid proves nothing: it is reused, and means nothing on another host). The lock file
+            says what the run staged there (by identity, then by fingerprint once written) and,
+            from its commit on, which journal decides their fate.
   staged    an output written under a hidden name, `.<name>.<id>-<n>.new`, beside its final name.
-  journal   `.dsparkctl-commit.<id>.json` in the first folder of a transaction: every (staged,
-            final) pair as absolute paths (they do not depend on the current folder). Putting it in
-            place (one rename) is the commit point: before it the transaction never happened;
+  journal   `.dsparkctl-commit.<id>.json` in the first folder of a transaction: every operation with
+            the fingerprint of what was staged and of what it may replace (`files.journal`). Putting
+            it in place (one rename) is the commit point: before it the transaction never happened;
             after it, it did, even if the process dies during the renames that follow.
   ledger    who wrote what (`files.ledger`, kept outside the folder); a replaced output is one the
             ledger says this command wrote, checked again at commit time under the folder's lock.
 
-A commit holds the lock of every folder it touches (in a fixed order) while it records the new
-fingerprints, writes the journal, renames (a folder being replaced steps aside to `.old` first)
-and cleans up. `recover(folder)` (before anything is staged into a folder, and in every command's
-output checks) takes the same lock and, for each run whose lock it can take, finishes the renames
-if its journal exists (a final path a user filled since is left alone) or else removes its staged
-files. So a run killed anywhere leaves, after the next run, every output old or every output new.
+A commit holds the lock of every folder it touches (in a fixed order) while it checks what is at
+each final path, records the new fingerprints, writes the journal and renames; each rename checks
+again, on the object it renames, that it replaces only what the journal says (`files.renames`).
+`recover(folder)` (before anything is staged into a folder, and in every command's output checks)
+takes the same lock and, for each run whose lock it can take, carries out its journal or, without
+one, removes what it staged; what it finished, undid and left alone is said in one line.
 
 `transaction()` groups a command's outputs under one commit point; the writers in `files.atomic`
 join the transaction that is open (`current()`), so a command wraps its body once and every file,
@@ -33,28 +35,24 @@ import fcntl
 import json
 import os
 import re
-import secrets
 import shutil
-import stat
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 from dsparkctl.errors import InputError
-from dsparkctl.files import ledger
+from dsparkctl.files import journal, ledger
+from dsparkctl.files.journal import JOURNAL, LOCK, Op, Outcome, recover  # noqa: F401 - recover's home for callers
 from dsparkctl.files.ledger import command, set_command  # noqa: F401 - the writer's identity, set by the CLI
 from dsparkctl.files.modes import honour_umask, seal_dir
 from dsparkctl.files.ownership import replace_refusal
+from dsparkctl.files.renames import crash_point, identify, remove
 from dsparkctl.signals import deferred
-from dsparkctl.strict_json import loads
 
-RUN_ID = secrets.token_hex(6)  # this process
-_LOCK = ".dsparkctl-run.{}.lock"
-_JOURNAL = ".dsparkctl-commit.{}.json"
-_LOCK_RE = re.compile(r"\.dsparkctl-run\.([0-9a-f]{12})\.lock")
 _STATE: dict[str, int] = {"n": 0}
 _HELD: dict[Path, int] = {}  # folder -> fd of this run's lock file there
+_DESC: dict[Path, dict[str, Any]] = {}  # folder -> what its lock file says: {"journal", "staged": {name: record}}
 _OPEN: list["Transaction"] = []
 
 
@@ -65,14 +63,11 @@ def _abs(p: str | os.PathLike) -> Path:
     return Path(os.path.abspath(os.path.expanduser(p)))
 
 
-def _hold(folder: Path, journal: Path | None = None) -> None:
-    """Create and lock this run's lock file in `folder` (once per folder); it names the journal that
-    decides the fate of what the run stages there."""
+def _hold(folder: Path) -> None:
+    """Create and lock this run's lock file in `folder` (once per folder)."""
     if folder in _HELD:
-        if journal is not None:
-            _describe(folder, journal)
         return
-    path = folder / _LOCK.format(RUN_ID)
+    path = folder / LOCK.format(journal.RUN_ID)
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
         try:
@@ -84,154 +79,40 @@ def _hold(folder: Path, journal: Path | None = None) -> None:
                 break
         os.close(fd)  # a `recover` took the file for a dead run's between our open and our lock: again
     _HELD[folder] = fd
-    if journal is not None:
-        _describe(folder, journal)
+    _describe(folder)
 
 
-def _describe(folder: Path, journal: Path) -> None:
-    fd = _HELD[folder]
+def _describe(folder: Path) -> None:
+    """Write into this run's lock file in `folder` what decides the fate of what it staged there."""
+    fd = _HELD.get(folder)
+    if fd is None:
+        return
+    desc = _DESC.setdefault(folder, {"journal": None, "staged": {}})
+    doc = {"tool": "dsparkctl", "command": command(), "folder": str(folder), **desc}
     os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps({"tool": "dsparkctl", "journal": str(journal)}).encode(), 0)
+    os.pwrite(fd, json.dumps(doc, allow_nan=False).encode(), 0)
+
+
+def _note(staged: Path, record: list | None) -> None:
+    """The lock file names `staged` by `record` (its identity, or its fingerprint once written)."""
+    if record is not None:
+        _DESC.setdefault(staged.parent, {"journal": None, "staged": {}})["staged"][staged.name] = record
+        _describe(staged.parent)
 
 
 def _release(folder: Path) -> None:
     fd = _HELD.pop(folder, None)
     if fd is None:
         return
-    with contextlib.suppress(OSError):
-        os.unlink(folder / _LOCK.format(RUN_ID))
+    if not _DESC.pop(folder, {}).get("journal"):  # a journal not carried out entirely: the next run finishes it
+        with contextlib.suppress(OSError):
+            os.unlink(folder / LOCK.format(journal.RUN_ID))
     os.close(fd)
 
 
-def _leftovers(folder: Path, run: str) -> list[Path]:
-    pat = re.compile(rf"\..+\.{run}-\d+\.(new|old)|\.dsparkctl-commit\.{run}\.(tmp|json)", re.DOTALL)
-    try:
-        return [folder / n for n in os.listdir(folder) if pat.fullmatch(n)]
-    except OSError:
-        return []
-
-
-def _remove(p: Path) -> None:
-    with contextlib.suppress(OSError):
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p)
-        else:
-            p.unlink()
-
-
-def recover(folder: str | os.PathLike) -> list[str]:
-    """Finish or undo what dead runs left in `folder` (module doc); one note per run handled."""
-    folder = _abs(folder)
-    try:
-        listing = os.listdir(folder)
-    except OSError:
-        return []
-    names = [m[1] for n in listing if (m := _LOCK_RE.fullmatch(n)) and m[1] != RUN_ID]
-    notes = []
-    for run in names:
-        lock = folder / _LOCK.format(run)
-        try:
-            fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-        except OSError:
-            continue
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode) or os.fstat(fd).st_uid != os.getuid():
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                continue  # alive (or a filesystem without flock: then nothing is provably dead)
-            try:
-                doc = loads(os.read(fd, 65536) or b"{}")
-            except (ValueError, RecursionError):
-                doc = {}
-            journal = Path(doc["journal"]) if isinstance(doc, dict) and isinstance(doc.get("journal"), str) else None
-            if (journal is not None and journal.name == _JOURNAL.format(run) and journal.is_file()
-                    and _roll_forward(journal, run)):
-                notes.append(f"finished the commit of a run that died during it ({journal})")
-            else:
-                if journal is not None and journal.name == _JOURNAL.format(run):  # damaged: never a commit point
-                    with contextlib.suppress(OSError):
-                        journal.unlink()
-                with ledger.folder_lock(folder):
-                    for p in _leftovers(folder, run):
-                        if p.name.endswith(".old"):  # only a committed run sets an old version aside
-                            continue
-                        _remove(p)
-                        notes.append(f"removed {p}: a stale partial of a run that died before its commit")
-            with contextlib.suppress(OSError):
-                lock.unlink()
-        finally:
-            os.close(fd)
-    return notes
-
-
-@dataclass
-class _Op:
-    final: Path
-    staged: Path
-    folder: bool
-    on_exists: str = "replace"  # a path that holds something at commit time: "replace" it if this command
-    # wrote it (else refuse); "refuse" (an output that appeared meanwhile wins: an error); "keep" it and
-    # discard this run's copy quietly (a cache entry any run builds alike)
-    delete: bool = False  # an earlier output of this command that this run's set no longer holds
-
-    @property
-    def old(self) -> Path:
-        return self.staged.with_name(self.staged.name[: -len(".new")] + ".old")
-
-
-def _apply(ops: list[_Op], writer: str, replay: bool = False) -> None:
-    """The renames of a committed transaction, idempotent (the journal may be replayed). A `replay`
-    after a crash checks each final path again: what a user put there since is kept, and that op
-    is undone instead (its staged copy removed)."""
-    by_folder: dict[Path, dict[str, tuple[str, list | None]]] = {}
-    for op in ops:
-        if (replay and not op.delete and os.path.lexists(op.staged) and os.path.lexists(op.final)
-                and ledger.writer_of(op.final) != writer):
-            _remove(op.staged)  # not the version this command wrote there: the user's now
-            continue
-        if op.delete:
-            if os.path.lexists(op.final) and ledger.writer_of(op.final) == writer:
-                os.replace(op.final, op.old)  # removed below, with the old versions
-        elif os.path.lexists(op.staged):
-            if op.folder and os.path.lexists(op.final):
-                os.replace(op.final, op.old)
-            os.replace(op.staged, op.final)
-        by_folder.setdefault(op.final.parent, {})[op.final.name] = (writer, ledger.fingerprint(op.final))
-    for folder, changes in by_folder.items():
-        ledger.record(folder, changes, keep_old=False)
-    for op in ops:
-        if os.path.lexists(op.old):
-            _remove(op.old)
-
-
-def _roll_forward(journal: Path, run: str) -> bool:
-    """Finish a dead run's commit from its journal; False when the journal is not one (damaged: a
-    commit point is a whole, fsynced file put in place by one rename, so this run never committed)."""
-    try:
-        if journal.lstat().st_uid != os.getuid():
-            return False
-        doc = loads(journal.read_text(encoding="utf-8"))
-        ops = [_Op(Path(o["final"]), Path(o["staged"]), bool(o["folder"]), delete=bool(o.get("delete")))
-               for o in doc["ops"]]
-        writer = str(doc["command"])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
-        return False
-    # only renames this run could have staged: a sibling named after its final path and this run
-    ops = [op for op in ops if op.staged.parent == op.final.parent and op.final.is_absolute()
-           and re.fullmatch(rf"\.{re.escape(op.final.name)}\.{run}-\d+\.new", op.staged.name, re.DOTALL)]
-    folders = sorted({op.final.parent for op in ops} | {journal.parent})
-    with contextlib.ExitStack() as stack:
-        for f in folders:
-            stack.enter_context(ledger.folder_lock(f))
-        _apply(ops, writer, replay=True)
-        with contextlib.suppress(OSError):
-            journal.unlink()
-        for f in folders:
-            with contextlib.suppress(OSError):
-                (f / _LOCK.format(run)).unlink()
-    return True
+def _moved(folder: Path) -> InputError:
+    return InputError(f"the output folder {folder} was moved, removed or replaced while this command ran; nothing "
+                      "was written there", "run the command again (a later run removes what this one staged)")
 
 
 @dataclass
@@ -240,11 +121,13 @@ class Transaction:
     the hidden path to write; `commit()` puts them all in place."""
     writer: str
     private: Path | None = None  # torchrun's other ranks: outputs go here and are deleted
-    ops: list[_Op] = field(default_factory=list)
+    ops: list[Op] = field(default_factory=list)
     prunes: list[tuple[Path, re.Pattern[str]]] = field(default_factory=list)  # (folder, names), see `prune`
     made: list[Path] = field(default_factory=list)  # folders created for the outputs, removed on abort
+    homes: dict[Path, tuple[int, int]] = field(default_factory=dict)  # each output folder as it was at staging
 
-    def _stage(self, final: str | os.PathLike, is_folder: bool, on_exists: str = "replace") -> Path:
+    def _stage(self, final: str | os.PathLike, is_folder: bool, on_exists: str = "replace",
+               ours: Callable[[Path], bool] | None = None) -> Path:
         final = _abs(final)
         for op in self.ops:
             if op.final == final:
@@ -265,18 +148,29 @@ class Transaction:
         if final.parent not in _HELD:
             recover(final.parent)
         _hold(final.parent)
-        staged = final.with_name(f".{final.name}.{RUN_ID}-{_STATE['n']}.new")
+        st = os.stat(final.parent)
+        self.homes.setdefault(final.parent, (st.st_dev, st.st_ino))
+        staged = final.with_name(f".{final.name}.{journal.RUN_ID}-{_STATE['n']}.new")
         if is_folder:
             staged.mkdir()
             honour_umask(staged, directory=True)
-        self.ops.append(_Op(final, staged, is_folder, on_exists))
+            st = os.lstat(staged)
+            _note(staged, ["ident", st.st_dev, st.st_ino])
+        self.ops.append(Op(final, staged, is_folder, on_exists, ours=ours))
         return staged
 
-    def file(self, final: str | os.PathLike) -> Path:
-        return self._stage(final, False)
+    def file(self, final: str | os.PathLike, ours: Callable[[Path], bool] | None = None) -> Path:
+        """The hidden path to write `final` to; `ours` (a cache's own rule) says what at `final` it may replace."""
+        return self._stage(final, False, ours=ours)
 
     def folder(self, final: str | os.PathLike, on_exists: str = "replace") -> Path:
         return self._stage(final, True, on_exists)
+
+    def sealed(self, staged: str | os.PathLike) -> None:
+        """A writer finished the staged file `staged`: its lock file names it by fingerprint from now on."""
+        staged = _abs(staged)
+        if self.private is None and any(op.staged == staged for op in self.ops):
+            _note(staged, identify(staged))
 
     def prune(self, folder: str | os.PathLike, pattern: str) -> None:
         """At the commit point, remove the files of `folder` whose names match `pattern` and that
@@ -285,7 +179,7 @@ class Transaction:
         lock at commit time, so a run committing between our start and our commit is seen."""
         self.prunes.append((_abs(folder), re.compile(pattern, re.DOTALL)))
 
-    def _pruned(self) -> list[_Op]:
+    def _pruned(self) -> list[Op]:
         """The delete ops `prune` asked for, computed now (under the folders' locks)."""
         mine = {op.final for op in self.ops}
         ops = []
@@ -295,68 +189,133 @@ class Transaction:
                     final = folder / name
                     if pattern.fullmatch(name) and final not in mine and ledger.writer_of(final) == self.writer:
                         _STATE["n"] += 1
-                        ops.append(_Op(final, final.with_name(f".{name}.{RUN_ID}-{_STATE['n']}.new"), False,
-                                       delete=True))
+                        ops.append(Op(final, final.with_name(f".{name}.{journal.RUN_ID}-{_STATE['n']}.new"), False,
+                                      delete=True, old=identify(final)))
         return ops
 
     def staged_name(self, path: str | os.PathLike) -> bool:
         p = _abs(path)
         return any(op.staged == p for op in self.ops)
 
-    def commit(self) -> list[Path]:
-        if not self.ops or self.private is not None:
-            return []
+    def _seal(self) -> list[Op]:
+        """Every staged output on disk and fingerprinted (those never written are no outputs)."""
+        for folder, ident in self.homes.items():
+            try:
+                st = os.stat(folder)
+            except OSError:
+                raise _moved(folder) from None
+            if (st.st_dev, st.st_ino) != ident:
+                raise _moved(folder)
+        ops = []
         for op in [op for op in self.ops if os.path.lexists(op.staged)]:  # on disk before the commit point
             if op.folder:
                 seal_dir(op.staged)
             else:
                 with open(op.staged, "rb") as fh:
                     os.fsync(fh.fileno())
-        ops = [op for op in self.ops if op.delete or os.path.lexists(op.staged)]
+            op.new = identify(op.staged)
+            ops.append(op)
+        return ops
+
+    def _judge(self, ops: list[Op]) -> list[Op]:
+        """Under the folders' locks: what is at each final path now may be replaced (its fingerprint
+        is kept: the renames replace exactly that), or the commit is refused before it happens."""
+        judged = []
+        for op in ops:
+            if op.delete:
+                judged.append(op)
+                continue
+            if op.on_exists == "keep" and os.path.lexists(op.final):
+                remove(op.staged)  # another run built the same entry first: theirs stays
+                continue
+            if op.on_exists == "refuse" and os.path.lexists(op.final):
+                raise InputError(f"{op.final} was created by another process while this command ran; this "
+                                 "run's copy was discarded", "check that the other run's output is the one you want")
+            before = identify(op.final)
+            why = replace_refusal(op.final, ours=op.ours, as_folder=op.folder)
+            if not why and identify(op.final) != before:
+                why = "changed while it was checked"
+            if why and op.ours is not None:  # a cache entry: what is there stays, this entry is not written
+                journal.say(f"{op.final} {why}; left as it is (this cache entry was not written)")
+                remove(op.staged)
+                continue
+            if why:
+                raise InputError(f"{op.final} {why}; refusing to replace it",
+                                 "choose a new path, or remove it yourself (nothing was written)")
+            op.old = before
+            judged.append(op)
+        return judged
+
+    def commit(self) -> list[Path]:
+        if not self.ops or self.private is not None:
+            return []
+        ops = self._seal()
+        crash_point("sealed")
         first = ops[0].final.parent if ops else self.ops[0].final.parent
-        journal = first / _JOURNAL.format(RUN_ID)
         folders = sorted({op.final.parent for op in ops} | {first})
         with contextlib.ExitStack() as stack:
             for f in folders:
-                stack.enter_context(ledger.folder_lock(f))
-            ops += [op for op in self._pruned() if op.final.parent in folders]
-            for op in [op for op in ops if op.on_exists == "keep" and os.path.lexists(op.final)]:
-                _remove(op.staged)  # another run built the same entry first: theirs stays
-                ops.remove(op)
-            for op in [op for op in ops if not op.delete]:  # again now: a user's file may have appeared since
-                if op.on_exists == "refuse" and os.path.lexists(op.final):
-                    raise InputError(f"{op.final} was created by another process while this command ran; this "
-                                     "run's copy was discarded", "check that the other run's output is the one you want")
-                why = replace_refusal(op.final, as_folder=op.folder)
-                if why:
-                    raise InputError(f"{op.final} {why}; refusing to replace it",
-                                     "choose a new path, or remove it yourself (nothing was written)")
+                try:
+                    stack.enter_context(ledger.folder_lock(f))
+                except (FileNotFoundError, NotADirectoryError):
+                    raise _moved(f) from None
+            ops = self._judge(ops + [op for op in self._pruned() if op.final.parent in folders])
             with deferred():  # a signal here waits: the commit is a few renames
-                for f in folders:
-                    _hold(f, journal)
-                by_folder: dict[Path, dict[str, tuple[str, list | None]]] = {}
-                for op in ops:
-                    by_folder.setdefault(op.final.parent, {})[op.final.name] = (self.writer,
-                                                                                ledger.fingerprint(op.staged))
-                for f, changes in by_folder.items():
-                    ledger.record(f, changes, keep_old=True)
-                doc = {"tool": "dsparkctl", "command": self.writer,
-                       "ops": [{"final": str(o.final), "staged": str(o.staged), "folder": o.folder, "delete": o.delete}
-                               for o in ops]}
-                with open(journal.with_suffix(".tmp"), "w") as fh:
-                    json.dump(doc, fh)
-                    fh.flush()
-                    os.fsync(fh.fileno())
-                os.replace(journal.with_suffix(".tmp"), journal)  # the commit point
-                _apply(ops, self.writer)
-                journal.unlink()
-                WRITTEN.extend(op.final for op in ops)
+                out = self._commit(ops, first / JOURNAL.format(journal.RUN_ID), folders) if ops else Outcome()
         self.ops = []
-        return [op.final for op in ops]
+        if out.kept:
+            final, where = out.kept[0]
+            also = f"; also: {out.words()}" if len(out.kept) > 1 or out.left else ""
+            raise InputError(f"{final} was put there by someone else while this command ran; it was left as it is, "
+                             f"and this run's version was saved as {where}{also}",
+                             f"keep the one you want under {final.name}: `mv {where} {final}` keeps this run's")
+        if out.left or out.failed:
+            raise InputError(f"this command's outputs are in place, except: {out.words()}",
+                             "check those paths; a later run finishes what could not be done")
+        return out.done
+
+    def _commit(self, ops: list[Op], journal_path: Path, folders: list[Path]) -> Outcome:
+        """Under the folders' locks, signals deferred: record, journal (the commit point), rename."""
+        for f in folders:
+            _hold(f)
+            _DESC[f]["journal"] = str(journal_path)
+        for op in ops:
+            if not op.delete:
+                _DESC[op.final.parent]["staged"][op.staged.name] = op.new
+        for f in folders:
+            _describe(f)
+        crash_point("intent")
+        by_folder: dict[Path, dict[str, tuple[str, list | None]]] = {}
+        for op in ops:
+            by_folder.setdefault(op.final.parent, {})[op.final.name] = (self.writer, ledger.fingerprint(op.staged))
+        for f, changes in by_folder.items():
+            ledger.record(f, changes, keep_old=True)
+        crash_point("ledger")
+        doc = {"tool": "dsparkctl", "command": self.writer, "folder": str(journal_path.parent),
+               "ops": [op.doc() for op in ops]}
+        with open(journal_path.with_suffix(".tmp"), "w") as fh:
+            json.dump(doc, fh, allow_nan=False)
+            fh.flush()
+            os.fsync(fh.fileno())
+        crash_point("journal-written")
+        os.replace(journal_path.with_suffix(".tmp"), journal_path)  # the commit point
+        crash_point("commit-point")
+        out = journal.apply(ops, self.writer, journal.RUN_ID)
+        WRITTEN.extend(out.done)
+        if not out.failed:
+            with contextlib.suppress(OSError):
+                journal_path.unlink()
+            for f in folders:
+                _DESC[f] = {"journal": None, "staged": {n: r for n, r in _DESC[f]["staged"].items()
+                                                        if n not in {op.staged.name for op in ops}}}
+                with contextlib.suppress(OSError):
+                    _describe(f)
+        return out
 
     def abort(self) -> None:
         for op in self.ops:
-            _remove(op.staged)
+            remove(op.staged)
+            _DESC.get(op.staged.parent, {}).get("staged", {}).pop(op.staged.name, None)
         for d in reversed(self.made):
             _release(d)  # its lock file goes first, or the folder is not empty
             with contextlib.suppress(OSError):
