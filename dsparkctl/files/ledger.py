@@ -128,9 +128,15 @@ def folder_lock(folder: str | os.PathLike, limit_s: float = COMMIT_WAIT_S) -> It
         os.close(fd)
 
 
+_UNSAVED: dict[str, dict[str, dict[str, Any]]] = {}  # ledgers this process could not write: it still knows what
+# it wrote (a second write of one output in one run, a checkpoint's latest.json), a later run does not
+
+
 def read(folder: str | os.PathLike) -> dict[str, dict[str, Any]]:
     """The ledger's entries, {} when there is none or it is not ours (then nothing here is ours)."""
     p = ledger_path(folder)
+    if str(p) in _UNSAVED:
+        return {k: {"command": v["command"], "fp": list(v["fp"])} for k, v in _UNSAVED[str(p)].items()}
     try:
         st = os.lstat(p)
         if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_LEDGER:
@@ -173,6 +179,7 @@ def _cannot_remember(exc: OSError) -> None:
 
 def _write(folder: Path, entries: dict[str, dict[str, Any]]) -> None:
     p = ledger_path(folder)
+    _UNSAVED[str(p)] = entries  # until it is on disk
     try:
         p.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -189,6 +196,7 @@ def _write(folder: Path, entries: dict[str, dict[str, Any]]) -> None:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, p)
+        _UNSAVED.pop(str(p), None)
     except OSError as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
