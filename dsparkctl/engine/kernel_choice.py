@@ -28,7 +28,7 @@ from torch import nn
 from dsparkctl.distributed import from_main
 from dsparkctl.files.atomic import cannot_create, write_json
 from dsparkctl.files.cache import cache_location
-from dsparkctl.files.ownership import regular_file, replace_refusal
+from dsparkctl.files.ownership import NotOurs, regular_file, replace_refusal
 from dsparkctl.models.packed_linear import EVERY_CALL, STOCK, Route, pack_linears, use_stock_up_to
 from dsparkctl.strict_json import loads
 
@@ -192,6 +192,12 @@ def _read_cache(path: Path) -> dict | None:
         return None
 
 
+def _ours(path: Path) -> bool:
+    """A kernel-choice cache of ours, read from the file itself (its marker, or the unmarked map of
+    older versions: `_choices`); a file of anyone else's is not replaced."""
+    return _read_cache(path) is not None
+
+
 def cached_choice(model: nn.Module) -> Route | None:
     """The cached route for this machine and model, or None (absent or not a valid choice)."""
     entry = (_read_cache(cache_path()) or {}).get(choice_key(model))
@@ -207,15 +213,19 @@ def remember_choice(model: nn.Module, route: Route, extra: dict, log: Callable[[
 
     try:
         cached = _read_cache(path)  # read again just before writing: another process may have added its own
-        why = replace_refusal(path, ours=lambda p: cached is not None)
-        if why:  # only a new path or a cache of ours is written: anything else is someone's, left alone
-            log(f"note: {path} {why} (not a kernel-choice cache) and was left as it is; the next run times again "
-                "(point $DSPARKCTL_CPU_KERNELS_CACHE at a new file, or pass --cpu-kernels packed or stock)")
-            return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        cached = dict(cached or {})
-        cached[choice_key(model)] = entry
-        write_json(path, {"format": CACHE_FORMAT, "choices": cached})
+        why = replace_refusal(path, ours=_ours)
+        if not why:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            cached = dict(cached or {})
+            cached[choice_key(model)] = entry
+            try:  # judged again on the very file replaced: one put there meanwhile stays
+                write_json(path, {"format": CACHE_FORMAT, "choices": cached}, ours=_ours)
+                return
+            except NotOurs:
+                why = "was put there while this run timed the kernels"
+        # only a new path or a cache of ours is written: anything else is someone's, left alone
+        log(f"note: {path} {why} (not a kernel-choice cache) and was left as it is; the next run times again "
+            "(point $DSPARKCTL_CPU_KERNELS_CACHE at a new file, or pass --cpu-kernels packed or stock)")
     except OSError as e:
         why = cannot_create(path) or e.strerror or str(e)
         log(f"note: could not cache the kernel choice in {path} ({why}); the next run times again "

@@ -23,12 +23,13 @@ from typing import Callable
 
 from dsparkctl.engine.profile import profile_table
 from dsparkctl.errors import DsparkError
-from dsparkctl.files.atomic import cannot_create
+from dsparkctl.files.atomic import cannot_create, write_json
 from dsparkctl.files.cache import cache_location
-from dsparkctl.files.ownership import replace_refusal
-from dsparkctl.formats.sps import load_sps_table, save_sps_table
+from dsparkctl.files.ownership import NotOurs, cache_entry, replace_refusal
+from dsparkctl.formats.sps import load_sps_table, table_json
 from dsparkctl.math.sps import SPSTable
 from dsparkctl.models.target import model_fingerprint, position_limit
+from dsparkctl.strict_json import loads
 
 RULE = 2  # bump when what is profiled or how it is fitted changes
 REQUESTS = (1, 2, 4, 8)
@@ -92,14 +93,32 @@ def machine_sps_table(sess, log: Callable[[str], None] = print, batch_size: int 
                              draft=sess.draft_name, cached_by="generate", on_sweep=_eta(log))
     table.source = str(path)
 
-    if (why := cannot_create(path) or replace_refusal(path, ours=lambda p: True)) is not None:  # a damaged entry of this cache is ours; a link, FIFO or folder is not
+    if (why := cannot_create(path) or replace_refusal(path, ours=_entry)) is not None:
         log(f"note: the SPS cache {path} cannot be written ({why}); the table is used for this run only")
         return table
-    try:
-        save_sps_table(table, path)
+    try:  # judged again on the very file replaced: one put there meanwhile stays
+        write_json(path, table_json(table), ours=_entry)
+    except NotOurs as e:
+        log(f"note: the SPS cache {path} cannot be written ({e.message}); the table is used for this run only")
     except OSError as e:
         log(f"note: the SPS cache {path} cannot be written ({e.strerror or e}); the table is used for this run only")
     return table
+
+
+def _marks(content: bytes) -> bool:
+    """An entry of this cache: strict JSON in our table format that says it was cached by
+    `generate` (`machine_sps_table` writes both)."""
+    try:
+        doc = loads(content)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(doc, dict) and str(doc.get("format", "")).startswith("dsparkctl-sps/") \
+        and doc.get("cached_by") == "generate"
+
+
+# What this cache may replace: an entry it recorded writing, or one whose own marks it reads; a file
+# of anyone else's, put where $DSPARKCTL_SPS_CACHE points, is left alone (a damaged entry too: said).
+_entry = cache_entry(_marks, size=16 << 20)
 
 
 def _eta(log: Callable[[str], None]) -> Callable[[int, int], None]:

@@ -23,7 +23,7 @@ from dsparkctl.evaluation.live import target_continuations
 from dsparkctl.files.atomic import atomic_open, cannot_create
 from dsparkctl.files.cache import cache_location
 from dsparkctl.files.os_errors import os_error_words
-from dsparkctl.files.ownership import regular_file, replace_refusal
+from dsparkctl.files.ownership import NotOurs, cache_entry, regular_file, replace_refusal
 from dsparkctl.math.sampling import SamplingParams
 from dsparkctl.models.packed_linear import PackedLinear, route_of
 from dsparkctl.models.target import model_fingerprint
@@ -50,6 +50,16 @@ def continuations_key(model: torch.nn.Module, prompts: Sequence[Sequence[int]], 
         # (and the fingerprint above then sees the parameters left outside the packed linears)
         doc["kernels"] = route_of(model).label
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _marks(head: bytes) -> bool:
+    """An entry of this cache, even a damaged one: it begins with our format (written first)."""
+    return f'"format": "{FORMAT}"'.encode() in head[:64]
+
+
+# What this cache may replace: an entry it recorded writing, or one that carries its format; a file of
+# anyone else's, where $DSPARKCTL_CONTINUATIONS_CACHE points, is left alone.
+_entry = cache_entry(_marks)
 
 
 def _digest(conts: list[list[int]]) -> str:
@@ -118,13 +128,15 @@ def cached_continuations(model: torch.nn.Module, prompts: Sequence[Sequence[int]
         log(f"note: continuations cannot be cached ({problem}); computing them without the cache")
     conts = target_continuations(model, prompts, params, max_new_tokens, stop_ids, seed, batch_size, split)
     if not problem:  # under torchrun rank 0 alone writes (files.atomic.atomic_open)
-        refusal = replace_refusal(path, ours=lambda p: True)  # our folder: any regular file there is an entry
+        refusal = replace_refusal(path, ours=_entry)
         if refusal:
             log(f"note: {path} {refusal}; left as it is, continuations not cached")
             return conts, False
-        try:
-            with atomic_open(path, "w") as fh:
+        try:  # judged again on the very file replaced: one put there meanwhile stays
+            with atomic_open(path, "w", ours=_entry) as fh:
                 json.dump({"format": FORMAT, "key": key, "sha256": _digest(conts), "continuations": conts}, fh)
+        except NotOurs as exc:
+            log(f"note: {exc.message}; continuations not cached")
         except OSError as exc:
 
             words = os_error_words(exc)

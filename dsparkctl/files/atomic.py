@@ -17,9 +17,12 @@ from pathlib import Path
 from typing import IO, Any, Callable, Iterator
 
 from dsparkctl.distributed import world
-from dsparkctl.files import commit, ledger
+from dsparkctl.errors import InputError
+from dsparkctl.files import commit, journal, ledger
 from dsparkctl.files.commit import WRITTEN
 from dsparkctl.files.modes import current_umask, honour_umask, seal_dir  # noqa: F401 - their home for callers
+from dsparkctl.files.ownership import NotOurs, replace_refusal
+from dsparkctl.files.renames import crash_point, identify, keep_beside, replace_checked
 from dsparkctl.signals import deferred
 from dsparkctl.strict_json import finite
 
@@ -56,13 +59,19 @@ def _writes(each_rank: bool = False) -> bool:
 
 
 @contextlib.contextmanager
-def atomic_open(path: str | os.PathLike, mode: str = "w", each_rank: bool = False) -> Iterator[IO[Any]]:
+def atomic_open(path: str | os.PathLike, mode: str = "w", each_rank: bool = False,
+                ours: Callable[[Path], bool] | None = None) -> Iterator[IO[Any]]:
     """Open a temporary file next to `path`; on success fsync and rename it over `path`.
 
     Inside a command's transaction (`files.commit.transaction`) the file is staged and appears
     with the command's other outputs at its commit point. On any exception the temporary file is
     removed and `path` is left untouched. Under torchrun only rank 0 writes, unless `each_rank`
     (see the module's docstring). The folder's ledger records the file as this command's.
+
+    What is at `path` when the file is done is replaced only if this command wrote it (the
+    ledger), or, for a cache, if `ours` recognises it as an entry; checked on the very file
+    replaced (`files.renames`). Anything else there stays: `NotOurs` is raised, and this run's
+    file is kept beside it (`NAME.dsparkctl-new-<run>`; a cache's is dropped).
     """
     if not _writes(each_rank):
         with open(os.devnull, mode) as fh:
@@ -70,11 +79,12 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", each_rank: bool = Fals
         return
     tx = None if each_rank else commit.current()
     if tx is not None:
-        target = Path(path) if tx.staged_name(path) else tx.file(path)
+        target = Path(path) if tx.staged_name(path) else tx.file(path, ours=ours)
         with open(target, mode) as fh:
             yield fh
             fh.flush()
             os.fsync(fh.fileno())
+        tx.sealed(target)
         return
     path = Path(os.path.abspath(path))
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -86,15 +96,43 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", each_rank: bool = Fals
             yield fh
             fh.flush()
             os.fsync(fh.fileno())
-        with deferred(), ledger.folder_lock(path.parent):  # in place, recorded and counted, or none of it
-            ledger.record(path.parent, {path.name: (commit.command(), ledger.fingerprint(tmp))}, keep_old=True)
-            os.replace(tmp, path)
-            ledger.record(path.parent, {path.name: (commit.command(), ledger.fingerprint(path))}, keep_old=False)
-            WRITTEN.append(path)
+        crash_point("written")
+        with deferred():  # in place, recorded and counted, or none of it
+            _put(Path(tmp), path, ours)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def _put(tmp: Path, path: Path, ours: Callable[[Path], bool] | None) -> None:
+    """Rename the finished `tmp` to `path` under the folder's lock, replacing only what may be."""
+    try:
+        with ledger.folder_lock(path.parent):
+            before = identify(path)
+            why = replace_refusal(path, ours=ours)
+            if not why and identify(path) != before:
+                why = "changed while it was checked"
+            if not why:
+                ledger.record(path.parent, {path.name: (commit.command(), ledger.fingerprint(tmp))}, keep_old=True)
+                if replace_checked(tmp, path, before, tmp.with_name(tmp.name + ".old")):
+                    ledger.record(path.parent, {path.name: (commit.command(), ledger.fingerprint(path))},
+                                  keep_old=False)
+                    WRITTEN.append(path)
+                    return
+                why = "appeared while it was being replaced"
+            if ours is not None:  # a cache entry: what is there stays, this one is dropped
+                raise NotOurs(f"{path} {why}; left as it is (this cache entry was not written)",
+                              f"remove {path} yourself if it is no longer needed")
+            kept = keep_beside(tmp, path, journal.RUN_ID)
+    except FileNotFoundError as e:
+        if os.path.lexists(tmp) and path.parent.is_dir():
+            raise
+        raise InputError(f"the folder {path.parent} was moved, removed or replaced while this command wrote "
+                         f"{path.name}; this run's output is not in it", "run the command again") from e
+    raise NotOurs(f"{path} {why}; found as this command put its output in place, it was left as it is, and this "
+                  f"run's output was saved as {kept}",
+                  f"keep the one you want under {path.name}: `mv {kept} {path}` keeps this run's")
 
 
 try:
@@ -170,11 +208,12 @@ def remove_stale_temps(path: Path) -> list[Path]:
     return removed
 
 
-def write_json(path: str | os.PathLike, obj: Any, each_rank: bool = False) -> None:
+def write_json(path: str | os.PathLike, obj: Any, each_rank: bool = False,
+               ours: Callable[[Path], bool] | None = None) -> None:
     """Atomically write `obj` as indented, strict JSON (non-finite floats become null); under
-    torchrun on rank 0 alone unless `each_rank`."""
+    torchrun on rank 0 alone unless `each_rank`; `ours` as for `atomic_open` (a cache's rule)."""
 
-    with atomic_open(path, "w", each_rank=each_rank) as fh:
+    with atomic_open(path, "w", each_rank=each_rank, ours=ours) as fh:
         json.dump(finite(obj), fh, indent=2, sort_keys=False, allow_nan=False)
         fh.write("\n")
 
@@ -205,6 +244,7 @@ def cut_log(path: str | os.PathLike, up_to: int, key: str = "step") -> None:
     path = Path(path)
     if not _writes() or not path.is_file():
         return
+    read = ledger.fingerprint(path)  # the log read is the log replaced: one swapped in meanwhile stays
     kept = []
     with open(path, encoding="utf-8", errors="replace") as fh:
         for line in fh:
@@ -214,7 +254,7 @@ def cut_log(path: str | os.PathLike, up_to: int, key: str = "step") -> None:
                 continue
             if isinstance(row, dict) and isinstance(row.get(key), int) and row[key] <= up_to and line.endswith("\n"):
                 kept.append(line)
-    with atomic_open(path, "w") as fh:
+    with atomic_open(path, "w", ours=lambda p: read is not None and ledger.fingerprint(p) == read) as fh:
         fh.writelines(kept)
 
 

@@ -1,6 +1,8 @@
 """May we replace this path? Only what this command wrote there, as its folder's ledger records
 (`files.ledger`); never a link, a device, a folder where a file goes, or anything unrecorded. What
-a file looks like (our marks, our format) is never a licence to replace it."""
+a file looks like (our marks, our format) is never a licence to replace an output; a cache, in a
+folder a variable may point anywhere, replaces only an entry it recorded or whose own marks (its
+format and key) it reads in it (`cache_entry`)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import stat
 from pathlib import Path
 from typing import Callable
 
+from dsparkctl.errors import InputError
 from dsparkctl.files import ledger
 
 # ------------------------------------------------------------------ may we replace this path?
@@ -63,3 +66,45 @@ def regular_file(path: str | os.PathLike) -> bool:
         return stat.S_ISREG(os.lstat(path).st_mode)
     except OSError:
         return False
+
+
+class NotOurs(InputError):
+    """What is at an output's path is not ours to replace, found as the output was put in place; it
+    was left as it is (the message says where this run's version went, if anywhere)."""
+
+
+def recorded(path: str | os.PathLike) -> bool:
+    """Whether what is at `path` is exactly what some dsparkctl command recorded writing there (any
+    command: a cache is shared by all of them)."""
+    entry = ledger.read(Path(os.path.abspath(path)).parent).get(Path(path).name)
+    return entry is not None and ledger.fingerprint(path) in entry["fp"]
+
+
+def cache_entry(marks: Callable[[bytes], bool], size: int = 4096) -> Callable[[Path], bool]:
+    """A cache's rule for what it may replace: a regular file that dsparkctl recorded writing, or
+    whose first `size` bytes carry the cache's own marks (`marks(head)`: its format and key, which a
+    damaged entry of ours keeps and no file of the user's has). Anything else is someone's."""
+    def ours(path: Path) -> bool:
+        if not regular_file(path):
+            return False
+        if recorded(path):
+            return True
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            return False
+        try:
+            return stat.S_ISREG(os.fstat(fd).st_mode) and marks(_head(fd, size))
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+    return ours
+
+
+def _head(fd: int, size: int) -> bytes:
+    chunks, left = [], size
+    while left > 0 and (chunk := os.read(fd, min(left, 1 << 20))):
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
