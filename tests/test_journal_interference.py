@@ -354,6 +354,15 @@ def test_an_atomic_write_never_replaces_a_file_put_there_during_the_run(tmp_path
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
+def test_an_atomic_write_that_finds_its_very_bytes_there_leaves_them(tmp_path):
+    """Another rank's copy of one data cache file, a user's identical copy: nothing to replace, nothing lost."""
+    path = tmp_path / "prompts.json"
+    path.write_text('{\n  "run": "same"\n}\n')
+    before = os.lstat(path).st_ino
+    write_json(path, {"run": "same"})
+    assert os.lstat(path).st_ino == before and sorted(os.listdir(tmp_path)) == ["prompts.json"]
+
+
 def test_an_atomic_write_replaces_its_own_earlier_file(tmp_path):
     path = tmp_path / "t.jsonl"
     write_json(path, {"run": "old"})

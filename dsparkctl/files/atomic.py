@@ -8,6 +8,7 @@ rank so that their callers need not. A file each rank writes for itself (its sha
 from __future__ import annotations
 
 import contextlib
+import filecmp
 import json
 import os
 import shutil
@@ -121,6 +122,9 @@ def _put(tmp: Path, path: Path, ours: Callable[[Path], bool] | None) -> None:
                     WRITTEN.append(path)
                     return
                 why = "appeared while it was being replaced"
+            if _same_bytes(path, tmp):  # already this very output (another rank's, say): nothing to replace
+                os.unlink(tmp)
+                return
             if ours is not None:  # a cache entry: what is there stays, this one is dropped
                 raise NotOurs(f"{path} {why}; left as it is (this cache entry was not written)",
                               f"remove {path} yourself if it is no longer needed")
@@ -133,6 +137,14 @@ def _put(tmp: Path, path: Path, ours: Callable[[Path], bool] | None) -> None:
     raise NotOurs(f"{path} {why}; found as this command put its output in place, it was left as it is, and this "
                   f"run's output was saved as {kept}",
                   f"keep the one you want under {path.name}: `mv {kept} {path}` keeps this run's")
+
+
+def _same_bytes(path: Path, tmp: Path) -> bool:
+    """Whether `path` is a regular file holding exactly the bytes of `tmp`."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode) and filecmp.cmp(path, tmp, shallow=False)
+    except OSError:
+        return False
 
 
 try:
