@@ -68,28 +68,8 @@ def _pick_model(series, prefix: str, where: str, model: str | None) -> str | Non
     return models[0] or None
 
 
-def _vllm_counts(series, where: str, model: str | None) -> ServedCounts:
-    chosen = _pick_model(series, VLLM, where, model)
-
-    def total(name: str, extra: dict[str, str] | None = None, *, created: bool = False) -> dict[str, float]:
-        """Per engine label: the counter's value (its `_total` sample) or its creation time."""
-        vals: dict[str, float] = {}
-        for (n, lab), v in series.items():
-            d = dict(lab)
-            if (n != name + ("_created" if created else "_total") and (created or n != name)) or \
-                    d.get("model_name", "") != (chosen or ""):
-                continue
-            if any(d.get(k) != x for k, x in (extra or {}).items()):
-                continue
-            vals[d.get("engine", "")] = v
-        return vals
-
-    counts: dict[str, int] = {}
-    for key, name in VLLM_COUNTERS.items():
-        per_engine = total(name)
-        if not per_engine:
-            raise InputError(f"{where}: {name}_total is missing", "pass a complete scrape of vLLM's /metrics")
-        counts[key] = sum(_count(v, f"{name}_total", where) for v in per_engine.values())
+def _positions(series, chosen: str | None, where: str) -> int:
+    """K, from the position labels of vLLM's per-position series: 0, 1, ..., K-1, each once."""
     positions = sorted({dict(lab).get("position") for n, lab in series
                         if n in (VLLM_PER_POS + "_total", VLLM_PER_POS)
                         and dict(lab).get("model_name", "") == (chosen or "")}, key=lambda p: (len(p or ""), p))
@@ -101,13 +81,45 @@ def _vllm_counts(series, where: str, model: str | None) -> ServedCounts:
     except (TypeError, ValueError):
         raise InputError(f"{where}: {VLLM_PER_POS} has position labels {positions[:5]}, not 0, 1, 2, ...",
                          "pass a scrape of vLLM's /metrics") from None
+    if len(set(idx)) != len(idx):
+        twice = sorted({i for i in idx if idx.count(i) > 1})
+        raise InputError(f"{where}: {VLLM_PER_POS} names position {twice[0]} twice "
+                         f"({', '.join(repr(p) for p in positions if int(p) == twice[0])})",
+                         "pass a scrape of one vLLM server; it labels positions 0, 1, 2, ...")
     if sorted(idx) != list(range(len(idx))):
         missing = sorted(set(range(max(idx) + 1)) - set(idx))
         raise InputError(f"{where}: {VLLM_PER_POS} has gaps: positions {sorted(idx)} (missing "
                          f"{missing[:8]})", "pass a complete scrape; vLLM exports positions 0..K-1")
-    K = len(idx)
-    if K > MAX_POSITIONS:
-        raise InputError(f"{where}: {K} draft positions (more than {MAX_POSITIONS})", "pass a vLLM scrape")
+    if len(idx) > MAX_POSITIONS:
+        raise InputError(f"{where}: {len(idx)} draft positions (more than {MAX_POSITIONS})", "pass a vLLM scrape")
+    return len(idx)
+
+
+def _vllm_counts(series, where: str, model: str | None) -> ServedCounts:
+    chosen = _pick_model(series, VLLM, where, model)
+
+    def total(name: str, extra: dict[str, str] | None = None, *, created: bool = False) -> dict[str, float]:
+        """Per series (its labels but the model and position: the engine, and any a federating scraper
+        adds, such as instance): the counter's value (its `_total` sample) or its creation time."""
+        vals: dict[str, float] = {}
+        for (n, lab), v in series.items():
+            d = dict(lab)
+            if (n != name + ("_created" if created else "_total") and (created or n != name)) or \
+                    d.get("model_name", "") != (chosen or ""):
+                continue
+            if any(d.get(k) != x for k, x in (extra or {}).items()):
+                continue
+            key = ",".join(f"{k}={x}" for k, x in sorted(d.items()) if k not in ("model_name", "position"))
+            vals[key] = vals.get(key, 0.0) + v  # a bare name beside its `_total` is refused by the identities
+        return vals
+
+    counts: dict[str, int] = {}
+    for key, name in VLLM_COUNTERS.items():
+        per_engine = total(name)
+        if not per_engine:
+            raise InputError(f"{where}: {name}_total is missing", "pass a complete scrape of vLLM's /metrics")
+        counts[key] = sum(_count(v, f"{name}_total", where) for v in per_engine.values())
+    K = _positions(series, chosen, where)
     accepted_at = []
     for p in range(K):
         per_engine = total(VLLM_PER_POS, {"position": str(p)})

@@ -348,9 +348,12 @@ class AcceptanceStats:
         if sum(stats.histogram) != stats.rounds:
             raise ValueError("malformed acceptance stats: histogram does not sum to rounds")
         before = [stats.rounds, *stats.accepted_at[:-1]]  # a position is tested only after the one before passed
+        beyond = [sum(stats.histogram[j + 1:]) for j in range(stats.block_size)]  # rounds that accepted > j drafts
         if (min(stats.histogram + stats.reached + stats.accepted_at + [stats.verified]) < 0
                 or any(not a <= n <= b for a, n, b in zip(stats.accepted_at, stats.reached, before))
+                or stats.accepted_at != beyond or sum(stats.reached) > stats.verified
                 or stats.tokens != sum((1 + j) * c for j, c in enumerate(stats.histogram))):
             raise ValueError("malformed acceptance stats: the counts contradict each other (accepted within reached "
-                             "within the position before, tokens = Σ (1 + a) over rounds, none negative)")
+                             "within the position before, accepted_at the histogram's tail sums, reached within "
+                             "verified, tokens = Σ (1 + a) over rounds, none negative)")
         return stats

@@ -86,6 +86,12 @@ def read_offline(path: Path, dataset: str | None = None, draft: str | None = Non
     m = entry[measures[0]]
     where = f"{path}: {ds_name}/{label} {measures[0].replace('_', '-')}"
     stats = _tf_stats(m, where) if measures[0] == "teacher_forced" else _live_stats(m, where, bool(doc.get("lookup")))
+    if entry.get("block_size") is not None and entry.get("block_size") != m.get("block_size"):
+        raise InputError(f"{where}: the draft's block size {entry.get('block_size')!r} and the measurement's "
+                         f"{m.get('block_size')!r} contradict each other", "rerun eval-acceptance")
+    if not any(c is not None for c in stats["conditional"]):
+        raise InputError(f"{where} measured nothing (no round or anchor reached position 1)",
+                         "rerun eval-acceptance with more prompts or tokens")
     return {"source": str(path), "dataset": ds_name, "label": label, "measure": measures[0].replace("_", "-"),
             "block_size": entry.get("block_size"), "temperature": doc.get("temperature"), **stats}
 
@@ -188,12 +194,14 @@ def parity(served: dict[str, Any], offline: dict[str, Any]) -> dict[str, Any]:
     disagree = [r["position"] for r in rows if r["agree"] is False]
     served_k, off_k = served.get("positions"), offline.get("block_size")
     other_size = bool(served_k and off_k and served_k != off_k)  # positions past the shorter side go unchecked
+    unchecked = [r["position"] for r in rows if r["agree"] is None]  # a side without an interval there
     verdict = ("not-running" if causes and causes[0] == "not-running" else
-               "disagree" if disagree or other_size else "agree" if rows else "no-positions")
+               "disagree" if disagree or other_size else "no-positions" if not rows or len(unchecked) == len(rows)
+               else "partial" if unchecked else "agree")
     return {"offline": {k: offline[k] for k in ("source", "dataset", "label", "measure", "block_size", "temperature",
                                                 "tau", "tau_interval")},
             "served_tau": served["tau"], "served_tau_interval": served["tau_interval"], "tau_agree": tau_agree,
-            "positions": rows, "disagreeing_positions": disagree, "verdict": verdict,
+            "positions": rows, "disagreeing_positions": disagree, "unchecked_positions": unchecked, "verdict": verdict,
             "causes": [{"cause": c, "text": CAUSES[c].format(served=served["positions"],
                                                              offline=offline["block_size"])} for c in causes]}
 

@@ -20,6 +20,7 @@ import hashlib
 import http.client
 import threading
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -49,11 +50,41 @@ def is_url(source: str) -> bool:
     return source.startswith(("http://", "https://"))
 
 
+def shown(source: str) -> str:
+    """A source as messages and documents show it: a URL without its credentials or query values
+    (tokens travel there), a path as given."""
+    if not is_url(source):
+        return source
+    try:
+        parts = urllib.parse.urlsplit(source)
+        host = parts.netloc.rpartition("@")[2]
+    except ValueError:
+        return source.split("?", 1)[0].split("@")[-1]
+    user = "***@" if "@" in parts.netloc else ""
+    query = "?" + "&".join(f"{k}=***" for k, _ in urllib.parse.parse_qsl(parts.query, keep_blank_values=True)) \
+        if parts.query else ""
+    return urllib.parse.urlunsplit((parts.scheme, user + host, parts.path, "", "")) + query
+
+
+def _check_url(url: str) -> None:
+    """A URL's shape, before anything is fetched (a bad port or host is named, not a traceback)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+        host = parts.hostname
+    except ValueError as exc:
+        raise UsageError(f"{shown(url)} is not a valid URL ({exc})", "give http://HOST:PORT/metrics") from None
+    if not host or any(c.isspace() for c in url) or (port is not None and not 0 < port < 65536):
+        raise UsageError(f"{shown(url)} is not a valid URL (a host, no spaces, a port in 1..65535)",
+                         "give http://HOST:PORT/metrics")
+
+
 def _once(source: str, seen: dict[str, str]) -> None:
     """A source named twice (the same URL, or the same file by any path) would count its steps twice."""
     key = source if is_url(source) else str(Path(source).expanduser().resolve())
     if key in seen:
-        raise UsageError(f"{source} is given twice (as {seen[key]!r} before): its steps would be counted twice",
+        raise UsageError(f"{shown(source)} is given twice (as {shown(seen[key])!r} before): its steps would be "
+                         "counted twice",
                          "pass each scrape or responses file once")
     seen[key] = source
 
@@ -74,6 +105,7 @@ def check_sources(sources: Sequence[str]) -> None:
         raise UsageError("no source given", "pass a scrape file, a metrics URL or a responses file")
     for s in sources:
         if is_url(s):
+            _check_url(s)
             continue
         p = Path(s).expanduser()
         if not p.exists():
@@ -98,45 +130,57 @@ def fetch_url(url: str, timeout: float | None = None) -> str:
     worker.start()
     worker.join(timeout)
     if worker.is_alive():
-        raise InputError(f"{url} did not finish answering within {timeout:g} s", "check that the server runs, "
+        raise InputError(f"{shown(url)} did not finish answering within {timeout:g} s", "check that the server runs, "
                          "answers /metrics, and the port is right")
     if "error" in box:
         raise box["error"]
     body = box["body"]
     if len(body) > MAX_SCRAPE_BYTES:
-        raise InputError(f"{url} sent more than {MAX_SCRAPE_BYTES >> 20} MB", "point at the /metrics page")
+        raise InputError(f"{shown(url)} sent more than {MAX_SCRAPE_BYTES >> 20} MB", "point at the /metrics page")
     try:
         return body.decode("utf-8")
     except UnicodeDecodeError:
-        raise InputError(f"{url} did not send UTF-8 text", SCRAPE_HINT) from None
+        raise InputError(f"{shown(url)} did not send UTF-8 text", SCRAPE_HINT) from None
 
 
 def _get(url: str, timeout: float) -> bytes:
     req = urllib.request.Request(url, headers={"Accept": "text/plain"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 (http(s) only, checked by is_url)
-            return resp.read(MAX_SCRAPE_BYTES + 1)
+            body = resp.read(MAX_SCRAPE_BYTES + 1)
+            declared = resp.headers.get("Content-Length")
     except urllib.error.HTTPError as exc:
-        raise InputError(f"{url} answered HTTP {exc.code}", "check the URL (vLLM: http://HOST:PORT/metrics)") from None
+        raise InputError(f"{shown(url)} answered HTTP {exc.code}",
+                         "check the URL (vLLM: http://HOST:PORT/metrics)") from None
     except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:
         reason = getattr(exc, "reason", exc)
-        raise InputError(f"{url} did not answer ({str(reason)[:80]})", "check that the server runs and the port "
-                         "is right") from None
+        reason = str(reason).replace(url, shown(url))
+        if "@" in url:  # the reason may quote the credentials
+            reason = reason.replace(urllib.parse.urlsplit(url).netloc, urllib.parse.urlsplit(shown(url)).netloc)
+        raise InputError(f"{shown(url)} did not answer ({type(exc).__name__}: {reason[:80]})",
+                         "check that the server runs and the port is right") from None
+    if declared is not None and declared.strip().isdigit() and len(body) < int(declared) <= MAX_SCRAPE_BYTES:
+        raise InputError(f"{shown(url)} was cut short: {len(body)} of the {int(declared)} bytes it announced",
+                         "scrape again (the connection closed early)")
+    return body
+
+
+BOM = b"\xef\xbb\xbf"
 
 
 def _is_json_lines(path: Path) -> bool:
     with open(path, "rb") as fh:
-        head = fh.read(4096).lstrip()
+        head = fh.read(4096).removeprefix(BOM).lstrip()
     return head[:1] in (b"{", b"[")
 
 
 def _json_lines(path: Path) -> Iterator[tuple[str, Any]]:
     """(where, object) per non-empty line, strict JSON; a file holding one JSON array is read whole."""
     with open(path, "rb") as fh:
-        first = fh.read(4096).lstrip()[:1]
+        first = fh.read(4096).removeprefix(BOM).lstrip()[:1]
     if first == b"[":
         try:
-            arr = loads(path.read_bytes())
+            arr = loads(path.read_bytes().removeprefix(BOM))
         except (StrictJSONError, ValueError) as exc:
             raise InputError(f"{path}: not valid JSON ({str(exc)[:80]})", RESPONSES_HINT) from None
         if not isinstance(arr, list):
@@ -145,6 +189,7 @@ def _json_lines(path: Path) -> Iterator[tuple[str, Any]]:
         return
     with open(path, "rb") as fh:
         for n, raw in enumerate(fh, start=1):
+            raw = raw.removeprefix(BOM) if n == 1 else raw
             if not raw.strip():
                 continue
             try:
@@ -160,7 +205,7 @@ def read_sources(sources: Sequence[str], model: str | None = None,
     scrapes, responses = [], []
     for s in sources:
         if is_url(s):
-            scrapes.append((s, fetch(s)))
+            scrapes.append((shown(s), fetch(s)))
             continue
         p = Path(s).expanduser()
         if _is_json_lines(p):
@@ -169,7 +214,7 @@ def read_sources(sources: Sequence[str], model: str | None = None,
         if p.stat().st_size > MAX_SCRAPE_BYTES:
             raise InputError(f"{s} is {p.stat().st_size >> 20} MB, too large for a scrape", SCRAPE_HINT)
         try:
-            scrapes.append((s, p.read_text(encoding="utf-8")))
+            scrapes.append((s, p.read_text(encoding="utf-8").removeprefix("\ufeff")))
         except UnicodeDecodeError:
             raise InputError(f"{s}: not UTF-8 text", SCRAPE_HINT) from None
     if scrapes and responses:
@@ -267,12 +312,12 @@ def served_report(c: ServedCounts, sources: Sequence[str]) -> dict[str, Any]:
         tau = 1.0 + c.accepted_tokens / c.drafts
         tau_ci = list(mean_interval(c.histogram)) if c.histogram else None
     return {
-        "format": FORMAT, "engine": c.engine, "source": {"kind": c.kind, "paths": list(sources)}, "model": c.model,
+        "format": FORMAT, "engine": c.engine, "source": {"kind": c.kind, "paths": [shown(x) for x in sources]}, "model": c.model,
         "positions": c.positions or None, "lengths": kind, "drafts": c.drafts or None,
         "draft_tokens": c.draft_tokens, "accepted_tokens": c.accepted_tokens if c.kind != "gauges" else None,
         "requests": c.requests, "histogram": c.histogram,
         "tau": tau, "tau_interval": tau_ci,
         "draft_acceptance_rate": (c.accepted_tokens / c.draft_tokens) if c.draft_tokens else None,
         "per_position": _per_position(c, kind), "quantities": QUANTITIES, "notes": notes,
-        "provenance": provenance(inputs=list(sources)),
+        "provenance": provenance(inputs=[shown(x) for x in sources]),
     }
