@@ -16,6 +16,7 @@ the source carries the histogram of accepted counts, and per position k:
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import http.client
 import threading
@@ -144,7 +145,13 @@ def fetch_url(url: str, timeout: float | None = None) -> str:
 
 
 def _get(url: str, timeout: float) -> bytes:
-    req = urllib.request.Request(url, headers={"Accept": "text/plain"})
+    parts = urllib.parse.urlsplit(url)
+    headers = {"Accept": "text/plain"}
+    if "@" in parts.netloc:  # user:password@host: sent as HTTP basic authentication, not as part of the host
+        cred, _, host = parts.netloc.rpartition("@")
+        headers["Authorization"] = "Basic " + base64.b64encode(urllib.parse.unquote(cred).encode()).decode()
+        url = urllib.parse.urlunsplit((parts.scheme, host, parts.path, parts.query, ""))
+    req = urllib.request.Request(url, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 (http(s) only, checked by is_url)
             body = resp.read(MAX_SCRAPE_BYTES + 1)
