@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from dsparkctl.app.preflight import Output, check_outputs, local_inputs
+from dsparkctl.app.preflight import Output, check_outputs, local_inputs, named_inputs
 from dsparkctl.checks import check_positive
 from dsparkctl.data.prompts import apply_preset_wrap, encode_prompts, prompt_texts, with_preset
 from dsparkctl.distributed import from_main
@@ -79,6 +79,8 @@ def run_generate(spec: GenerateSpec, *,
     sampling = SamplingParams(temperature=temperature, top_k=spec.top_k, top_p=spec.top_p)
     check_positive(spec.batch_size, "batch_size")
     siblings = _siblings(spec, sampling.greedy)
+    named_inputs(policy=spec.policy, sps_table=spec.sps_table, calibration=spec.calibration, target=spec.target,
+                 drafts=[spec.draft])
     lookup = lookup_setting(spec.lookup, sampling.greedy, spec.trace is not None)
     if spec.trace is not None:
         check_outputs([Output(spec.trace, option("trace"))],

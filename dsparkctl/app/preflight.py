@@ -20,10 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from dsparkctl.errors import UsageError
+from dsparkctl.errors import InputError, UsageError
 from dsparkctl.files.atomic import cannot_create
 from dsparkctl.files.commit import recover
 from dsparkctl.files.ownership import inside_another_output, replace_refusal
+from dsparkctl.math.policy_spec import parse_spec
+from dsparkctl.models.draft_io import check_local_source
 from dsparkctl.models.embedded import EMBEDDED_NAME, cache_root
 from dsparkctl.models.loading import default_draft_dir, is_default_draft, is_embedded, names_a_place
 
@@ -153,3 +155,19 @@ def local_inputs(*specs: str | Path | None, target: str | None | bool = False,
         if p.exists():
             paths.append(p)
     return paths
+
+
+def named_inputs(*, policy: str | None = None, sps_table: Path | None = None, calibration: Path | None = None,
+                 target: str | None = None, drafts: Sequence[str | None] = ()) -> None:
+    """What can be checked of the named inputs before any model loads: a policy's spelling, that
+    the SPS table and calibration files and local model folders exist (their content is read later)."""
+    if policy:
+        parse_spec(policy)
+    for path, what, fix in ((sps_table, "SPS table", "profile one with `dsparkctl profile-sps`"),
+                            (calibration, "calibration file", "write one with `dsparkctl calibrate`")):
+        if path is not None and not Path(path).expanduser().exists():
+            raise InputError(f"{what} {path} does not exist", fix)
+    for spec in (target, *drafts):
+        if names_a_place(spec) and not is_embedded(spec):
+            check_local_source(str(spec))
+

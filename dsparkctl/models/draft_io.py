@@ -29,6 +29,16 @@ from dsparkctl.strict_json import loads as strict_loads
 BORROWED = ("embed_tokens.weight", "lm_head.weight")
 
 
+def check_local_source(source: str) -> None:
+    """A --target/--draft that can only be a local path (it starts with . / ~, or is no org/name
+    id) must be a folder: said in a second, before anything loads."""
+    p = Path(source).expanduser()
+    if p.is_dir():
+        return
+    if p.exists() or source.startswith((".", "/", "~")) or source.count("/") != 1:
+        raise InputError(f"model path {source} does not exist", "pass a local folder or a hub repo id like org/name")
+
+
 def resolve_folder(source: str | os.PathLike, revision: str | None = None) -> Path:
     """A local folder as is; otherwise a hub repo id, fetched file by file into the hub cache:
     config.json, the safetensors index and its shards (or model.safetensors), and the tokenizer
@@ -37,8 +47,7 @@ def resolve_folder(source: str | os.PathLike, revision: str | None = None) -> Pa
     if p.is_dir():
         return p
     s = str(source)
-    if p.exists() or s.startswith((".", "/", "~")) or s.count("/") != 1:
-        raise InputError(f"model path {s} does not exist", "pass a local folder or a hub repo id like org/name")
+    check_local_source(s)
     import huggingface_hub
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
