@@ -555,7 +555,9 @@ def test_a_temp_swept_between_its_creation_and_its_lock_is_made_again(tmp_path, 
         if not Path(name).name.startswith(".prompts.json."):
             return fd, name  # the ledger's own temp files
         calls.append(name)
-        if len(calls) == 1:  # the first temp is swept away before its writer can lock it
+        if len(calls) == 1:  # the first temp is swept away after its writer marked it, before it could lock it
+            assert remove_stale_temps(tmp_path / "prompts.json") == []  # unmarked yet: not provably ours
+            os.setxattr(fd, *atomic.TEMP_MARK)
             assert remove_stale_temps(tmp_path / "prompts.json") == [Path(name)]
         return fd, name
 
@@ -580,3 +582,21 @@ def test_cannot_write_file_refuses_what_is_not_ours_to_replace(tmp_path):
     assert cannot_write_file(tmp_path / "new dir" / "x.json") is None
     (tmp_path / "file").write_text("")
     assert "is not a folder" in cannot_write_file(tmp_path / "file" / "x.json")
+
+
+def test_a_users_file_named_like_a_temp_file_is_never_swept(tmp_path):
+    """The stale-temp sweep used to go by name and lock alone: a user's `.out.json.abcd1234.tmp`
+    (hostile round 5) was deleted by the next write of out.json. Only temp files this tool marked
+    as it made them are swept."""
+    out = tmp_path / "out.json"
+    mine = tmp_path / ".out.json.abcd1234.tmp"
+    mine.write_text("the user's notes")
+    write_json(out, {"a": 1})
+    assert mine.read_text() == "the user's notes"
+    assert remove_stale_temps(out) == []
+    # a temp file of ours left by a killed writer (marked, nobody locks it) is still swept
+    from dsparkctl.files.atomic import TEMP_MARK
+    dead = tmp_path / ".out.json.zz99yy88.tmp"
+    dead.write_text("half")
+    os.setxattr(dead, *TEMP_MARK)
+    assert remove_stale_temps(out) == [dead] and mine.exists()

@@ -138,6 +138,10 @@ def _siblings(spec: GenerateSpec, greedy: bool) -> int | str:
     """`--siblings` checked; none with `--trace`, which records the chain alone (for calibrate and
     sweep-scheduler): auto is turned off there, and a fixed count refused."""
     siblings = parse_siblings(spec.siblings, greedy=greedy)
+    if siblings not in (0, AUTO) and spec.policy is not None and spec.policy.strip() == "static:0":
+        raise UsageError(f"{option('siblings')} {siblings} verifies siblings beside the draft's chain; "
+                         f"{option('policy')} static:0 never drafts one", f"drop {option('siblings')}, or choose "
+                         "a policy that drafts")
     if spec.trace is None or siblings == 0:
         return siblings
     if siblings != AUTO:

@@ -96,6 +96,11 @@ def generate(
     draft_weights: DraftWeightsOpt = DraftWeights.auto,
 ) -> None:
     from dsparkctl.app.generate import GenerateSpec, run_generate
+    from dsparkctl.errors import UsageError
+
+    if stream and json_out:
+        raise UsageError("--stream prints the text as it comes and --json one document, both on stdout",
+                         "drop one of them (--json holds every request's text)")
 
     spec = GenerateSpec(
         prompts=tuple(prompts or ()), prompts_file=prompts_file, dataset=dataset, field=field, limit=limit,

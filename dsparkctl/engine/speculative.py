@@ -90,7 +90,8 @@ class SpeculativeEngine:
     def effective_siblings(self) -> int | str:
         """What the siblings setting comes to in this engine: 0 where it cannot apply (sampling, a
         target without tree attention, `auto` without an SPS table)."""
-        if not (self.sampling.greedy and self.draft_sampling.greedy) or not self.target.takes_trees:
+        if not (self.sampling.greedy and self.draft_sampling.greedy) or not self.target.takes_trees \
+                or getattr(self.policy, "k", None) == 0:  # static:0 never drafts a chain to verify them beside
             return 0
         if self.siblings == sib.AUTO:
             return sib.AUTO if self.policy.sps is not None else 0

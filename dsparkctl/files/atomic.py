@@ -154,6 +154,16 @@ except ImportError:  # pragma: no cover - not POSIX: no locks, and no stale-file
     _LOCKS = False
 
 
+TEMP_MARK = ("user.dsparkctl", b"temp")  # set on every temp file this module makes
+
+
+def _marked(fd: int) -> bool:
+    try:
+        return os.getxattr(fd, TEMP_MARK[0]) == TEMP_MARK[1]
+    except (OSError, AttributeError):  # not marked, or no extended attributes here
+        return False
+
+
 def _locked_temp(path: Path) -> tuple[int, str]:
     """A new temp file beside `path`, created and then locked (held until it is renamed or removed:
     a temp file nobody locks is stale). Another writer's `remove_stale_temps` may take the file
@@ -161,6 +171,8 @@ def _locked_temp(path: Path) -> tuple[int, str]:
     by the sweeper or already unlinked, and a fresh one is made."""
     for _ in range(100):
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        with contextlib.suppress(OSError, AttributeError):  # unmarked: never swept (`remove_stale_temps`)
+            os.setxattr(fd, *TEMP_MARK)
         locked = _lock(fd)
         try:
             if not locked and not _LOCKS:
@@ -189,7 +201,9 @@ def _lock(fd: int) -> bool:
 def remove_stale_temps(path: Path) -> list[Path]:
     """Remove temporary files of ours that a killed writer left beside `path`.
 
-    Ours: named `.<name>.<8 mkstemp characters>.tmp`, a regular file owned by this user.
+    Ours: named `.<name>.<8 mkstemp characters>.tmp`, a regular file owned by this user, marked by
+    its writer (`TEMP_MARK`, an extended attribute set as it was created: a name alone is no proof;
+    on a filesystem without them nothing is marked, and nothing removed).
     Stale: nobody holds its lock (every live writer locks its temp file; the kernel drops the lock
     when the writer dies, even by SIGKILL). Anything else is left alone."""
     import re
@@ -206,7 +220,10 @@ def remove_stale_temps(path: Path) -> list[Path]:
             st = p.lstat()
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
                 continue
-            fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK)
+            fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+            if not _marked(fd):
+                os.close(fd)
+                continue
         except OSError:
             continue
         try:
