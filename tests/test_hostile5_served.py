@@ -162,3 +162,23 @@ def test_parity_does_not_call_unchecked_or_empty_or_contradictory_evidence_agree
     one_line_error(run(lambda e: e["live"].update(reached=[live["rounds"]] * 5, accepted_at=[live["rounds"]] * 5)),
                    "contradict")
     one_line_error(run(lambda e: e.update(block_size=7)), "block size 7")
+
+
+def test_counts_that_no_run_of_drafts_could_produce_are_refused(tmp_path):
+    """An SGLang response whose proposal lengths say no step proposed a second draft, while two
+    accepted two; a vLLM scrape whose 100 drafts proposed 100 tokens (one each) while 20 accepted a
+    second: both were read, position 2 printed as measured."""
+    sg = tmp_path / "sg.jsonl"
+    sg.write_text(json.dumps({"text": "x", "meta_info": {
+        "spec_verify_ct": 10, "spec_num_correct_drafts": 7, "spec_num_proposed_drafts": 50,
+        "spec_correct_drafts_histogram": [5, 3, 2], "spec_cap_lens_histogram": [0, 0, 10]}}) + "\n")
+    one_line_error(runner.invoke(app, ["served", str(sg)]), "accepted position 2 but only 0 proposed it")
+    text = VllmServer().feed([(1, 0)] * 60 + [(1, 1)] * 40).scrape(tmp_path / "m.txt").read_text()
+    lines = text.splitlines()
+    for i, ln in enumerate(lines):  # 20 of them "accepted" a second position no draft proposed
+        if ln.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total") and 'position="1"' in ln:
+            lines[i] = ln.rsplit(" ", 1)[0] + " 20.0"
+        elif ln.startswith("vllm:spec_decode_num_accepted_tokens_total"):
+            lines[i] = ln.rsplit(" ", 1)[0] + " 60.0"
+    (tmp_path / "bad.txt").write_text("\n".join(lines) + "\n")
+    one_line_error(runner.invoke(app, ["served", str(tmp_path / "bad.txt")]), "tokens accepted past position 1")

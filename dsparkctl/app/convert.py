@@ -62,6 +62,7 @@ def _target_rows(spec: ConvertSpec, cfg: Any, log: Callable[[str], None]) -> tup
 def run_convert(spec: ConvertSpec, log: Callable[[str], None] = print) -> dict[str, Any]:
     """`convert` as one call; returns what was written and what changed."""
     fmt = formats.format_named(spec.to)
+    formats.check_drops(spec.drop)
     folder = _source_folder(spec.source)
     inputs = local_inputs(folder, target=spec.target if spec.target is not None else False)
     check_outputs([Output(spec.out_dir, option("out_dir"), "folder")], inputs)  # empty, the input, inside it, ...

@@ -59,6 +59,15 @@ def run_eval_acceptance(spec: EvalSpec, *,
                          f"give as many {option('labels')} as {option('drafts')}, in the same order, or none")
     live = spec.mode != "teacher-forced"
     lookup_setting(bool(spec.lookup), temperature == 0, spec.trace is not None and live)  # asked for where it cannot apply
+    if spec.trace is not None and not live:
+        raise UsageError(f"{option('trace')} records live rounds; {option('mode')} teacher-forced runs none",
+                         f"drop {option('trace')}, or use {option('mode')} live or both")
+    if len(spec.drafts) > 1:  # the labels, given or by default, known before anything loads
+        names = list(spec.labels) or [(Path(d).name or d) if d else None for d in spec.drafts]
+        twice = sorted({n for n in names if n is not None and names.count(n) > 1})
+        if twice:
+            raise UsageError(f"two drafts would both be reported as {twice[0]!r}",
+                             f"name each with {option('labels')}")
     sources = spec.drafts or (None,)
     inputs = local_inputs(*spec.datasets, target=spec.target, drafts=sources)
     check_outputs([o for o in (Output(spec.out, option("out")) if spec.out else None,

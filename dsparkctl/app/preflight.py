@@ -15,6 +15,7 @@ its outputs first and `check_outputs` refuses, before anything runs:
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +61,9 @@ def can_write_figure(fmt: str) -> bool:
         return False
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(1, 1))
+    mpl_log = logging.getLogger("matplotlib")
+    level = mpl_log.level
+    mpl_log.setLevel(logging.ERROR)  # a probe's format notes (PostScript and transparency) are no user's business
     try:
         ax.plot([0, 1], [0, 1], label="τ ≤ γ")
         ax.set_title("β")
@@ -69,6 +73,7 @@ def can_write_figure(fmt: str) -> bool:
     except Exception:  # noqa: BLE001 - whatever stops the writer (a missing program, package or font)
         return False
     finally:
+        mpl_log.setLevel(level)
         plt.close(fig)
 
 

@@ -81,10 +81,15 @@ class ServedCounts:
             raise InputError(f"{where}: {self.draft_tokens} draft tokens over {D} drafts of at most {K} is "
                              f"impossible (each draft proposes {least}..{K} tokens)", "the counters are inconsistent; "
                              "take them from one server and one scrape")
-        first = (self.length_at_least or [D])[0]
-        if self.accepted_at is not None and first is not None and self.accepted_at[0] > first:
-            raise InputError(f"{where}: {self.accepted_at[0]} drafts accepted position 1 but only {first} proposed it",
-                             "the counts are inconsistent")
+        for k, (acc, proposed) in enumerate(zip(self.accepted_at or [], self.length_at_least or [D])):
+            if proposed is not None and acc > proposed:
+                raise InputError(f"{where}: {acc} drafts accepted position {k + 1} but only {proposed} proposed it",
+                                 "the counts are inconsistent")
+        if self.accepted_at is not None and self.draft_tokens is not None and \
+                sum(self.accepted_at[1:]) > self.draft_tokens - least * D:
+            raise InputError(f"{where}: {sum(self.accepted_at[1:])} tokens accepted past position 1, but the "
+                             f"{D} drafts proposed only {self.draft_tokens - least * D} tokens past their first",
+                             "the counters are inconsistent; take them from one server and one scrape")
         if self.accepted_at is not None:
             a = [D, *self.accepted_at]
             if any(a[k + 1] > a[k] for k in range(K)):

@@ -192,12 +192,17 @@ def _canonical_vocab(fmt: DraftFormat, tensors: dict[str, Tensor], cfg: DraftCon
 
 
 # ---------------------------------------------------------------------------------------- write
-def plan(draft: CanonicalDraft, fmt: DraftFormat, drop: tuple[str, ...] = ()) -> list[str]:
-    """What writing `draft` as `fmt` changes, in words ([] = nothing); UsageError, before any work,
-    for a loss the user did not drop by name, or a drop that is not needed."""
+def check_drops(drop: tuple[str, ...]) -> None:
+    """`--drop` values by their spelling (whether each is needed waits for the draft: `plan`)."""
     bad = [d for d in drop if d not in DROPPABLE]
     if bad:
         raise UsageError(f"--drop {bad[0]!r} is not something a conversion can drop", f"use {' or '.join(DROPPABLE)}")
+
+
+def plan(draft: CanonicalDraft, fmt: DraftFormat, drop: tuple[str, ...] = ()) -> list[str]:
+    """What writing `draft` as `fmt` changes, in words ([] = nothing); UsageError, before any work,
+    for a loss the user did not drop by name, or a drop that is not needed."""
+    check_drops(drop)
     cfg, changes, needed = draft.config, [], set()
     _cannot_hold(cfg, fmt)  # what no drop can fix is said first
     if draft.reduced and fmt.vocab == "full":
