@@ -43,21 +43,13 @@ class EvalSpec(ModelSettings):
     out: Path | None = None  # the document, also written here
 
 
-def run_eval_acceptance(spec: EvalSpec, *,
-                   log: Callable[[str], None] = lambda s: None,
-                   note: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    """Check the spec (numbers, labels, every output path, prompt files) before any model loads,
-    the drafts' sizes before kernel timing, then evaluate: the eval-acceptance document (also
-    written to `spec.out`; the plot to `spec.plot`)."""
-
-    preset, temperature, max_new_tokens = with_preset(spec.preset, spec.temperature, spec.max_new_tokens)
-    check_positive(spec.batch_size, "batch_size")
+def _check_options(spec: EvalSpec, temperature: float, live: bool) -> None:
+    """The options against each other, from the arguments alone."""
     if spec.mode not in MODES:
         raise UsageError(f"unknown mode {spec.mode!r}", f"use one of {', '.join(MODES)}")
     if spec.labels and len(spec.labels) != len(spec.drafts):
         raise UsageError(f"{option('labels')} must be given once per {option('drafts')}",
                          f"give as many {option('labels')} as {option('drafts')}, in the same order, or none")
-    live = spec.mode != "teacher-forced"
     lookup_setting(bool(spec.lookup), temperature == 0, spec.trace is not None and live)  # asked for where it cannot apply
     if spec.trace is not None and not live:
         raise UsageError(f"{option('trace')} records live rounds; {option('mode')} teacher-forced runs none",
@@ -68,6 +60,19 @@ def run_eval_acceptance(spec: EvalSpec, *,
         if twice:
             raise UsageError(f"two drafts would both be reported as {twice[0]!r}",
                              f"name each with {option('labels')}")
+
+
+def run_eval_acceptance(spec: EvalSpec, *,
+                   log: Callable[[str], None] = lambda s: None,
+                   note: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """Check the spec (numbers, labels, every output path, prompt files) before any model loads,
+    the drafts' sizes before kernel timing, then evaluate: the eval-acceptance document (also
+    written to `spec.out`; the plot to `spec.plot`)."""
+
+    preset, temperature, max_new_tokens = with_preset(spec.preset, spec.temperature, spec.max_new_tokens)
+    check_positive(spec.batch_size, "batch_size")
+    live = spec.mode != "teacher-forced"
+    _check_options(spec, temperature, live)
     sources = spec.drafts or (None,)
     inputs = local_inputs(*spec.datasets, target=spec.target, drafts=sources)
     check_outputs([o for o in (Output(spec.out, option("out")) if spec.out else None,

@@ -77,15 +77,7 @@ def run_generate(spec: GenerateSpec, *,
 
     preset, temperature, max_new_tokens = with_preset(spec.preset, spec.temperature, spec.max_new_tokens)
     sampling = SamplingParams(temperature=temperature, top_k=spec.top_k, top_p=spec.top_p)
-    check_positive(spec.batch_size, "batch_size")
-    siblings = _siblings(spec, sampling.greedy)
-    named_inputs(policy=spec.policy, sps_table=spec.sps_table, calibration=spec.calibration, target=spec.target,
-                 drafts=[spec.draft])
-    lookup = lookup_setting(spec.lookup, sampling.greedy, spec.trace is not None)
-    if spec.trace is not None:
-        check_outputs([Output(spec.trace, option("trace"))],
-                      local_inputs(spec.prompts_file, spec.sps_table, spec.calibration, spec.dataset,
-                                   target=spec.target, drafts=[spec.draft]))
+    siblings, lookup = _check_options(spec, sampling)
     texts = apply_preset_wrap(preset, spec.dataset,
                               prompt_texts(list(spec.prompts), spec.prompts_file, spec.dataset, spec.field, spec.limit,
                                            default="Write a short poem about speculative decoding."))
@@ -132,6 +124,21 @@ def run_generate(spec: GenerateSpec, *,
         sess.notes.append(report["trace_note"])
         note(report["trace_note"])
     return report
+
+
+def _check_options(spec: GenerateSpec, sampling: SamplingParams) -> tuple[int | str, bool]:
+    """Everything the arguments alone decide, before any model loads: numbers, the options against
+    each other, named files and folders, the trace path. Returns (siblings, lookup) as they will run."""
+    check_positive(spec.batch_size, "batch_size")
+    siblings = _siblings(spec, sampling.greedy)
+    named_inputs(policy=spec.policy, sps_table=spec.sps_table, calibration=spec.calibration, target=spec.target,
+                 drafts=[spec.draft])
+    lookup = lookup_setting(spec.lookup, sampling.greedy, spec.trace is not None)
+    if spec.trace is not None:
+        check_outputs([Output(spec.trace, option("trace"))],
+                      local_inputs(spec.prompts_file, spec.sps_table, spec.calibration, spec.dataset,
+                                   target=spec.target, drafts=[spec.draft]))
+    return siblings, lookup
 
 
 def _siblings(spec: GenerateSpec, greedy: bool) -> int | str:
