@@ -131,13 +131,13 @@ def _check_options(spec: GenerateSpec, sampling: SamplingParams) -> tuple[int | 
     each other, named files and folders, the trace path. Returns (siblings, lookup) as they will run."""
     check_positive(spec.batch_size, "batch_size")
     siblings = _siblings(spec, sampling.greedy)
-    named_inputs(policy=spec.policy, sps_table=spec.sps_table, calibration=spec.calibration, target=spec.target,
-                 drafts=[spec.draft])
     lookup = lookup_setting(spec.lookup, sampling.greedy, spec.trace is not None)
     if spec.trace is not None:
         check_outputs([Output(spec.trace, option("trace"))],
                       local_inputs(spec.prompts_file, spec.sps_table, spec.calibration, spec.dataset,
                                    target=spec.target, drafts=[spec.draft]))
+    named_inputs(policy=spec.policy, sps_table=spec.sps_table, calibration=spec.calibration, target=spec.target,
+                 drafts=[spec.draft])
     return siblings, lookup
 
 
