@@ -285,6 +285,9 @@ EXCLUDED = [
      "a trained draft's weights fit; the tiny pair's random draft fits none better than another "
      "(tests/test_draft_formats.py runs the probe on the shipped draft)"),
     ("README.md", "make test", "runs this test suite itself (`make test-fast` too)"),
+    ("docs/generate.md", "OMP_NUM_THREADS=1 .venv/bin/dsparkctl generate --dataset mt-bench --limit 24",
+     "24 prompts × 128 tokens, twice (minutes): the measurement behind the figures table above it, whose numbers "
+     "tests/test_doc_figures.py checks against the files it wrote; generate itself runs in the docs' other examples"),
     ("docs/distributed.md", "torchrun --standalone --nproc-per-node N", "N GPUs and a hub target (ORG/TARGET); "
      "tests/test_distributed.py runs generate, eval-acceptance and train under two torchrun ranks on tiny models"),
     ("docs/distributed.md", "OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2",

@@ -89,7 +89,8 @@ def test_sessions_run_int8_where_asked_or_where_auto_can(qwen3_pair, monkeypatch
     assert not any(isinstance(m, Int8Linear) for m in auto.target.model.modules())  # the target is never touched
     fp32 = open_session(str(target), str(draft), "cpu", "fp32", draft_weights="fp32", **quiet)
     assert fp32.draft_precision == "fp32" and not any(isinstance(m, Int8Linear) for m in fp32.draft.modules())
-    bf16 = open_session(str(target), str(draft), "cpu", "bf16", draft_weights="auto", **quiet)
+    bf16 = open_session(str(target), str(draft), "cpu", "bf16", draft_weights="auto",
+                        **{**quiet, "cpu_kernels": "auto"})  # packed needs fp32: asked for with bf16, refused
     assert bf16.draft_precision == "bfloat16"  # auto leaves what it cannot quantize as it is
     with pytest.raises(UsageError, match="int8 needs the CPU, fp32"):
         open_session(str(target), str(draft), "cpu", "bf16", draft_weights="int8", **quiet)

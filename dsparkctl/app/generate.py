@@ -81,6 +81,7 @@ def run_generate(spec: GenerateSpec, *,
     texts = apply_preset_wrap(preset, spec.dataset,
                               prompt_texts(list(spec.prompts), spec.prompts_file, spec.dataset, spec.field, spec.limit,
                                            default="Write a short poem about speculative decoding."))
+    named_inputs(target=spec.target, drafts=[spec.draft])  # the prompts first: a bad prompt file is named as such
     sess = open_session(spec.target, spec.draft, spec.device, spec.dtype, spec.revision, spec.trust_remote_code,
                         spec.seed, log=log, parallel=spec.target_parallel, cpu_kernels=spec.cpu_kernels, settle=False,
                         draft_weights=spec.draft_weights)
@@ -136,8 +137,7 @@ def _check_options(spec: GenerateSpec, sampling: SamplingParams) -> tuple[int | 
         check_outputs([Output(spec.trace, option("trace"))],
                       local_inputs(spec.prompts_file, spec.sps_table, spec.calibration, spec.dataset,
                                    target=spec.target, drafts=[spec.draft]))
-    named_inputs(policy=spec.policy, sps_table=spec.sps_table, calibration=spec.calibration, target=spec.target,
-                 drafts=[spec.draft])
+    named_inputs(policy=spec.policy, sps_table=spec.sps_table, calibration=spec.calibration)
     return siblings, lookup
 
 

@@ -173,7 +173,7 @@ def acceptance_intervals(stats: "AcceptanceStats", units: Sequence["AcceptanceSt
                 "interval_units": stats.rounds}
 
     def hull(b, w):  # a bootstrap over few rounds collapses (0 of 2 resamples to 0 always): never narrower than Wilson
-        return [None if x is None or y is None else (min(x[0], y[0]), max(x[1], y[1])) for x, y in zip(b, w)]
+        return [y if x is None or y is None else (min(x[0], y[0]), max(x[1], y[1])) for x, y in zip(b, w)]
     return {"conditional_interval": hull(boot["conditional"], cond), "survival_interval": hull(boot["survival"], surv),
             "tau_interval": boot["tau"], "interval_unit": "prompt", "interval_units": boot["units"]}
 
