@@ -136,7 +136,7 @@ CASES = [
     ("trace: budget_capped not a bool", _sweep(trace="capflag.jsonl"),
      "capflag.jsonl:2: field 'budget_capped' must be true or false"),
     ("trace: block_size 10**9", _sweep(trace="hugeblock.jsonl"), "hugeblock.jsonl:2: block_size must be in [1, 256]"),
-    ("trace: not a trace", ["calibrate", "{d}/notrace.jsonl", "--out", "{o}/c.json"], "notrace.jsonl:1: first line"),
+    ("trace: not a trace", ["calibrate", "{d}/notrace.jsonl", "--out", "{o}/c.json"], "notrace.jsonl is a 'something-else' document, not a trace"),
     ("trace: empty", ["calibrate", "{d}/empty.jsonl", "--out", "{o}/c.json"], "empty.jsonl is empty"),
     ("trace: a folder", ["calibrate", "{d}/a_folder", "--out", "{o}/c.json"], "a_folder is not a regular file"),
     ("trace: missing", ["calibrate", "{d}/nothere.jsonl", "--out", "{o}/c.json"], "nothere.jsonl does not exist"),

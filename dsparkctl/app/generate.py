@@ -120,11 +120,18 @@ def run_generate(spec: GenerateSpec, *,
     on_tokens = _text_stream(sess.target.tokenizer, on_text or (lambda r, text: None)) if spec.stream else None
     progress = (lambda done, total: on_progress(len(ids) * done // total, len(ids))) if on_progress else None
     report = generate_report(sess, ids, opts, on_tokens=on_tokens, on_batch=progress)
-    report["lookup"]["setting"] = "auto" if spec.lookup is None else spec.lookup  # as asked; `effective`: as run
+    _as_asked(report, spec)
     if "trace_note" in report:  # a trace calibrate or sweep-scheduler cannot (fully) use: said, and kept in notes
         sess.notes.append(report["trace_note"])
         note(report["trace_note"])
     return report
+
+
+def _as_asked(report: dict[str, Any], spec: GenerateSpec) -> None:
+    """The report's `setting`s as the user gave them (`effective`: what ran)."""
+    report["lookup"]["setting"] = "auto" if spec.lookup is None else spec.lookup
+    asked = str(spec.siblings).strip().lower()
+    report["siblings"]["setting"] = "auto" if asked in ("", "auto", "none") else int(asked)
 
 
 def _check_options(spec: GenerateSpec, sampling: SamplingParams) -> tuple[int | str, bool]:
@@ -133,6 +140,10 @@ def _check_options(spec: GenerateSpec, sampling: SamplingParams) -> tuple[int | 
     check_positive(spec.batch_size, "batch_size")
     siblings = _siblings(spec, sampling.greedy)
     lookup = lookup_setting(spec.lookup, sampling.greedy, spec.trace is not None)
+    if spec.lookup and spec.policy is not None and spec.policy.strip() == "static:0":
+        raise UsageError(f"{option('lookup')} verifies blocks copied from the context; {option('policy')} static:0 "
+                         "verifies none", f"drop {option('lookup')}, or choose a policy that drafts")
+    lookup = lookup and not (spec.policy is not None and spec.policy.strip() == "static:0")
     if spec.trace is not None:
         check_outputs([Output(spec.trace, option("trace"))],
                       local_inputs(spec.prompts_file, spec.sps_table, spec.calibration, spec.dataset,

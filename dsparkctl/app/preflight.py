@@ -21,12 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from dsparkctl.errors import InputError, UsageError
+from dsparkctl.checkpoint.hub import check_repo_id
+from dsparkctl.errors import UsageError
 from dsparkctl.files.atomic import cannot_create
 from dsparkctl.files.commit import recover
 from dsparkctl.files.ownership import inside_another_output, replace_refusal
 from dsparkctl.math.policy_spec import parse_spec
 from dsparkctl.models.draft_io import check_local_source
+from dsparkctl.strict_json import read
 from dsparkctl.models.embedded import EMBEDDED_NAME, cache_root
 from dsparkctl.models.loading import default_draft_dir, is_default_draft, is_embedded, names_a_place
 
@@ -170,9 +172,11 @@ def named_inputs(*, policy: str | None = None, sps_table: Path | None = None, ca
         parse_spec(policy)
     for path, what, fix in ((sps_table, "SPS table", "profile one with `dsparkctl profile-sps`"),
                             (calibration, "calibration file", "write one with `dsparkctl calibrate`")):
-        if path is not None and not Path(path).expanduser().exists():
-            raise InputError(f"{what} {path} does not exist", fix)
+        if path is not None:
+            read(Path(path).expanduser(), what, fix)  # there, and strict JSON (its fields are read later)
     for spec in (target, *drafts):
         if names_a_place(spec) and not is_embedded(spec):
             check_local_source(str(spec))
+            if not Path(str(spec)).expanduser().is_dir():
+                check_repo_id(str(spec))  # a hub id that could never exist, before the target loads
 

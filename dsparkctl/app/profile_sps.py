@@ -98,6 +98,10 @@ def _check_settings(spec: ProfileSpec) -> None:
     one_process("profile-sps")
     if spec.measure not in MEASURES:
         raise UsageError(f"unknown measure {spec.measure!r}", f"use one of {', '.join(MEASURES)}")
+    if spec.measure != "whole-step" and (spec.draft is not None or spec.draft_weights not in ("auto", "fp32")):
+        given = option("draft") if spec.draft is not None else f"{option('draft_weights')} {spec.draft_weights}"
+        raise UsageError(f"{option('measure')} {spec.measure} times the target alone; {given} would not be used",
+                         f"drop {given}, or use {option('measure')} whole-step")
     if spec.target_parallel != "none":
         raise UsageError(f"profile-sps times one process on one device; {option('target_parallel')} "
                          f"{spec.target_parallel!r} is for generate and eval-acceptance",

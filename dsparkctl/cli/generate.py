@@ -64,7 +64,8 @@ def generate(
     top_k: Annotated[int, typer.Option("--top-k", help="Top-k sampling (0 = off).")] = 0,
     max_new_tokens: MaxNewTokensOpt = None,
     preset: PresetOpt = None,
-    batch_size: Annotated[int, typer.Option("--batch-size", help="Requests decoded together.")] = 8,
+    batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Requests decoded together (default 8; "
+                                                      "--stream decodes one at a time).", show_default=False)] = None,
     device: DeviceOpt = Device.auto,
     dtype: DTypeOpt = DType.auto,
     seed: SeedOpt = 0,
@@ -101,6 +102,11 @@ def generate(
     if stream and json_out:
         raise UsageError("--stream prints the text as it comes and --json one document, both on stdout",
                          "drop one of them (--json holds every request's text)")
+    if stream and (batch_size not in (None, 1) or not show_text):
+        what = f"--batch-size {batch_size}" if batch_size not in (None, 1) else "--no-text"
+        raise UsageError(f"--stream prints each request's text as it is generated, one request at a time; {what} "
+                         "contradicts it", f"drop {what} or --stream")
+    batch_size = 8 if batch_size is None else batch_size
 
     spec = GenerateSpec(
         prompts=tuple(prompts or ()), prompts_file=prompts_file, dataset=dataset, field=field, limit=limit,
@@ -119,6 +125,8 @@ def generate(
     if json_out:
         print_json(report)
     else:
+        if stream:
+            out.print()  # the streamed text ends its line before the report
         print_report(report, texts=show_text and not stream)
 
 
@@ -143,6 +151,8 @@ def _stream_printer():
 
     def on_text(r: int, text: str) -> None:
         if r not in started:
+            if started:
+                out.print()  # the previous request's text ends its line
             out.print(styled((f"── prompt {r + 1}", "bold")))
             started.add(r)
         out.print(text, end="", highlight=False)

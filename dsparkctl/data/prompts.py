@@ -206,12 +206,18 @@ def load_prompts(dataset: str, field: str | None = None, limit: int | None = Non
         check_positive(limit, "limit")
     path = Path(dataset).expanduser()
     if dataset in BUILTIN:  # a built-in name is the built-in set; a local file of that name is ./NAME
+        if field is not None:
+            raise UsageError(f"{option('field')} {field!r} names a field of JSON rows; the built-in set {dataset} "
+                             "has its own", f"drop {option('field')}")
         prompts = _builtin_prompts(dataset)
         return prompts[:limit] if limit else prompts
     rows: Sequence[Any]
     if path.is_file():
         suffix = "".join(path.suffixes[-2:]) if path.suffix == ".gz" else path.suffix
         if suffix in (".txt", ".md"):
+            if field is not None:
+                raise UsageError(f"{option('field')} {field!r} names a field of JSON rows; {path} holds one prompt "
+                                 "per line", f"drop {option('field')}, or give a .json/.jsonl file")
             prompts = _text_prompts(path)
             return prompts[:limit] if limit else prompts
         rows = _file_rows(path, suffix)

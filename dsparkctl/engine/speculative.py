@@ -84,7 +84,7 @@ class SpeculativeEngine:
                              f"{getattr(target.model.config, '_attn_implementation', None)!r}): a tree's mask is "
                              "boolean", f"use {option('siblings')} 0 (auto leaves such a target its chain)")
         self.sibling_rate = sib.SiblingRate()  # what runners-up realised this batch (`auto`; reset per batch)
-        self.lookup = lookup and sampling.greedy and self.draft_sampling.greedy  # engine/lookup.py: greedy only
+        self.lookup = lookup and sampling.greedy and self.draft_sampling.greedy and getattr(policy, "k", None) != 0
 
     @property
     def effective_siblings(self) -> int | str:

@@ -150,6 +150,19 @@ class Trace:
     path: str | None = None
 
 
+def _other_document(path: Path, limit: int = 64 << 20) -> str | None:
+    """What a whole-file JSON document given as a trace is ("a dsparkctl-sps/1 document"), if it says."""
+    try:
+        if path.stat().st_size > limit:
+            return None
+        doc = loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return None
+    if isinstance(doc, dict) and isinstance(doc.get("format"), str):
+        return f"a {doc['format'][:60]!r} document"
+    return "a JSON document" if isinstance(doc, (dict, list)) else None
+
+
 def trace_lines(path: str | os.PathLike, on_bytes: Callable[[int], None] | None = None
                 ) -> Iterator[tuple[int, dict[str, Any] | Any]]:
     """(line number, parsed JSON) of every non-blank line of the trace at `path`, read one line at a
@@ -179,10 +192,15 @@ def trace_lines(path: str | os.PathLike, on_bytes: Callable[[int], None] | None 
             except StrictJSONError as exc:
                 raise InputError(f"{where}: {exc}", _WRITTEN_BY) from None
             except json.JSONDecodeError as exc:
+                if header is None and (kind := _other_document(path)) is not None:
+                    raise InputError(f"{path} is {kind}, not a trace", _WRITTEN_BY) from None
                 raise InputError(f"{where}: not valid JSON ({exc.msg})", _WRITTEN_BY) from None
             if header is None:
                 if not isinstance(obj, dict) or obj.get("format") != TRACE_FORMAT:
-                    raise InputError(f"{where}: first line is not a {TRACE_FORMAT} header", _WRITTEN_BY)
+                    kind = f"a {obj['format'][:60]!r} document" if isinstance(obj, dict) and isinstance(
+                        obj.get("format"), str) else None
+                    raise InputError(f"{path} is {kind}, not a trace" if kind else
+                                     f"{where}: first line is not a {TRACE_FORMAT} header", _WRITTEN_BY)
                 header = obj
             yield lineno, obj
     if on_bytes is not None:

@@ -48,7 +48,7 @@ from dsparkctl.formats.sps import check_block_size, load_sps_table
 from dsparkctl.formats.trace import describe_rounds, recording_fix, recording_hint
 from dsparkctl.formats.trace_scan import Progress, read_round_table
 from dsparkctl.math.admission import survival_from_logits
-from dsparkctl.math.policy_spec import parse_policy
+from dsparkctl.math.policy_spec import check_spec_fits, parse_policy
 from dsparkctl.math.sps import SPSTable
 from dsparkctl.provenance import provenance
 from dsparkctl.strict_json import read
@@ -282,6 +282,18 @@ def check_max_new_tokens(max_new_tokens: int | None, rounds: int) -> None:
                          f"replay; raise {option('rounds')} for longer ones")
 
 
+def _check_grid(policy_specs, concurrency) -> None:
+    """Before any file is read: the policies' names (a placeholder table: names are checked, not
+    costs), and each policy and load level once (a repeat would give rows under one label)."""
+    for s in policy_specs or ():
+        parse_policy(s, sps=SPSTable([1, 2], [1.0, 1.0]))
+    for what, given in ((option("policies"), [str(p).strip() for p in policy_specs or ()]),
+                        (option("concurrency"), list(concurrency))):
+        if twice := sorted({str(x) for x in given if given.count(x) > 1}):
+            raise UsageError(f"{what} names {twice[0]} twice: its rows would repeat under one label",
+                             f"give each of {what} once")
+
+
 def sweep_traces(trace_paths, sps_path, policy_specs=DEFAULT_POLICIES, concurrency=DEFAULT_CONCURRENCY,
               calibration=None, rounds: int = 20_000, seed: int = 0,
               max_new_tokens: int | None = None, served: str | os.PathLike | None = None,
@@ -305,8 +317,7 @@ def sweep_traces(trace_paths, sps_path, policy_specs=DEFAULT_POLICIES, concurren
         raise UsageError(f"{option('concurrency')} {max(concurrency)} is more than {option('rounds')} {rounds}: one "
                          "step of it replays more request-rounds than a whole cell may",
                          f"raise {option('rounds')} or lower {option('concurrency')}")
-    for s in policy_specs or ():  # unknown names fail before any file is read
-        parse_policy(s, sps=SPSTable([1, 2], [1.0, 1.0]))  # a placeholder table: names are checked, not costs
+    _check_grid(policy_specs, concurrency)
     sps = load_sps_table(sps_path)
     pool = served_pool(served) if served else load_replay_rounds(trace_paths, progress)
     if policy_specs is None:
@@ -316,6 +327,8 @@ def sweep_traces(trace_paths, sps_path, policy_specs=DEFAULT_POLICIES, concurren
                          f"{MAX_CANDIDATES:,} candidates one cell may hold in memory",
                          f"use {option('rounds')} ≤ {MAX_CANDIDATES // pool['gamma']:,}; the default 20000 is plenty")
     check_block_size(sps, pool["gamma"])  # a whole-step table priced another draft's steps
+    for s in policy_specs:
+        check_spec_fits(s, pool["gamma"])  # static:9 on γ = 5 would replay static:5 under another name
     notes = _input_notes(pool, calibration)
     temps = load_temperatures(calibration, pool["gamma"]) if calibration else None
     prior = load_survival_prior(calibration, pool["gamma"]) if calibration else None
