@@ -306,7 +306,9 @@ def atomic_dir(path: str | os.PathLike, each_rank: bool = False, on_exists: str 
         return
     tx = None if each_rank else commit.current()
     if tx is not None:
-        yield tx.folder(path, on_exists)
+        yield (staged := tx.folder(path, on_exists))
+        tx.sealed(staged)  # written: the lock file names it by fingerprint from now on
         return
     with commit.transaction(join=False, each_rank=each_rank) as tx:
-        yield tx.folder(path, on_exists)
+        yield (staged := tx.folder(path, on_exists))
+        tx.sealed(staged)

@@ -209,11 +209,13 @@ class Transaction:
         ops = []
         for op in [op for op in self.ops if os.path.lexists(op.staged)]:  # on disk before the commit point
             if op.folder:
+                op.new = identify(op.staged)  # (the modes seal_dir sets are no part of it)
+                _note(op.staged, op.new)  # a folder named by fingerprint: a file put in it since is seen
                 seal_dir(op.staged)
             else:
                 with open(op.staged, "rb") as fh:
                     os.fsync(fh.fileno())
-            op.new = identify(op.staged)
+                op.new = identify(op.staged)
             ops.append(op)
         return ops
 
@@ -276,9 +278,9 @@ class Transaction:
 
     def _commit(self, ops: list[Op], journal_path: Path, folders: list[Path]) -> Outcome:
         """Under the folders' locks, signals deferred: record, journal (the commit point), rename."""
-        for f in folders:
+        for f in folders:  # each lock file names every folder: a recovery of one undoes the run in all
             _hold(f)
-            _DESC[f]["journal"] = str(journal_path)
+            _DESC[f].update(journal=str(journal_path), folders=[str(x) for x in folders])
         for op in ops:
             if not op.delete:
                 _DESC[op.final.parent]["staged"][op.staged.name] = op.new

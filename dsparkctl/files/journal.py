@@ -13,11 +13,12 @@ checked on the very object renamed (`files.renames`):
   staged is not `new`       left alone: not what the run staged
   a delete                  only of exactly `old`
 
-A run that died before its commit point is undone: its staged files go, but only those that are
-still what it staged (the lock file names each one, by fingerprint once written). A folder moved
-since is followed (the journal lives in the first folder and records which that was; ops of a
-folder the recovery cannot find are left, with the journal, for a later run there). What each
-recovery finished, undid and left alone is said in one line per run.
+A run that died before its commit point is undone, in every folder it staged into: its staged files
+go, but only those still what it staged (the lock file names each by fingerprint once written; a
+folder still being written, by identity only, goes only while empty). A run whose journal may be in
+a folder that is gone or replaced (none holds its lock file written there) may have committed: it
+is left as it is. A folder moved since is followed (ops of a folder the recovery
+cannot find are left, with the journal, for a later run there). One line per run says it all.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from typing import Any, Callable
 
 from dsparkctl.files import ledger, renames
 from dsparkctl.files.ledger import fingerprint
-from dsparkctl.files.renames import crash_point, identify, keep_beside, remove, replace_checked, take_away, within
+from dsparkctl.files.renames import (crash_point, folder_ident, identify, keep_beside, remove, replace_checked,
+                                     take_away, within)
 from dsparkctl.strict_json import loads
 
 RUN_ID = secrets.token_hex(6)  # this process
@@ -43,6 +45,7 @@ LOCK = ".dsparkctl-run.{}.lock"
 JOURNAL = ".dsparkctl-commit.{}.json"
 LOCK_RE = re.compile(r"\.dsparkctl-run\.([0-9a-f]{12})\.lock")
 _MAX_DOC = 64 << 20
+_SAID: set[str] = set()  # the lines of runs left as they are, said already
 
 
 @dataclass
@@ -187,29 +190,35 @@ def recover(folder: str | os.PathLike, tell: Callable[[str], None] = say) -> lis
         return []
     notes: list[str] = []
     for run in [m[1] for n in listing if (m := LOCK_RE.fullmatch(n)) and m[1] != RUN_ID]:
-        lock = folder / LOCK.format(run)
-        try:
-            fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-        except OSError:
+        if (fd := _dead(lock := folder / LOCK.format(run))) is None:
             continue
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size > _MAX_DOC:
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                continue  # alive (or a filesystem without flock: then nothing is provably dead)
             line, drop_lock = _recover_run(folder, run, _read_doc(fd), notes)
-            if line:
+            if line and line not in _SAID:
                 notes.append(line)
                 tell(line)
             if drop_lock:
                 with contextlib.suppress(OSError):
                     lock.unlink()
+            else:
+                _SAID.add(line)  # left as it is: said once per process, not at each of its checks
         finally:
             os.close(fd)
     return notes
+
+
+def _dead(lock: Path) -> int | None:
+    """An open, flocked descriptor of a dead run's lock file (ours, a regular file); None otherwise."""
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    with contextlib.suppress(OSError):
+        if _regular(os.fstat(fd)):
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails: alive (or no flock: nothing provably dead)
+            return fd
+    os.close(fd)
+    return None
 
 
 def _read_doc(fd: int) -> dict[str, Any]:
@@ -228,64 +237,110 @@ def _recover_run(here: Path, run: str, doc: dict[str, Any], notes: list[str]) ->
     recorded = Path(doc["journal"]) if isinstance(doc.get("journal"), str) else None
     if recorded is not None and recorded.name != JOURNAL.format(run):
         recorded = None
-    journal = next((j for j in ([recorded] if recorded else []) + [here / JOURNAL.format(run)] if _ours(j)), None)
+    at = _now_at(recorded.parent, run, doc, here, recorded.name) if recorded is not None else here
+    journal = next((j for j in ([at / recorded.name] if recorded and at else []) + [here / JOURNAL.format(run)]
+                    if _ours(j)), None)
     if journal is not None:
         done = _roll_forward(journal, run, here)
         if done is not None:
             return done
         with contextlib.suppress(OSError):
             journal.unlink()  # damaged: never a commit point (that is a whole file put in place by one rename)
-    home = Path(doc["folder"]) if isinstance(doc.get("folder"), str) else here
-    if recorded is not None and recorded.parent not in (home, here) and not recorded.parent.is_dir():
+    if at is None:  # its journal may be in a folder that is gone or replaced: it may have committed
         return (f"cannot tell whether the `dsparkctl {doc.get('command', '?')}` run {run} that died in {here} passed "
-                f"its commit point: its journal's folder {recorded.parent} is gone; its staged outputs here "
-                f"(.*.{run}-*.new) are left as they are (fix: move that folder back and run again, or delete "
-                "them)"), False
+                f"its commit point: its journal's folder {recorded.parent} is gone or is another folder now; its "
+                f"staged outputs here (.*.{run}-*.new) are left as they are (fix: move that folder back and run "
+                "again, or delete them)"), False
     return _roll_back(here, run, doc, notes), True
 
 
+def _now_at(was: Path, run: str, doc: dict[str, Any], here: Path, need: str = "") -> Path | None:
+    """Where the dead run's folder `was` is now: `here` (the lock's own), or `was` or a folder beside it that
+    holds the run's lock file written in `was` (renamed); None: none does (removed, or remade at its path)."""
+    if was in (Path(doc["folder"] if isinstance(doc.get("folder"), str) else here), here):
+        return here
+    with contextlib.suppress(OSError):
+        for at in [was] + [was.parent / n for n in sorted(os.listdir(was.parent)) if n != was.name]:
+            if (_ours(at / LOCK.format(run)) and _lock_doc(at / LOCK.format(run)).get("folder") == str(was)
+                    and (at == was or not need or _ours(at / need))):  # renamed: followed to its journal only
+                return at
+    return None
+
+
+def _lock_doc(lock: Path) -> dict[str, Any]:
+    with contextlib.suppress(OSError):
+        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        try:
+            return _read_doc(fd)
+        finally:
+            os.close(fd)
+    return {}
+
+
 def _ours(p: Path) -> bool:
-    try:
-        st = p.lstat()
-    except OSError:
-        return False
+    with contextlib.suppress(OSError):
+        return _regular(p.lstat())
+    return False
+
+
+def _regular(st: os.stat_result) -> bool:
     return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and st.st_size <= _MAX_DOC
 
 
 def _roll_back(here: Path, run: str, doc: dict[str, Any], notes: list[str]) -> str:
+    """Undo a run that never committed, in `here` and in every other folder its lock names (each still
+    that folder): its lock there goes too."""
+    removed, left = _undo(here, run, doc, notes)
+    folders = doc.get("folders") if isinstance(doc.get("folders"), list) else []
+    for was in [f for f in folders if isinstance(f, str)]:
+        other = _now_at(Path(was), run, doc, here)
+        if other is None or other == here or (fd := _dead(other / LOCK.format(run))) is None:
+            continue
+        try:
+            more, also = _undo(other, run, _read_doc(fd), notes)
+            removed, left = removed + more, left + also
+            with contextlib.suppress(OSError):
+                (other / LOCK.format(run)).unlink()
+        finally:
+            os.close(fd)
+    if not removed and not left:
+        return ""
+    line = (f"undid the unfinished `dsparkctl {doc.get('command', '?')}` run {run} in {here} (it died before its "
+            f"commit point): removed {removed} staged output(s)")
+    if left:
+        line += "; left alone, not provably what it staged: " + ", ".join(f"{p} ({why})" for p, why in left)
+    return line
+
+
+def _undo(here: Path, run: str, doc: dict[str, Any], notes: list[str]) -> tuple[int, list[tuple[Path, str]]]:
+    """Remove the run's staged files in `here` that are still what it staged: (outputs removed, those left)."""
     staged = doc.get("staged") if isinstance(doc.get("staged"), dict) else {}
-    removed, left = [], []
+    removed, left = 0, []
     with ledger.folder_lock(here):
         for p in leftovers(here, run):
             if p.name.endswith(".old"):  # only a committed run sets an old version aside
                 continue
             rec = staged.get(p.name)
-            if isinstance(rec, list) and not _is(p, rec):
-                left.append(p)
+            if why := (_unlike(p, rec) if isinstance(rec, list) else None):
+                left.append((p, why))
                 continue
             remove(p)
-            removed.append(p)
+            removed += p.name.endswith(".new")
             notes.append(f"removed {p}: a stale partial of a run that died before its commit")
-    outputs = [p for p in removed if p.name.endswith(".new")]
-    if not outputs and not left:
-        return ""
-    line = (f"undid the unfinished `dsparkctl {doc.get('command', '?')}` run {run} in {here} (it died before its "
-            f"commit point): removed {len(outputs)} staged output(s)")
-    if left:
-        line += "; left alone, not what it staged: " + ", ".join(map(str, left))
-    return line
+    return removed, left
 
 
-def _is(p: Path, rec: list) -> bool:
-    """Whether `p` is what the lock file recorded: its identity while it was being written, its
-    fingerprint (or a part of it: a removal cut short) once it was."""
+def _unlike(p: Path, rec: list) -> str | None:
+    """Why `p` is not provably what the lock file recorded (None: it is): its fingerprint (or part of it: a
+    removal cut short); a folder being written (only its identity is recorded) only while it is empty."""
     if rec[:1] == ["ident"]:
-        try:
-            st = os.lstat(p)
-        except OSError:
-            return False
-        return [st.st_dev, st.st_ino] == rec[1:3]
-    return within(identify(p), rec)
+        if folder_ident(p) != rec[1:3]:
+            return "not what it staged"
+        with contextlib.suppress(OSError):
+            if not os.listdir(p):
+                return None
+        return "it died writing this folder: its files cannot be told from any put there since; delete it yourself"
+    return None if within(identify(p), rec) else "not what it staged"
 
 
 def leftovers(folder: Path, run: str) -> list[Path]:
@@ -315,12 +370,11 @@ def _roll_forward(journal: Path, run: str, here: Path) -> tuple[str, bool] | Non
         for f in folders:
             stack.enter_context(ledger.folder_lock(f))
         out = apply(reach, writer, run)
-        if not missing and not out.failed:
-            with contextlib.suppress(OSError):
-                journal.unlink()
-            for f in folders:
+        if not missing and not out.failed:  # the journal's folder's lock last: it says the journal was there
+            locks = [f / LOCK.format(run) for f in folders if f != journal.parent]
+            for p in locks + [journal, journal.parent / LOCK.format(run)]:
                 with contextlib.suppress(OSError):
-                    (f / LOCK.format(run)).unlink()
+                    p.unlink()
     line = (f"finished the commit of the `dsparkctl {writer}` run {run} that died during it ({journal.parent}): "
             f"{len(out.done)} of {len(ops)} output(s) in place")
     if out.words():

@@ -23,6 +23,7 @@ import ctypes
 import errno
 import os
 import shutil
+import stat
 from pathlib import Path
 from typing import Any, Callable
 
@@ -107,6 +108,15 @@ def identify(path: str | os.PathLike) -> list | None:
             st = os.lstat(path)
             return ["ident", st.st_dev, st.st_ino]
     return fp
+
+
+def folder_ident(path: str | os.PathLike) -> list | None:
+    """[device, inode] of the folder at `path` (not a link to one); None when no folder is there."""
+    with contextlib.suppress(OSError):
+        st = os.lstat(path)
+        if stat.S_ISDIR(st.st_mode):
+            return [st.st_dev, st.st_ino]
+    return None
 
 
 def remove(path: Path) -> None:
