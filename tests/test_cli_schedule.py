@@ -143,6 +143,8 @@ CASES = [
     ("trace: no confidence", ["calibrate", "{d}/noconf.jsonl", "--out", "{o}/c.json"], "has no confidence logits"),
     # sweep-scheduler: options
     ("sweep --policies ''", _sweep("--policies", ""), "--policies '' names no policy"),
+    ("sweep static:K past the block size (hostile round 5)", _sweep("--policies", "static:9"),
+     "verifies 9 drafts but the draft's block size is"),
     ("sweep --policies ' , '", _sweep("--policies", " , "), "names no policy"),
     ("sweep threshold:nan", _sweep("--policies", "threshold:nan"), "policy 'threshold:nan'"),
     ("sweep survival:inf", _sweep("--policies", "survival:inf"), "policy 'survival:inf'"),

@@ -178,6 +178,9 @@ def test_profile_sps_then_scheduled_generation_then_calibration(models, tmp_path
     res = run("generate", "--target", target, "--draft", draft, "--no-chat", "--max-new-tokens", 16,
               "--json", "--policy", "static:4", "--trace", trace, *[f"w{i} w{i + 1}" for i in range(3, 15)])
     assert res.exit_code == 0, res.output
+    traced = json.loads(res.stdout)  # a trace runs without siblings and lookup: asked "auto", run off (hostile round 5)
+    assert traced["siblings"]["setting"] == "auto" and traced["siblings"]["effective"] == 0
+    assert traced["lookup"]["setting"] == "auto" and traced["lookup"]["effective"] is False
     calib = tmp_path / "calib.json"
     res = run("calibrate", trace, "--out", calib, "--holdout", 0.25, "--bins", 5)
     assert res.exit_code == 0, res.output
