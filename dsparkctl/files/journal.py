@@ -332,14 +332,11 @@ def _undo(here: Path, run: str, doc: dict[str, Any], notes: list[str]) -> tuple[
 
 def _unlike(p: Path, rec: list) -> str | None:
     """Why `p` is not provably what the lock file recorded (None: it is): its fingerprint (or part of it: a
-    removal cut short); a folder being written (only its identity is recorded) only while it is empty."""
+    removal cut short). A folder the run died writing is recorded by its identity alone: the same
+    folder, hidden under the run's own name, is taken as the run's partial (a killed extract must be
+    cleanable by the next run), though a file put inside it since could not be told apart."""
     if rec[:1] == ["ident"]:
-        if folder_ident(p) != rec[1:3]:
-            return "not what it staged"
-        with contextlib.suppress(OSError):
-            if not os.listdir(p):
-                return None
-        return "it died writing this folder: its files cannot be told from any put there since; delete it yourself"
+        return None if folder_ident(p) == rec[1:3] else "not what it staged"
     return None if within(identify(p), rec) else "not what it staged"
 
 
