@@ -285,6 +285,9 @@ EXCLUDED = [
      "a trained draft's weights fit; the tiny pair's random draft fits none better than another "
      "(tests/test_draft_formats.py runs the probe on the shipped draft)"),
     ("README.md", "make test", "runs this test suite itself (`make test-fast` too)"),
+    ("docs/generate.md", "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_identity.py",
+     "320 prompts decoded twice (about an hour on one core); the figures table above it is checked against "
+     "its files by tests/test_doc_figures.py"),
     ("docs/generate.md", "OMP_NUM_THREADS=1 .venv/bin/dsparkctl generate --dataset mt-bench --limit 24",
      "24 prompts × 128 tokens, twice (minutes): the measurement behind the figures table above it, whose numbers "
      "tests/test_doc_figures.py checks against the files it wrote; generate itself runs in the docs' other examples"),
