@@ -34,10 +34,10 @@ would point at a bug (a wrong mask, position or cache slot), not at rounding.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_identity.py --cpu-kernels auto \\
         --sets mt-bench,humaneval,sharegpt,writingbench=/tmp/writingbench_en1500.jsonl \\
-        --prompts-per-set 80 --max-new-tokens 64 --out /tmp/identity_auto.json
-    (the same with --cpu-kernels stock), then
+        --prompts-per-set 80 --max-new-tokens 64 --progress /tmp/identity_auto.jsonl --out /tmp/identity_auto.json
+    (the same with --cpu-kernels stock, and --exact-prototype; --progress lets a killed run go on), then
     .venv/bin/python benchmarks/bench_identity.py --merge /tmp/identity_auto.json /tmp/identity_stock.json \\
-        --out benchmarks/results/identity.json
+        /tmp/identity_exact.json --out benchmarks/results/identity.json
 
 A set is a built-in name (data/prompts.py) or NAME=PATH of a JSONL file with a `prompt` field; each
 takes its first `--prompts-per-set` prompts of at most `--max-prompt-tokens` tokens (chat-wrapped).
@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import statistics
 import sys
 import time
@@ -223,55 +224,82 @@ def run(args) -> dict:
     print(f"[{args.label}] {len(prompts)} prompts, kernels {setup['cpu_kernels']}, policy {setup['policy']}",
           file=sys.stderr, flush=True)
     ref = load_target(None, torch.device("cpu"), torch.float32, log=lambda m: None).model.double().eval()
-    mismatches, diffs, per_prompt, census = [], [], [], []
-    tokens_by = {p: 0 for p in PROPOSERS}
-    bitwise = checks_failed = 0
-    t0 = time.perf_counter()
-    for n, (name, idx, ids) in enumerate(prompts, 1):
-        plain_adapter.start()
-        plain = plain_generate(plain_adapter, [ids], args.max_new_tokens, GREEDY, sess.stop_ids).outputs[0].tokens
-        prow = [f[-1] for f in plain_adapter.forwards]
-        engine.target.start()
-        rep = engine.generate([ids], args.max_new_tokens)
-        spec = rep.outputs[0].tokens
-        stoks = spec_tokens(engine.rounds, engine.target.forwards, route)
-        checks_failed += sum(int(r.argmax()) != t for r, t in zip(prow, plain))
-        checks_failed += sum(int(s["row"].argmax()) != t for s, t in zip(stoks, spec)) + (len(stoks) != len(spec))
-        k = next((i for i, (a, b) in enumerate(zip(plain, spec)) if a != b), None)
-        if k is None and len(plain) != len(spec):
-            k = min(len(plain), len(spec))
-        upto = len(spec) if k is None else k
-        for i in range(min(upto, len(prow))):
-            d = float((prow[i] - stoks[i]["row"]).abs().max())
-            diffs.append(d)
-            top = torch.topk(prow[i], 2)
-            a, r = top.indices.tolist()
-            census.append((float(top.values[0] - top.values[1]), float(stoks[i]["row"][a] - stoks[i]["row"][r]),
-                           name, idx, i, stoks[i]["proposer"], stoks[i]["rows"], d))
-            bitwise += d == 0.0
-            tokens_by[stoks[i]["proposer"]] += 1
-        rec = {"set": name, "index": idx, "prompt_tokens": len(ids), "plain_tokens": len(plain),
-               "spec_tokens": len(spec), "identical": plain == spec, "tokens_compared": upto,
-               "rounds": len(engine.rounds),
-               "rounds_by_proposer": {p: sum(proposer(rd) == p for rd in engine.rounds) for p in PROPOSERS[1:]}}
-        per_prompt.append(rec)
-        line = "identical"
-        if k is not None and k < len(plain) and k < len(spec):
-            mismatches.append(describe(ref, tok, name, idx, ids, plain, spec, k, prow[k], stoks[k]))
-            m = mismatches[-1]
-            line = (f"MISMATCH at {k}: {m['proposer']}/{m['role']} rows {m['verify_rows']} ({m['kernel']}), "
-                    f"fp64 margin {m['fp64']['a_minus_b']:.2e}, fp32 plain {m['plain_fp32']['a_minus_b']:.2e}")
-        elif k is not None:
-            mismatches.append({"set": name, "index": idx, "position": k, "length_only": True})
-            line = f"MISMATCH: lengths {len(plain)} vs {len(spec)}"
-        left = (time.perf_counter() - t0) / n * (len(prompts) - n)
-        print(f"[{args.label}] {n}/{len(prompts)} {name}#{idx}: {line}  (~{left / 60:.0f} min left)",
+    done = [json.loads(line) for line in args.progress.read_text().splitlines()] \
+        if args.progress is not None and args.progress.is_file() else []
+    seen = {(r["rec"]["set"], r["rec"]["index"]) for r in done}
+    t0, timed = time.perf_counter(), 0
+    for name, idx, ids in prompts:
+        if (name, idx) in seen:
+            continue
+        r = one_prompt(sess, engine, plain_adapter, route, ref, args.max_new_tokens, name, idx, ids)
+        done.append(r)
+        if args.progress is not None:
+            with open(args.progress, "a") as fh:
+                fh.write(json.dumps(r) + "\n")
+        timed += 1
+        left = (time.perf_counter() - t0) / timed * (len(prompts) - len(done))
+        print(f"[{args.label}] {len(done)}/{len(prompts)} {name}#{idx}: {r['line']}  (~{left / 60:.0f} min left)",
               file=sys.stderr, flush=True)
-        if n % 20 == 0 or n == len(prompts):
-            doc = summarize(setup, per_prompt, mismatches, diffs, bitwise, tokens_by, checks_failed, args)
-            doc["plain_top2_margins"] = margin_census(census, doc["near_tie"]["tau"])
-            doc["complete"] = n == len(prompts)
-            write_json(args.out, {"configs": {args.label: doc}, **provenance_of(__file__)})
+        if len(done) % 10 == 0 or len(done) == len(prompts):
+            write_json(args.out, {"configs": {args.label: summary(setup, done, len(prompts), args)},
+                                  **provenance_of(__file__)})
+    doc = summary(setup, done, len(prompts), args)
+    write_json(args.out, {"configs": {args.label: doc}, **provenance_of(__file__)})
+    return doc
+
+
+def one_prompt(sess, engine, plain_adapter, route, ref, max_new_tokens: int, name: str, idx: int,
+               ids: list[int]) -> dict:
+    """Plain and speculative decoding of one prompt, compared: the prompt's record, its mismatch (or
+    None), and per compared position the cross-path logit difference and the margin census."""
+    plain_adapter.start()
+    plain = plain_generate(plain_adapter, [ids], max_new_tokens, GREEDY, sess.stop_ids).outputs[0].tokens
+    prow = [f[-1] for f in plain_adapter.forwards]
+    engine.target.start()
+    spec = engine.generate([ids], max_new_tokens).outputs[0].tokens
+    stoks = spec_tokens(engine.rounds, engine.target.forwards, route)
+    failed = sum(int(r.argmax()) != t for r, t in zip(prow, plain))
+    failed += sum(int(s["row"].argmax()) != t for s, t in zip(stoks, spec)) + (len(stoks) != len(spec))
+    k = next((i for i, (a, b) in enumerate(zip(plain, spec)) if a != b), None)
+    if k is None and len(plain) != len(spec):
+        k = min(len(plain), len(spec))
+    upto = len(spec) if k is None else k
+    diffs, census = [], []
+    for i in range(min(upto, len(prow))):
+        d = float((prow[i] - stoks[i]["row"]).abs().max())
+        top = torch.topk(prow[i], 2)
+        a, r = top.indices.tolist()
+        diffs.append(d)
+        census.append((float(top.values[0] - top.values[1]), float(stoks[i]["row"][a] - stoks[i]["row"][r]),
+                       name, idx, i, stoks[i]["proposer"], stoks[i]["rows"], d))
+    rec = {"set": name, "index": idx, "prompt_tokens": len(ids), "plain_tokens": len(plain),
+           "spec_tokens": len(spec), "identical": plain == spec, "tokens_compared": upto,
+           "rounds": len(engine.rounds),
+           "rounds_by_proposer": {p: sum(proposer(rd) == p for rd in engine.rounds) for p in PROPOSERS[1:]}}
+    mismatch, line = None, "identical"
+    if k is not None and k < len(plain) and k < len(spec):
+        mismatch = describe(ref, sess.target.tokenizer, name, idx, ids, plain, spec, k, prow[k], stoks[k])
+        line = (f"MISMATCH at {k}: {mismatch['proposer']}/{mismatch['role']} rows {mismatch['verify_rows']} "
+                f"({mismatch['kernel']}), fp64 margin {mismatch['fp64']['a_minus_b']:.2e}, "
+                f"fp32 plain {mismatch['plain_fp32']['a_minus_b']:.2e}")
+    elif k is not None:
+        mismatch = {"set": name, "index": idx, "position": k, "length_only": True}
+        line = f"MISMATCH: lengths {len(plain)} vs {len(spec)}"
+    return {"rec": rec, "mismatch": mismatch, "diffs": diffs, "census": census,
+            "proposers": [s["proposer"] for s in stoks[:len(diffs)]], "checks_failed": failed, "line": line}
+
+
+def summary(setup: dict, done: list[dict], total: int, args) -> dict:
+    """The config's document from its prompts' results so far."""
+    tokens_by = {p: 0 for p in PROPOSERS}
+    for r in done:
+        for p in r["proposers"]:
+            tokens_by[p] += 1
+    diffs = [d for r in done for d in r["diffs"]]
+    doc = summarize(setup, [r["rec"] for r in done], [r["mismatch"] for r in done if r["mismatch"]], diffs,
+                    sum(d == 0.0 for d in diffs), tokens_by, sum(r["checks_failed"] for r in done), args)
+    doc["plain_top2_margins"] = margin_census([tuple(c) for r in done for c in r["census"]], doc["near_tie"]["tau"])
+    doc["complete"] = len(done) == total
     return doc
 
 
@@ -415,6 +443,9 @@ def main() -> None:
                     help="this run's name in the results (default: exact-prototype or the --cpu-kernels value); "
                          "NAME:PART runs over disjoint sets are summed into NAME by --merge")
     ap.add_argument("--merge", type=Path, nargs="+", default=None, help="merge these result files into --out")
+    ap.add_argument("--progress", type=Path, default=None,
+                    help="append each prompt's result here (JSON lines) and skip the prompts it already holds: "
+                         "a killed run goes on where it stopped")
     ap.add_argument("--note", default=None, help="with --merge: a line kept in the merged file")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "identity.json")
     args = ap.parse_args()

@@ -215,6 +215,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--route", type=int, default=3,
                     help="today's route for the timing: N of stock<=N,packed (0: packed)")
+    ap.add_argument("--linears-only", action="store_true", help="check 1 alone (e.g. under another thread count)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "identity_exactness.json")
     args = ap.parse_args()
     register_exact()
@@ -223,6 +224,10 @@ def main() -> None:
     ad = TargetAdapter(model, ())  # folds GQA: the session's attention, dsparkctl-sdpa
     today_attn = model.config._attn_implementation
     doc: dict = {"attention_today": today_attn, "linears": linear_classes(model)}
+    if args.linears_only:
+        write_json(args.out, {**doc, **provenance_of(__file__)})
+        print(f"wrote {args.out}")
+        return
     prompt = encode_prompts(tok, load_prompts("mt-bench", limit=1))[0]
     with torch.no_grad():  # the greedy continuation the decisions are checked on
         tokens = [int(ad.prefill([prompt]).logits[0, -1].argmax())]
