@@ -25,6 +25,7 @@ from dsparkctl.engine.session import ModelSettings, open_session
 from dsparkctl.engine.siblings import AUTO, parse_siblings
 from dsparkctl.engine.sps_cache import machine_sps_table
 from dsparkctl.errors import UsageError, option
+from dsparkctl.math.policy_spec import never_drafts
 from dsparkctl.math.sampling import SamplingParams
 from dsparkctl.models.target_checks import check_positions
 from dsparkctl.provenance import provenance
@@ -140,10 +141,9 @@ def _check_options(spec: GenerateSpec, sampling: SamplingParams) -> tuple[int | 
     check_positive(spec.batch_size, "batch_size")
     siblings = _siblings(spec, sampling.greedy)
     lookup = lookup_setting(spec.lookup, sampling.greedy, spec.trace is not None)
-    if spec.lookup and spec.policy is not None and spec.policy.strip() == "static:0":
+    if spec.lookup and never_drafts(spec.policy):
         raise UsageError(f"{option('lookup')} verifies blocks copied from the context; {option('policy')} static:0 "
                          "verifies none", f"drop {option('lookup')}, or choose a policy that drafts")
-    lookup = lookup and not (spec.policy is not None and spec.policy.strip() == "static:0")
     if spec.trace is not None:
         check_outputs([Output(spec.trace, option("trace"))],
                       local_inputs(spec.prompts_file, spec.sps_table, spec.calibration, spec.dataset,
@@ -156,7 +156,7 @@ def _siblings(spec: GenerateSpec, greedy: bool) -> int | str:
     """`--siblings` checked; none with `--trace`, which records the chain alone (for calibrate and
     sweep-scheduler): auto is turned off there, and a fixed count refused."""
     siblings = parse_siblings(spec.siblings, greedy=greedy)
-    if siblings not in (0, AUTO) and spec.policy is not None and spec.policy.strip() == "static:0":
+    if siblings not in (0, AUTO) and never_drafts(spec.policy):
         raise UsageError(f"{option('siblings')} {siblings} verifies siblings beside the draft's chain; "
                          f"{option('policy')} static:0 never drafts one", f"drop {option('siblings')}, or choose "
                          "a policy that drafts")

@@ -84,14 +84,14 @@ class SpeculativeEngine:
                              f"{getattr(target.model.config, '_attn_implementation', None)!r}): a tree's mask is "
                              "boolean", f"use {option('siblings')} 0 (auto leaves such a target its chain)")
         self.sibling_rate = sib.SiblingRate()  # what runners-up realised this batch (`auto`; reset per batch)
-        self.lookup = lookup and sampling.greedy and self.draft_sampling.greedy and getattr(policy, "k", None) != 0
+        self.lookup = lookup and sampling.greedy and self.draft_sampling.greedy and not policy.never_drafts
 
     @property
     def effective_siblings(self) -> int | str:
         """What the siblings setting comes to in this engine: 0 where it cannot apply (sampling, a
         target without tree attention, `auto` without an SPS table)."""
         if not (self.sampling.greedy and self.draft_sampling.greedy) or not self.target.takes_trees \
-                or getattr(self.policy, "k", None) == 0:  # static:0 never drafts a chain to verify them beside
+                or self.policy.never_drafts:  # no chain to verify them beside
             return 0
         if self.siblings == sib.AUTO:
             return sib.AUTO if self.policy.sps is not None else 0

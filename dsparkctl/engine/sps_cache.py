@@ -28,7 +28,7 @@ from dsparkctl.files.cache import cache_location
 from dsparkctl.files.ownership import NotOurs, cache_entry, replace_refusal
 from dsparkctl.formats.sps import load_sps_table, table_json
 from dsparkctl.math.sps import SPSTable
-from dsparkctl.models.target import model_fingerprint, position_limit
+from dsparkctl.models.target_checks import model_fingerprint, position_limit
 from dsparkctl.strict_json import loads
 
 RULE = 2  # bump when what is profiled or how it is fitted changes

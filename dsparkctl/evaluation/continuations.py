@@ -26,7 +26,7 @@ from dsparkctl.files.os_errors import os_error_words
 from dsparkctl.files.ownership import NotOurs, cache_entry, regular_file, replace_refusal
 from dsparkctl.math.sampling import SamplingParams
 from dsparkctl.models.packed_linear import PackedLinear, route_of
-from dsparkctl.models.target import model_fingerprint
+from dsparkctl.models.target_checks import model_fingerprint
 from dsparkctl.strict_json import loads
 
 FORMAT = "dsparkctl-continuations/1"

@@ -83,6 +83,7 @@ class Policy:
     requires_confidence = True
     needs_sps = False
     lossless = True
+    never_drafts = False  # whether `plan` always answers "no draft" (static:0: plain decoding through the engine)
     why = ""
 
     def __init__(self, spec: str, sps: SPSTable | None = None,
@@ -184,11 +185,9 @@ class Static(Policy):
 
     def __init__(self, spec, k: int, **kw):
         super().__init__(spec, **kw)
-        self.k = k
+        self.k, self.never_drafts = k, k == 0
 
-    @property
-    def can_skip(self) -> bool:
-        return self.k == 0
+    can_skip = property(lambda self: self.k == 0)
 
     def plan(self, num_requests, state=None):
         return self.k != 0

@@ -55,6 +55,14 @@ def parse_spec(spec: str) -> tuple[type[Policy], int | float | None]:
     return cls, v
 
 
+def never_drafts(spec: str | None) -> bool:
+    """Whether a spec names a policy that never drafts (static:0), read from the spec alone."""
+    if spec is None:
+        return False
+    cls, v = parse_spec(spec)
+    return cls.arg == "K" and int(v) == 0
+
+
 def check_spec_fits(spec: str, block_size: int) -> None:
     """Refuse a spec that verifies more drafts than the draft's block holds (before building it)."""
     cls, v = parse_spec(spec)

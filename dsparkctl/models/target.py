@@ -23,7 +23,6 @@ import torch
 
 from dsparkctl.errors import ModelMismatchError
 from dsparkctl.models.target_attention import fold_gqa, reads_bool_masks
-from dsparkctl.models.target_checks import check_positions, model_fingerprint, position_limit  # noqa: F401 (their home before)
 
 
 def _growing_layer_class():
