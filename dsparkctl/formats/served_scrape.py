@@ -4,6 +4,7 @@ says what each counter is). Parsed with prometheus_client's own parser, never by
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from dsparkctl.errors import InputError
 from dsparkctl.formats.served import (MAX_POSITIONS, SCRAPE_HINT, SGLANG_GAUGES, VLLM, VLLM_COUNTERS, VLLM_PER_POS,
@@ -194,3 +195,22 @@ def scrape_window(earlier: ServedCounts, later: ServedCounts, where: str) -> Ser
         diff.histogram = [D - acc[0], *(acc[k] - acc[k + 1] for k in range(K - 1)), acc[-1]]
         diff.length_at_least = [D] + [None] * (K - 1)
     return diff
+
+
+def engine_totals(text: str, where: str, model: str | None = None) -> dict[str, Any]:
+    """What a scrape says about the engine beyond speculation: which engine ("vllm", "sglang" or
+    None), its generation-token total (vLLM's `vllm:generation_tokens`, summed over the series of
+    `model` or of every model), and its speculative counts (None: the server runs without them)."""
+    series = _samples(text, where)
+    names = {name for name, _ in series}
+    engine = "vllm" if any(n.startswith("vllm:") for n in names) else (
+        "sglang" if any(n.startswith("sglang:") for n in names) else None)
+    generated = [v for (n, labels), v in series.items() if n == "vllm:generation_tokens_total"
+                 and (model is None or dict(labels).get("model_name", model) == model)]
+    try:
+        counts = parse_scrape(text, where, model)
+    except InputError:
+        if any(n.startswith(VLLM) for n in names):
+            raise
+        counts = None
+    return {"engine": engine, "generation_tokens": int(sum(generated)) if generated else None, "spec": counts}

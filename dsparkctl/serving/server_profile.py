@@ -1,0 +1,246 @@
+"""`profile-sps --server`: the step cost of the engine a user serves with, measured from outside.
+
+A *round* sends R streamed completions at once (R = a concurrency from `--requests`), each a
+prompt of exactly C token ids (distinct random ids, so no prefix cache helps) and exactly O
+output tokens (`ignore_eos`). While all R decode together (the *steady window*: from the last
+first chunk to the first last chunk) each engine step emits one chunk per request, so
+
+    step time     the median over the R requests of their mean gap between chunks in the window
+    batch tokens  B = R · (1 + draft tokens / request-steps) tokens verified per step: vLLM's
+                  counters around the round (request-steps = generated − accepted tokens); a
+                  server without speculation verifies one token per request (B = R); SGLang, which
+                  exports no draft-token counter, verifies its configured draft tokens every step
+    tokens/step   generated tokens per request-step (1 + accepted drafts: the served τ)
+    drafted share request-steps that verified a draft (vLLM's drafts / request-steps)
+
+`warmup` rounds per level are discarded; `repeats` rounds are kept and reduced to their median
+(and spread). The levels' (B, step time) points, fitted non-decreasing in B, make a 1-D SPS
+table: what SGLang reads and what `sweep-scheduler` and `serve-config` price steps with (a
+server packs ragged rows, so the cost is by batch tokens). A server without speculation gives
+plain steps (B = R); one with it gives drafted steps at its configured length; a table may pool
+both servers' points (`--server` twice), each point labelled with what it measured.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from dsparkctl.errors import InputError, UsageError, option
+from dsparkctl.formats.served_scrape import engine_totals
+from dsparkctl.math.step_grid import isotonic
+from dsparkctl.serving.served import fetch_url, shown
+from dsparkctl.serving.stream_client import Streamed, get_json, stream_completion
+
+ID_RANGE = (256, 20000)  # prompt token ids: below every tokenizer in use (Llama 32k, SmolLM 49k, Qwen 151k, ...)
+MIN_WINDOW_CHUNKS = 4  # chunks each request needs inside the steady window
+
+
+@dataclass(frozen=True)
+class Server:
+    """What the server said about itself before any load."""
+    url: str
+    model: str
+    engine: str | None  # "vllm" | "sglang" | None (an OpenAI server that exports neither's metrics)
+    version: str | None
+    metrics: bool  # /metrics answers Prometheus text
+    positions: int | None  # drafts per step it is configured for (None: no speculation seen)
+    sglang_draft_tokens: int | None = None  # SGLang's speculative_num_draft_tokens (tokens verified per request)
+
+    def describe(self) -> dict[str, Any]:
+        return {"engine": self.engine, "version": self.version, "server": shown(self.url), "model": self.model,
+                "speculative": None if self.positions is None else {"positions": self.positions}}
+
+
+def _metrics_text(url: str) -> str | None:
+    try:
+        return fetch_url(url.rstrip("/").removesuffix("/v1") + "/metrics")
+    except InputError as exc:
+        if "HTTP 404" in exc.message:
+            return None
+        raise
+
+
+def identify(url: str, model: str | None) -> Server:
+    """Ask the server what it serves (`/v1/models`), which engine and version it is and whether it
+    speculates (its /metrics, `/version`, SGLang's `/get_server_info`). One line if it is not an
+    OpenAI-compatible server or does not serve `model`."""
+    listed = get_json(url, "/v1/models")
+    ids = [m.get("id") for m in listed.get("data", []) if isinstance(m, dict)] if isinstance(listed, dict) else None
+    if not ids or not all(isinstance(i, str) for i in ids):
+        raise InputError(f"{shown(url)}/v1/models did not list models the OpenAI way",
+                         f"point {option('server')} at an OpenAI-compatible vLLM or SGLang server (http://HOST:PORT)")
+    if model is None:
+        if len(ids) > 1:
+            raise UsageError(f"{shown(url)} serves {len(ids)} models", f"pick one with {option('model')} (one of {', '.join(ids[:5])})")
+        model = ids[0]
+    elif model not in ids:
+        raise UsageError(f"{shown(url)} does not serve model {model!r}", f"use {option('model')} with one of {', '.join(ids[:5])}")
+    text = _metrics_text(url)
+    totals = engine_totals(text, f"{shown(url)}/metrics", model) if text is not None else None
+    engine = totals["engine"] if totals else None
+    info = get_json(url, "/get_server_info") if engine != "vllm" else None
+    version = get_json(url, "/version") if engine != "sglang" else None
+    positions, sg_tokens = None, None
+    if totals and totals["spec"] is not None and totals["spec"].kind != "gauges":
+        positions = totals["spec"].positions
+    if isinstance(info, dict):
+        engine = engine or "sglang"
+        version = info.get("version")
+        if info.get("speculative_algorithm") not in (None, "", "NONE") and isinstance(
+                info.get("speculative_num_draft_tokens"), int):
+            sg_tokens = info["speculative_num_draft_tokens"]
+            positions = sg_tokens - 1
+    elif isinstance(version, dict):
+        version = version.get("version")
+    return Server(url=url, model=model, engine=engine, version=str(version) if version is not None else None,
+                  metrics=text is not None, positions=positions, sglang_draft_tokens=sg_tokens)
+
+
+@dataclass
+class RoundResult:
+    requests: int
+    step_ms: float
+    batch_tokens: float
+    tokens_per_step: float
+    drafted_share: float | None
+    seconds: float
+
+
+def _counters(server: Server) -> tuple[int | None, Any]:
+    if not server.metrics or server.engine != "vllm":
+        return None, None
+    t = engine_totals(_metrics_text(server.url) or "", f"{shown(server.url)}/metrics", server.model)
+    return t["generation_tokens"], t["spec"]
+
+
+def run_round(server: Server, requests: int, context_len: int, output_tokens: int, seed: int,
+              stall_s: float) -> RoundResult:
+    """R streams at once; their steady-window step time and what each step verified."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(*ID_RANGE, (requests, context_len), generator=g).tolist()
+    gen0, spec0 = _counters(server)
+    start = time.monotonic()
+    with ThreadPoolExecutor(max_workers=requests) as pool:
+        futures = [pool.submit(stream_completion, server.url, server.model, p, output_tokens, stall_s) for p in prompts]
+        got: list[Streamed] = [f.result() for f in futures]  # the first failure is raised, one line
+    seconds = time.monotonic() - start
+    gen1, spec1 = _counters(server)
+    for s in got:
+        if s.prompt_tokens is not None and s.prompt_tokens != context_len:
+            raise InputError(f"{shown(server.url)} counted {s.prompt_tokens} prompt tokens where {context_len} ids "
+                             "were sent", "the server rewrote the prompt (a chat template?): use a completions endpoint")
+    step_s = _window_step(got, requests, server.url)
+    chunks = sum(len(s.chunks) for s in got)
+    generated = sum(s.completion_tokens or 0 for s in got)
+    drafted = None
+    if server.sglang_draft_tokens is not None:
+        per_row = float(server.sglang_draft_tokens)
+    elif spec1 is not None and gen1 is not None and gen0 is not None:
+        d_tokens = spec1.draft_tokens - (spec0.draft_tokens if spec0 else 0)
+        accepted = spec1.accepted_tokens - (spec0.accepted_tokens if spec0 else 0)
+        steps = max(gen1 - gen0 - accepted, 1)
+        per_row, drafted = 1 + d_tokens / steps, (spec1.drafts - (spec0.drafts if spec0 else 0)) / steps
+        chunks = steps
+    elif generated > chunks * 1.05:
+        raise InputError(f"{shown(server.url)} emits several tokens per step (it speculates) but exports no "
+                         "counters of the tokens it verified", "enable the server's /metrics (vLLM has it by "
+                         "default; SGLang: --enable-metrics)")
+    else:
+        per_row, drafted = 1.0, 0.0
+    return RoundResult(requests=requests, step_ms=1000 * step_s, batch_tokens=requests * per_row,
+                       tokens_per_step=generated / max(chunks, 1), drafted_share=drafted, seconds=seconds)
+
+
+def _window_step(got: Sequence[Streamed], requests: int, url: str) -> float:
+    """Median over the requests of the mean chunk gap while all of them were decoding."""
+    lo, hi = max(s.chunks[0] for s in got), min(s.chunks[-1] for s in got)
+    gaps = []
+    for s in got:
+        inside = [t for t in s.chunks if lo <= t <= hi]
+        if len(inside) < MIN_WINDOW_CHUNKS:
+            raise InputError(f"{shown(url)} did not decode {requests} requests together for {MIN_WINDOW_CHUNKS} steps "
+                             "(it queues some: its max-num-seqs, or a slow prefill)",
+                             f"use a {option('requests')} grid within the server's concurrency, or more {option('output_tokens')}")
+        gaps.append((inside[-1] - inside[0]) / (len(inside) - 1))
+    return statistics.median(gaps)
+
+
+@dataclass
+class Plan:
+    """The grid, bounded before the first request is sent."""
+    requests: list[int]
+    context_lens: list[int]
+    output_tokens: int
+    repeats: int
+    warmup: int
+    time_limit_s: float
+    rounds: list[tuple[int, int, bool]] = field(default_factory=list)  # (context, R, kept)
+
+    def __post_init__(self) -> None:
+        self.rounds = [(c, r, i >= self.warmup) for c in self.context_lens for r in self.requests
+                       for i in range(self.warmup + self.repeats)]
+
+    @property
+    def total_requests(self) -> int:
+        return sum(r for _, r, _ in self.rounds)
+
+
+def profile_server(server: Server, plan: Plan, seed: int, stall_s: float,
+                   on_round: Callable[[int, int], None] | None = None) -> list[dict[str, Any]]:
+    """Every round of the plan, stopped (InputError, nothing kept) as soon as the rounds run so far
+    say the rest cannot finish within the time limit. Returns one point per (context, R)."""
+    start, seen = time.monotonic(), {}
+    kept: dict[tuple[int, int], list[RoundResult]] = {}
+    for i, (c, r, keep) in enumerate(plan.rounds):
+        res = run_round(server, r, c, plan.output_tokens, seed + i, stall_s)
+        seen[(c, r)] = res.seconds
+        if keep:
+            kept.setdefault((c, r), []).append(res)
+        if on_round:
+            on_round(i + 1, len(plan.rounds))
+        elapsed = time.monotonic() - start
+        ahead = sum(_projected(seen, cc, rr) for cc, rr, _ in plan.rounds[i + 1:])
+        if elapsed + ahead > plan.time_limit_s:
+            raise InputError(f"the grid would take about {elapsed + ahead:.0f} s, over {option('time_limit')} "
+                             f"{plan.time_limit_s:g} s (after {i + 1} of {len(plan.rounds)} rounds); nothing written",
+                             f"use fewer {option('requests')}, {option('repeats')} or {option('output_tokens')}, or raise {option('time_limit')}")
+    return [_point(c, r, res) for (c, r), res in kept.items()]
+
+
+def _projected(seen: dict[tuple[int, int], float], c: int, r: int) -> float:
+    """A round's time from the rounds run so far: its own, or the nearest measured level scaled
+    up linearly in R and in context (an upper bound for a server that batches)."""
+    if (c, r) in seen:
+        return seen[(c, r)]
+    (c0, r0), s = min(seen.items(), key=lambda kv: (abs(kv[0][0] - c), abs(kv[0][1] - r)))
+    return s * max(r / r0, 1.0) * max(c / c0, 1.0) ** 0.5
+
+
+def _point(c: int, r: int, rounds: list[RoundResult]) -> dict[str, Any]:
+    ms = sorted(x.step_ms for x in rounds)
+    q = statistics.quantiles(ms, n=4, method="inclusive") if len(ms) > 1 else [ms[0]] * 3
+    shares = [x.drafted_share for x in rounds if x.drafted_share is not None]
+    return {"context_len": c, "requests": r, "rounds": len(rounds),
+            "kind": "drafted" if statistics.median(x.batch_tokens for x in rounds) > r * 1.001 else "plain",
+            "step_ms": statistics.median(ms), "step_ms_quartiles": [q[0], q[2]], "step_ms_range": [ms[0], ms[-1]],
+            "batch_tokens": statistics.median(x.batch_tokens for x in rounds),
+            "tokens_per_step": statistics.median(x.tokens_per_step for x in rounds),
+            "drafted_share": statistics.median(shares) if shares else None}
+
+
+def fit_points(points: Sequence[dict[str, Any]]) -> tuple[list[int], list[float]]:
+    """(batch tokens, steps/s) from measured points: B rounded to whole tokens (points landing on
+    one B are averaged in step time), step time made non-decreasing in B (isotonic, weighted by
+    how many points each B pools)."""
+    by_b: dict[int, list[float]] = {}
+    for p in points:
+        by_b.setdefault(max(1, round(p["batch_tokens"])), []).append(p["step_ms"])
+    bs = sorted(by_b)
+    fitted = isotonic([statistics.fmean(by_b[b]) for b in bs], [len(by_b[b]) for b in bs])
+    return bs, [1000.0 / ms for ms in fitted]

@@ -1,0 +1,151 @@
+"""`profile-sps --server`: a batching OpenAI-compatible server on loopback (tests/openai_stub.py),
+profiled through the CLI; the table it writes read back by the planners; each way a server fails
+gives one line and writes nothing."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+from typer.testing import CliRunner
+
+from dsparkctl.app.profile_server import ServerProfileSpec, run_profile_server
+from dsparkctl.cli import console
+from dsparkctl.cli.main import app
+from dsparkctl.errors import InputError
+from dsparkctl.formats.sps import load_sps_table
+from tests.openai_stub import StubEngine
+
+runner = CliRunner()
+FAST = ["--requests", "1,2,4", "--repeats", "2", "--warmup", "1", "--output-tokens", "16", "--context-len", "8"]
+
+
+@pytest.fixture(autouse=True)
+def _one_line(monkeypatch):
+    monkeypatch.setattr(console.err, "soft_wrap", True)
+
+
+@pytest.fixture
+def stub(request):
+    engines = []
+
+    def make(**kw) -> StubEngine:
+        engines.append(StubEngine(**kw))
+        return engines[-1]
+    yield make
+    for e in engines:
+        e.close()
+
+
+def one_line_error(r, *expect: str) -> None:
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    lines = r.stderr.strip().splitlines()
+    assert lines and lines[-1].startswith("error:") and "(fix: " in lines[-1], r.stderr
+    for e in expect:
+        assert e in lines[-1], (e, lines[-1])
+
+
+def test_a_plain_server_gives_one_token_per_request_and_step_times_that_grow_with_the_batch(stub, tmp_path):
+    eng = stub(base_ms=6.0, per_token_ms=1.5)
+    out = tmp_path / "srv.json"
+    r = runner.invoke(app, ["profile-sps", "--server", eng.url, "--out", str(out), "--json", *FAST])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert [p["requests"] for p in doc["points"]] == [1, 2, 4]
+    assert all(p["kind"] == "plain" and p["batch_tokens"] == p["requests"] and p["tokens_per_step"] == 1.0
+               and p["drafted_share"] == 0.0 for p in doc["points"])
+    assert doc["batch_tokens"] == [1, 2, 4]
+    for p in doc["points"]:  # the stub's step is 6 + 1.5·B ms; a loaded machine only adds time
+        assert 6.0 + 1.5 * p["requests"] <= p["step_ms"] < 3 * (6.0 + 1.5 * p["requests"]) + 10, p
+    table = load_sps_table(out)
+    assert table.meta["measures"] == "served-step" and table.meta["servers"][0]["version"] == "stub-1"
+    assert table.meta["servers"][0]["speculative"] is None
+    assert load_sps_table(tmp_path / "srv.sglang.json").steps_per_sec == table.steps_per_sec
+    assert (tmp_path / "srv.png").stat().st_size > 0
+
+
+def test_a_speculating_server_is_priced_by_the_tokens_it_verified_and_pools_with_a_plain_one(stub, tmp_path):
+    spec, plain = stub(k=3, accept=1), stub()
+    out = tmp_path / "pooled.json"
+    r = runner.invoke(app, ["profile-sps", "--server", spec.url, "--server", plain.url, "--out", str(out), "--json",
+                            *FAST])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    drafted = [p for p in doc["points"] if p["kind"] == "drafted"]
+    assert [p["requests"] for p in drafted] == [1, 2, 4]
+    for p in drafted:  # every step verifies 1 + 3 tokens per request and emits 2 of them
+        assert p["batch_tokens"] == pytest.approx(4 * p["requests"], rel=0.02)
+        assert p["tokens_per_step"] == pytest.approx(2.0, rel=0.02) and p["drafted_share"] == pytest.approx(1.0, rel=0.02)
+    assert doc["batch_tokens"] == [1, 2, 4, 8, 16]  # plain B = R, drafted B = 4R: one table
+    assert doc["servers"][0]["speculative"] == {"positions": 3}
+    # the planners read it like any other table
+    served = tmp_path / "served.json"
+    spec_metrics = spec.url + "/metrics"
+    assert runner.invoke(app, ["served", spec_metrics, "--out", str(served)]).exit_code == 0
+    s = runner.invoke(app, ["sweep-scheduler", "--served", str(served), "--sps-table", str(out), "--json"])
+    assert s.exit_code == 0, s.output
+
+
+def test_context_lengths_each_get_a_table(stub, tmp_path):
+    eng = stub()
+    r = runner.invoke(app, ["profile-sps", "--server", eng.url, "--out", str(tmp_path / "c.json"), "--json",
+                            "--requests", "1,2", "--repeats", "1", "--warmup", "0", "--output-tokens", "12",
+                            "--context-len", "8,32"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert [b["context_len"] for b in doc["by_context"]] == [8, 32]
+    assert load_sps_table(tmp_path / "c.json").meta["by_context"][1]["batch_tokens"] == [1, 2]
+
+
+def _closed_port() -> str:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return f"http://127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize("mode, expect", [
+    ("html", "/v1/models did not answer JSON"),
+    ("drop", "dropped the connection mid-stream"),
+    ("no-usage", "streamed without usage"),
+    ("error", "reported an error mid-stream: engine died"),
+])
+def test_a_server_that_misbehaves_gives_one_line_and_no_table(stub, tmp_path, mode, expect):
+    eng = stub(mode=mode)
+    r = runner.invoke(app, ["profile-sps", "--server", eng.url, "--out", str(tmp_path / "t.json"), *FAST])
+    one_line_error(r, expect)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_url_that_does_not_answer_and_bad_options_fail_before_any_load(stub, tmp_path):
+    one_line_error(runner.invoke(app, ["profile-sps", "--server", _closed_port(), "--out", str(tmp_path / "t.json")]),
+                   "did not answer")
+    eng = stub()
+    cases = [(["--server", "ftp://x"], "not an http(s) URL"), (["--server", eng.url, "--draft", "x"], "--draft"),
+             (["--server", eng.url, "--requests", "4000"], "concurrent"),
+             (["--server", eng.url, "--time-limit", "nan"], "--time-limit"),
+             (["--server", eng.url, "--output-tokens", "2"], "--output-tokens"),
+             (["--server", eng.url, "--model", "other"], "does not serve model 'other'"),
+             (["--model", "m"], "--model is for --server")]
+    for args, expect in cases:
+        one_line_error(runner.invoke(app, ["profile-sps", "--out", str(tmp_path / "t.json"), *args]), expect)
+    assert eng.served == 0 and list(tmp_path.iterdir()) == []
+
+
+def test_a_grid_too_large_for_the_time_limit_is_stopped_with_nothing_written(stub, tmp_path):
+    eng = stub(base_ms=20.0)
+    r = runner.invoke(app, ["profile-sps", "--server", eng.url, "--out", str(tmp_path / "t.json"), "--time-limit", "1",
+                            "--requests", "1,2,4,8,16", "--repeats", "5", "--output-tokens", "32", "--context-len", "8"])
+    one_line_error(r, "over --time-limit 1 s")
+    assert eng.served < 5 + 1 and list(tmp_path.iterdir()) == []
+
+
+def test_a_server_that_stalls_is_given_up_on(stub, tmp_path):
+    eng = stub(mode="stall")
+    spec = ServerProfileSpec(servers=(eng.url,), out=tmp_path / "t.json", requests=(1,), context_lens=(8,),
+                             output_tokens=16, repeats=1, warmup=0, stall_s=0.5)
+    with pytest.raises(InputError, match="stalled"):
+        run_profile_server(spec)
+    assert list(tmp_path.iterdir()) == []
