@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from dsparkctl.app.convert import ConvertSpec, run_convert  # noqa: E402
 from dsparkctl.data.prompts import encode_prompts, load_prompts  # noqa: E402
@@ -39,7 +40,7 @@ from dsparkctl.math.sampling import SamplingParams  # noqa: E402
 from dsparkctl.models import draft_formats as formats  # noqa: E402
 from dsparkctl.models.loading import default_draft_dir  # noqa: E402
 from dsparkctl.models.target import TargetAdapter  # noqa: E402
-from dsparkctl.provenance import provenance  # noqa: E402
+from provenance import provenance_of  # noqa: E402  (benchmarks/provenance.py)
 
 DROPS = {"specforge": ("vocab-map",), "modelopt": ("vocab-map",)}  # what the shipped draft cannot keep there
 PEER_VENV = {"speculators": "speculators-venv", "specforge": "specforge-venv", "modelopt": "modelopt-venv"}
@@ -122,7 +123,7 @@ def main() -> int:
            "original": {"tau_tf": original["tau_tf"], "conditional_tf": original["conditional_tf"],
                         "anchors": original["anchors"], "live_tau": original["live_tau"],
                         "greedy_equals_plain": plain_same},
-           "formats": rows, "provenance": provenance(command="benchmarks/bench_formats.py " + " ".join(sys.argv[1:]))}
+           "formats": rows, **provenance_of(__file__)}
     write_json(a.out, doc)
     print(f"original: teacher-forced tau {original['tau_tf']:.4f}, live tau {original['live_tau']:.3f}, "
           f"greedy = plain decoding: {plain_same}")
