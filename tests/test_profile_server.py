@@ -57,7 +57,7 @@ def test_a_plain_server_gives_one_token_per_request_and_step_times_that_grow_wit
                and p["drafted_share"] == 0.0 for p in doc["points"])
     assert doc["batch_tokens"] == [1, 2, 4]
     for p in doc["points"]:  # the stub's step is 6 + 1.5·B ms; a loaded machine only adds time
-        assert 6.0 + 1.5 * p["requests"] <= p["step_ms"] < 3 * (6.0 + 1.5 * p["requests"]) + 10, p
+        assert 6.0 + 1.5 * p["requests"] <= p["step_ms"] < 1000, p
     table = load_sps_table(out)
     assert table.meta["measures"] == "served-step" and table.meta["servers"][0]["version"] == "stub-1"
     assert table.meta["servers"][0]["speculative"] is None

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from dsparkctl.serving.engines import k_table_from_sweep
 from dsparkctl.app.preflight import Output, check_outputs
 from dsparkctl.errors import option
 from dsparkctl.files.atomic import staged, write_json
@@ -44,6 +45,8 @@ def run_sweep_scheduler(spec: SweepSpec, *, log: Callable[[str], None] = lambda 
                    ((spec.plot, "plot", "figure"), (spec.out, "out", "file")) if p is not None], inputs=inputs)
     result = sweep_traces(spec.traces, spec.sps_table, spec.policies, spec.concurrency, spec.calibration, spec.rounds,
                        spec.seed, max_new_tokens=spec.max_new_tokens, served=spec.served, progress=progress)
+    if spec.served is not None:  # the lengths by load, in the form vLLM takes them (serve-config writes its command)
+        result["vllm_length_table"] = k_table_from_sweep(result, block_size=None)
     with staged() as stage:
         if spec.plot:
 

@@ -157,15 +157,20 @@ def _profile_server(servers, model, out_path, sglang_out, plot, requests, contex
     if json_out:
         print_json(doc)
         return
-    t = Table(title="served step by concurrency (median of rounds; batch tokens from the server's counters)",
+    for srv in doc["servers"]:
+        spec = srv["speculative"]
+        out.print(f"{srv['server']}: {srv['engine'] or 'unknown engine'} {srv['version'] or ''}, model {srv['model']}, "
+                  + (f"{spec['positions']} drafts per step" if spec else "no speculation"), highlight=False)
+    several = len(doc["servers"]) > 1
+    t = Table(title="served step (median of rounds; B = tokens verified per step, from the server's counters)",
               title_justify="left")
-    for c in ("server", "context", "requests", "kind", "batch tokens", "ms/step", "quartiles", "tokens/step",
-              "drafted share"):
+    for c in (*(("server",) if several else ()), "context", "R", "kind", "B", "ms/step", "quartiles", "tok/step",
+              "drafted"):
         t.add_column(c, justify="right")
     for p in doc["points"]:
         share = "—" if p["drafted_share"] is None else f"{p['drafted_share']:.2f}"
-        t.add_row(p["server"], str(p["context_len"]), str(p["requests"]), p["kind"], f"{p['batch_tokens']:.1f}",
-                  f"{p['step_ms']:.2f}", f"{p['step_ms_quartiles'][0]:.2f}–{p['step_ms_quartiles'][1]:.2f}",
-                  f"{p['tokens_per_step']:.2f}", share)
+        t.add_row(*((p["server"],) if several else ()), str(p["context_len"]), str(p["requests"]), p["kind"],
+                  f"{p['batch_tokens']:.1f}", f"{p['step_ms']:.1f}",
+                  f"{p['step_ms_quartiles'][0]:.1f}–{p['step_ms_quartiles'][1]:.1f}", f"{p['tokens_per_step']:.2f}", share)
     out.print(t)
     out.print(f"wrote {doc['table']}, {doc['sglang_table']}, {doc['plot']}", highlight=False)

@@ -31,16 +31,16 @@ def _num(x: float | None, fmt: str = ".3f") -> str:
 
 @guarded
 def calibrate(
-    traces: Annotated[list[Path], typer.Argument(help="Trace files (JSON lines with confidence logits) and/or SGLang STS shards (.pt under SGLANG_DSPARK_STS_COLLECT_PATH; read with weights_only, never unpickled).")],
+    traces: Annotated[list[Path], typer.Argument(help="Trace files from generate --trace, and/or the .pt files SGLang writes under SGLANG_DSPARK_STS_COLLECT_PATH (loaded as plain tensors, never unpickled).")],
     holdout: Annotated[float, typer.Option("--holdout", help="Fraction of requests held out for evaluation.")] = 0.2,
-    bins: Annotated[int, typer.Option("--bins", help="Equal-width ECE bins.")] = 20,
-    out_path: Annotated[Path, typer.Option("--out", help="Our calibration JSON (temperatures + metrics).")] = Path("calib.json"),
-    sglang_out: Annotated[Path | None, typer.Option("--sglang-out", help="SGLang STS file (default: <out>.sglang-sts.json).")] = None,
-    plot_dir: Annotated[Path | None, typer.Option("--plot-dir", help="Reliability PNGs (default: <out>_reliability/).")] = None,
+    bins: Annotated[int, typer.Option("--bins", help="Equal-width bins for the expected calibration error (ECE).")] = 20,
+    out_path: Annotated[Path, typer.Option("--out", help="Calibration JSON to write (temperatures and metrics).")] = Path("calib.json"),
+    sglang_out: Annotated[Path | None, typer.Option("--sglang-out", help="The same temperatures as SGLang reads them (default: <out>.sglang-sts.json).")] = None,
+    plot_dir: Annotated[Path | None, typer.Option("--plot-dir", help="Folder for reliability plots, one PNG per position (default: <out>_reliability/).")] = None,
     seed: SeedOpt = 0,
     json_out: JsonOpt = False,
 ) -> None:
-    """Fit STS temperatures on traces; report held-out ECE/AUROC/Brier per position before and after."""
+    """Calibrate the draft's confidence head on traces (Sequential Temperature Scaling, STS: one temperature per position); report held-out ECE, AUROC and Brier before and after."""
     from dsparkctl.app.calibrate import CalibrateSpec, run_calibrate, strip_diagrams
 
     spec = CalibrateSpec(traces=tuple(traces), holdout=holdout, bins=bins, out=out_path, sglang_out=sglang_out,
@@ -72,27 +72,30 @@ def calibration_table(result: dict[str, Any]) -> Table:
 
 @guarded
 def sweep_scheduler(
-    sps_table: Annotated[Path, typer.Option("--sps-table", help="SPS table (ours or SGLang's).")],
-    trace: Annotated[list[Path] | None, typer.Option("--trace", help="Full-verification trace(s); repeat the "
-                                                     "option.")] = None,
+    sps_table: Annotated[Path, typer.Option("--sps-table", help="Steps-per-second table from profile-sps (ours or "
+                                            "the .sglang.json beside it).")],
+    trace: Annotated[list[Path] | None, typer.Option("--trace", help="Trace from generate --trace (every drafted "
+                                                     "token verified); repeat for several: --trace a.jsonl --trace "
+                                                     "b.jsonl.")] = None,
     served: Annotated[Path | None, typer.Option("--served", help="Served acceptance (`dsparkctl served --out`) in "
                                                 "place of traces: static:K policies only.")] = None,
-    policies: Annotated[str | None, typer.Option("--policies", help="Comma-separated (default: "
-                                                 f"{','.join(DEFAULT_POLICIES)}; with --served static:0..γ). "
-                                                 + POLICY_HELP)] = None,
-    concurrency: Annotated[str, typer.Option("--concurrency", help="Comma-separated load levels.")] =
-        ",".join(map(str, DEFAULT_CONCURRENCY)),
-    calibration: Annotated[Path | None, typer.Option("--calibration", help="calib.json or SGLang STS file.")] = None,
+    policies: Annotated[str | None, typer.Option("--policies", help="Comma-separated policies, e.g. "
+                                                 f"static:3,dspark (default: {', '.join(DEFAULT_POLICIES)}; with "
+                                                 "--served static:0..γ). " + POLICY_HELP)] = None,
+    concurrency: Annotated[str, typer.Option("--concurrency", help="Comma-separated load levels (requests decoded "
+                                             "together), e.g. 1,8,64.")] = ",".join(map(str, DEFAULT_CONCURRENCY)),
+    calibration: Annotated[Path | None, typer.Option("--calibration", help="Calibration from calibrate (calib.json "
+                                                     "or the .sglang-sts.json beside it).")] = None,
     rounds: Annotated[int, typer.Option("--rounds", help="Request-rounds replayed per (policy, concurrency).")] = SweepSpec.rounds,
     max_new_tokens: Annotated[int | None, typer.Option(
         "--max-new-tokens", help="Replay batches of C requests of N new tokens each, run to the end as "
         "`generate --batch-size C --max-new-tokens N` runs them (default: the steady state, C requests every step).")] = None,
-    plot: Annotated[Path | None, typer.Option("--plot", help="Write the frontier PNG here.")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG of throughput against per-user speed here.")] = None,
     out_path: Annotated[Path | None, typer.Option("--out", help="Write the sweep JSON here.")] = None,
     seed: SeedOpt = 0,
     json_out: JsonOpt = False,
 ) -> None:
-    """Replay recorded rounds under each policy and concurrency; report tokens/step, Θ and per-user speed."""
+    """Replay recorded rounds under each verify policy and load level; report tokens per step, throughput (Θ) and per-user speed."""
     from dsparkctl.app.sweep_scheduler import run_sweep_scheduler
 
     spec = SweepSpec(traces=tuple(trace or ()), sps_table=sps_table, served=served,
@@ -108,6 +111,9 @@ def sweep_scheduler(
         print_json(result)
     else:
         out.print(sweep_table(result))
+        if "vllm_length_table" in result:
+            out.print("vLLM num_speculative_tokens_per_batch_size (batch sizes start..end → K): "
+                      + ", ".join(f"{a}..{b} → {k}" for a, b, k in result["vllm_length_table"]), highlight=False)
 
 
 def sweep_table(result: dict[str, Any]) -> Table:
@@ -130,18 +136,20 @@ def sweep_table(result: dict[str, Any]) -> Table:
 
 @guarded
 def audit(
-    policies: Annotated[str, typer.Option("--policies", help="Comma-separated. " + POLICY_HELP)] =
-        ",".join(AuditSpec.policies),
+    policies: Annotated[str, typer.Option("--policies", help="Comma-separated policies, e.g. static:3,dspark "
+                                          f"(default: {', '.join(AuditSpec.policies)}). " + POLICY_HELP,
+                                          show_default=False)] = ",".join(AuditSpec.policies),
     rounds: Annotated[int, typer.Option("--rounds", help="Request-rounds simulated per policy and setting.")] = AuditSpec.rounds,
     plain_rounds: Annotated[int, typer.Option("--plain-rounds", help="Request-rounds per policy on the settings "
-                                              "whose SPS table prices a plain step (+plain: dspark and dspark-async "
-                                              "skip the draft there, simulated one step at a time).")] = AuditSpec.plain_rounds,
-    random_settings: Annotated[int, typer.Option("--random-settings", help="Randomised settings besides Appendix A.")] = AuditSpec.random_settings,
+                                              "where dspark may skip the draft (simulated one step at a time, so "
+                                              "fewer).")] = AuditSpec.plain_rounds,
+    random_settings: Annotated[int, typer.Option("--random-settings", help="Random settings to audit besides the "
+                                                 "fixed ones.")] = AuditSpec.random_settings,
     alpha: Annotated[float, typer.Option("--alpha", help="Chi-square significance level.")] = AuditSpec.alpha,
     seed: SeedOpt = 0,
     json_out: JsonOpt = False,
 ) -> None:
-    """Losslessness audit: chi-square of the first (and first two) output tokens against the target."""
+    """Check that each policy is lossless: chi-square tests that the first (and first two) output tokens follow the target's distribution."""
     from dsparkctl.app.audit import run_audit
 
     spec = AuditSpec(policies=tuple(_policy_specs(policies)), rounds=rounds, plain_rounds=plain_rounds,

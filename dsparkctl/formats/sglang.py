@@ -56,7 +56,7 @@ def check_our_sps(path: Path) -> tuple[str | None, int | None]:
         raise InputError(f"{path} and its SGLang twin {twin_path(path)} hold different tables",
                          "profile again; the two files are written together")
     measures, drafted = d.get("measures"), d.get("draft")
-    if measures != "whole-step":  # older tables (no `measures`) timed the target's forward alone
+    if measures not in ("whole-step", "served-step"):  # older tables (no `measures`) timed the target's forward alone
         raise InputError(f"{path} does not time the whole speculative step (measures: {json.dumps(measures)}); "
                          "SGLang's planner needs whole-step costs (draft + schedule + verify)",
                          "profile with `dsparkctl profile-sps` (whole-step is the default) and the draft you serve")

@@ -135,6 +135,33 @@ def condition_notes(table: SPSTable, now: dict[str, Any] | None, target: str | N
     return notes
 
 
+def cost_source(table: SPSTable, path: str | os.PathLike) -> dict[str, Any]:
+    """Where a table's step costs come from, as a planner's notes name it: a running server
+    (`profile-sps --server`: engine, version, server, model), dsparkctl's own engine, or an
+    imported SGLang table."""
+    meta = table.meta
+    if meta.get("measures") == "served-step" and isinstance(meta.get("servers"), list) and meta["servers"]:
+        first = meta["servers"][0] if isinstance(meta["servers"][0], dict) else {}
+        return {"kind": "server", "file": str(path), "engine": first.get("engine"), "version": first.get("version"),
+                "server": first.get("server"), "model": first.get("model"), "servers": len(meta["servers"])}
+    if meta.get("imported_from") == "sglang":
+        return {"kind": "sglang-table", "file": str(path)}
+    return {"kind": "dsparkctl-engine", "file": str(path), "measures": meta.get("measures"),
+            "device": (meta.get("conditions") or {}).get("device") if isinstance(meta.get("conditions"), dict) else None}
+
+
+def cost_note(source: dict[str, Any]) -> str:
+    """One line naming a plan's step costs (`cost_source`)."""
+    if source.get("kind") == "server":
+        more = f" and {source['servers'] - 1} more server(s)" if source.get("servers", 1) > 1 else ""
+        return (f"step costs measured on the running server {source.get('server')}{more} ({source.get('engine')} "
+                f"{source.get('version')}, model {source.get('model')}; profile-sps --server, {source.get('file')})")
+    if source.get("kind") == "sglang-table":
+        return f"step costs from an SGLang table ({source.get('file')}; how it was measured is not recorded)"
+    return (f"step costs measured on dsparkctl's own engine ({source.get('measures')}, {source.get('device')}; "
+            f"{source.get('file')}), not on the server: `dsparkctl profile-sps --server URL` measures the server's")
+
+
 def check_block_size(table: SPSTable, block_size: int) -> None:
     """Refuse a whole-step table profiled with a draft of another block size: its steps priced
     drafts this draft does not make (and its grid may verify more than γ)."""

@@ -32,6 +32,7 @@ import json
 from typing import Any, Sequence
 
 from dsparkctl.errors import InputError
+from dsparkctl.formats.sps import cost_note
 
 RAGGED_ENV = "SGLANG_RAGGED_VERIFY_MODE"
 
@@ -128,6 +129,8 @@ def sweep_notes(sweep: Any, block_size: int, k_table: list[list[int]]) -> list[s
     else:
         notes = ["vLLM's length table: planned from a sweep that does not name its acceptance source (an older "
                  "dsparkctl)"]
+    if isinstance(sweep, dict) and isinstance(sweep.get("cost_source"), dict):
+        notes.append(f"vLLM's length table: {cost_note(sweep['cost_source'])}")
     rows = sweep.get("rows") if isinstance(sweep, dict) else None
     beyond = sorted({r["concurrency"] for r in rows or [] if isinstance(r, dict) and isinstance(r.get("concurrency"), int)
                      and isinstance(r.get("beyond_profile"), (int, float)) and r["beyond_profile"] > 0})

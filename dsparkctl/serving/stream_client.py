@@ -36,6 +36,7 @@ class Streamed:
     carried text, and the server's own count of completion tokens."""
     sent: float
     chunks: list[float] = field(default_factory=list)
+    chunk_tokens: list[int | None] = field(default_factory=list)  # tokens per chunk where the server says (token_ids)
     completion_tokens: int | None = None
     prompt_tokens: int | None = None
 
@@ -95,13 +96,14 @@ def get_json(url: str, path: str, timeout: float = 10.0) -> Any:
 _NOT_OPENAI = f"point {option('server')} at an OpenAI-compatible vLLM or SGLang server (http://HOST:PORT)"
 
 
-def stream_completion(url: str, model: str, prompt: list[int], max_tokens: int,
-                      stall_s: float = STALL_S) -> Streamed:
-    """Send one streamed completion of exactly `max_tokens` tokens after `prompt` (token ids)
-    and time its chunks. Greedy (temperature 0): the draft's acceptance is the engine's greedy one."""
+def stream_completion(url: str, model: str, prompt: list[int] | str, max_tokens: int,
+                      stall_s: float = STALL_S, extra: dict[str, Any] | None = None) -> Streamed:
+    """Send one streamed completion of exactly `max_tokens` tokens after `prompt` (token ids, or
+    text the server tokenizes) and time its chunks. Greedy (temperature 0): the draft's acceptance
+    is the engine's greedy one. `extra`: more request fields (e.g. vLLM's return_token_ids)."""
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens,
                        "ignore_eos": True, "temperature": 0.0, "stream": True,
-                       "stream_options": {"include_usage": True}}).encode()
+                       "stream_options": {"include_usage": True}, **(extra or {})}).encode()
     conn, base, headers = _connection(url, stall_s)
     got = Streamed(sent=time.monotonic())
     done = False
@@ -180,6 +182,8 @@ def _chunk(url: str, data: str, now: float, got: Streamed) -> None:
     choices = obj.get("choices") or []
     if any(isinstance(c, dict) and c.get("text") for c in choices):
         got.chunks.append(now)
+        ids = choices[0].get("token_ids") if isinstance(choices[0], dict) else None
+        got.chunk_tokens.append(len(ids) if isinstance(ids, list) else None)
     usage = obj.get("usage")
     if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
         got.completion_tokens = usage["completion_tokens"]

@@ -44,7 +44,7 @@ import torch
 
 from dsparkctl.errors import InputError, UsageError, option
 from dsparkctl.formats.calibration import calibration_draft_notes, load_survival_prior, load_temperatures
-from dsparkctl.formats.sps import check_block_size, load_sps_table
+from dsparkctl.formats.sps import check_block_size, cost_note, cost_source, load_sps_table
 from dsparkctl.formats.trace import describe_rounds, recording_fix, recording_hint
 from dsparkctl.formats.trace_scan import Progress, read_round_table
 from dsparkctl.math.admission import survival_from_logits
@@ -329,7 +329,7 @@ def sweep_traces(trace_paths, sps_path, policy_specs=DEFAULT_POLICIES, concurren
     check_block_size(sps, pool["gamma"])  # a whole-step table priced another draft's steps
     for s in policy_specs:
         check_spec_fits(s, pool["gamma"])  # static:9 on γ = 5 would replay static:5 under another name
-    notes = _input_notes(pool, calibration)
+    notes = _input_notes(pool, calibration) + [cost_note(cost_source(sps, sps_path))]
     temps = load_temperatures(calibration, pool["gamma"]) if calibration else None
     prior = load_survival_prior(calibration, pool["gamma"]) if calibration else None
     if max_new_tokens is None:
@@ -348,5 +348,6 @@ def sweep_traces(trace_paths, sps_path, policy_specs=DEFAULT_POLICIES, concurren
             "budget_capped_rounds_skipped": pool["skipped"], "rounds_per_cell": rounds, "temperatures": temps,
             "policies": list(policy_specs), "concurrency": list(concurrency), "rows": rows,
             "acceptance_source": pool.get("source") or {"kind": "traces", "files": [str(p) for p in trace_paths]},
+            "cost_source": cost_source(sps, sps_path),
             "provenance": provenance(inputs=[str(p) for p in (trace_paths or [served])], sps_table=str(sps_path),
                                      calibration=str(calibration) if calibration else None, seed=seed)}
