@@ -66,7 +66,7 @@ def test_a_plain_server_gives_one_token_per_request_and_step_times_that_grow_wit
 
 
 def test_a_speculating_server_is_priced_by_the_tokens_it_verified_and_pools_with_a_plain_one(stub, tmp_path):
-    spec, plain = stub(k=3, accept=1), stub()
+    spec, plain = stub(k=5, accept=1), stub()  # five drafts per step: the shipped draft's block size
     out = tmp_path / "pooled.json"
     r = runner.invoke(app, ["profile-sps", "--server", spec.url, "--server", plain.url, "--out", str(out), "--json",
                             *FAST])
@@ -74,17 +74,27 @@ def test_a_speculating_server_is_priced_by_the_tokens_it_verified_and_pools_with
     doc = json.loads(r.stdout)
     drafted = [p for p in doc["points"] if p["kind"] == "drafted"]
     assert [p["requests"] for p in drafted] == [1, 2, 4]
-    for p in drafted:  # every step verifies 1 + 3 tokens per request and emits 2 of them
-        assert p["batch_tokens"] == pytest.approx(4 * p["requests"], rel=0.02)
+    for p in drafted:  # every step verifies 1 + 5 tokens per request and emits 2 of them
+        assert p["batch_tokens"] == pytest.approx(6 * p["requests"], rel=0.02)
         assert p["tokens_per_step"] == pytest.approx(2.0, rel=0.02) and p["drafted_share"] == pytest.approx(1.0, rel=0.02)
-    assert doc["batch_tokens"] == [1, 2, 4, 8, 16]  # plain B = R, drafted B = 4R: one table
-    assert doc["servers"][0]["speculative"] == {"positions": 3}
+    assert doc["batch_tokens"] == [1, 2, 4, 6, 12, 24]  # plain B = R, drafted B = 6R: one table
+    assert doc["servers"][0]["speculative"] == {"positions": 5}
     # the planners read it like any other table
     served = tmp_path / "served.json"
     spec_metrics = spec.url + "/metrics"
     assert runner.invoke(app, ["served", spec_metrics, "--out", str(served)]).exit_code == 0
     s = runner.invoke(app, ["sweep-scheduler", "--served", str(served), "--sps-table", str(out), "--json"])
     assert s.exit_code == 0, s.output
+    sweep = json.loads(s.stdout)
+    assert sweep["cost_source"]["kind"] == "server" and sweep["cost_source"]["server"] == spec.url
+    assert sweep["vllm_length_table"][0][0] == 1 and all(0 <= k <= 5 for _, _, k in sweep["vllm_length_table"])
+    assert any("step costs measured on the running server" in n for n in sweep["notes"])
+    c = runner.invoke(app, ["serve-config", "--served", str(served), "--sps-table", str(out), "--json",
+                            "--export-full-vocab", str(tmp_path / "full")])
+    assert c.exit_code == 0, c.output
+    notes = json.loads(c.stdout)["notes"]
+    assert any("planned from served acceptance" in n for n in notes), notes
+    assert any("step costs measured on the running server " + spec.url in n for n in notes), notes
 
 
 def test_context_lengths_each_get_a_table(stub, tmp_path):
