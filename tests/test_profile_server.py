@@ -159,3 +159,37 @@ def test_a_server_that_stalls_is_given_up_on(stub, tmp_path):
     with pytest.raises(InputError, match="stalled"):
         run_profile_server(spec)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_context_buckets_split_the_served_acceptance_and_the_plan(stub, tmp_path):
+    """Short prompts accept far more than long ones here; each context's length table is planned
+    from its own costs and its own bucket's acceptance, and the notes say no engine reads it yet."""
+    from tests.test_served import rounds, vllm_responses
+
+    short = vllm_responses(tmp_path / "s.jsonl", rounds(400, conds=[0.9] * 5, seed=1), per_request=50)
+    long = vllm_responses(tmp_path / "l.jsonl", rounds(400, conds=[0.2] * 5, seed=2), per_request=50)
+    both = tmp_path / "responses.jsonl"
+    with open(both, "w") as fh:
+        for path, n in ((short, 20), (long, 900)):
+            for line in path.read_text().splitlines():
+                fh.write(json.dumps({**json.loads(line), "usage": {"prompt_tokens": n, "completion_tokens": 50}}) + "\n")
+    served = tmp_path / "served.json"
+    r = runner.invoke(app, ["served", str(both), "--context-buckets", "100", "--out", str(served), "--json"])
+    assert r.exit_code == 0, r.output
+    buckets = json.loads(r.stdout)["by_context"]
+    assert [b["prompt_tokens"] for b in buckets] == [[1, 100], [101, None]] and [b["responses"] for b in buckets] == [8, 8]
+    assert buckets[0]["per_position"][0]["conditional"] > 0.8 > 0.3 > buckets[1]["per_position"][0]["conditional"]
+    eng = stub()
+    table = tmp_path / "t.json"
+    assert runner.invoke(app, ["profile-sps", "--server", eng.url, "--out", str(table), "--requests", "1,2",
+                               "--repeats", "1", "--warmup", "0", "--output-tokens", "12",
+                               "--context-len", "8,500"]).exit_code == 0
+    s = runner.invoke(app, ["sweep-scheduler", "--served", str(served), "--sps-table", str(table), "--json",
+                            "--concurrency", "1,2"])
+    assert s.exit_code == 0, s.output
+    plans = json.loads(s.stdout)["by_context"]
+    assert [(p["context_len"], p["acceptance_prompt_tokens"]) for p in plans] == [(8, [1, 100]), (500, [101, None])]
+    assert plans[0]["vllm_length_table"][0][2] >= plans[1]["vllm_length_table"][0][2]  # more accepted: verify more
+    assert any("no engine reads a per-context table" in n for n in json.loads(s.stdout)["notes"])
+    one_line_error(runner.invoke(app, ["served", eng.url + "/metrics", "--context-buckets", "100"]),
+                   "context buckets need response files")

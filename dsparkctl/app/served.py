@@ -12,7 +12,7 @@ from dsparkctl.app.preflight import Output, check_outputs
 from dsparkctl.errors import UsageError, option
 from dsparkctl.files.atomic import write_json
 from dsparkctl.serving.parity import parity, read_offline
-from dsparkctl.serving.served import check_sources, is_url, read_sources, served_report
+from dsparkctl.serving.served import by_context, check_bucket_sources, check_sources, is_url, read_sources, served_report
 
 MEASURES = ("live", "teacher-forced")
 
@@ -28,6 +28,7 @@ class ServedSpec:
     model: str | None = None  # the served model name, where a source holds several
     out: Path | None = None  # the served document, for sweep-scheduler / serve-config --served
     fail_on_mismatch: bool = False  # exit non-zero unless the verdict is "agree"
+    context_buckets: tuple[int, ...] = ()  # prompt-length edges: acceptance per bucket too (response files only)
 
 
 def run_served(spec: ServedSpec, *, log: Callable[[str], None] = lambda m: None,
@@ -47,9 +48,15 @@ def run_served(spec: ServedSpec, *, log: Callable[[str], None] = lambda m: None,
                          f"{option('fail_on_mismatch')} choose and judge the offline result",
                          f"add {option('offline')} FILE (eval-acceptance --json output or a trace)")
     check_sources(spec.sources)
+    if list(spec.context_buckets) != sorted(set(spec.context_buckets)):
+        raise UsageError(f"{option('context_buckets')} must be increasing prompt lengths", "e.g. 256,1024")
+    if spec.context_buckets:
+        check_bucket_sources(spec.sources)
     offline = (read_offline(spec.offline, spec.offline_dataset, spec.offline_draft, spec.offline_measure, progress)
                if spec.offline else None)
     doc = served_report(read_sources(spec.sources, spec.model), spec.sources)
+    if spec.context_buckets:
+        doc["by_context"] = by_context(spec.sources, spec.context_buckets, spec.model)
     if offline is not None:
         if not doc["per_position"]:
             raise UsageError("the served source has no per-position counts to compare",

@@ -114,6 +114,11 @@ def sweep_scheduler(
         if "vllm_length_table" in result:
             out.print("vLLM num_speculative_tokens_per_batch_size (batch sizes start..end → K): "
                       + ", ".join(f"{a}..{b} → {k}" for a, b, k in result["vllm_length_table"]), highlight=False)
+        for c in result.get("by_context", []):
+            got = c["acceptance_prompt_tokens"]
+            out.print(f"  context {c['context_len']} (acceptance of "
+                      + (f"prompts of {got[0]}..{got[1] or ''} tokens" if got else "every request") + "): "
+                      + ", ".join(f"{a}..{b} → {k}" for a, b, k in c["vllm_length_table"]), highlight=False)
 
 
 def sweep_table(result: dict[str, Any]) -> Table:

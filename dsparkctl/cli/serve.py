@@ -11,15 +11,14 @@ from rich.table import Table
 
 from dsparkctl.cli.console import err, note, out, print_json, progress_bar, styled
 from dsparkctl.cli.guard import guarded
-from dsparkctl.cli.options import DraftOpt, JsonOpt, RevisionOpt, TargetOpt
+from dsparkctl.cli.options import DraftOpt, JsonOpt, RevisionOpt, TargetOpt, int_list
 
 
 def register(app: typer.Typer) -> None:
-    app.command("serve-config", help="Print (and write) what serves a draft in SGLang and vLLM: the SGLang launch "
-                "command with its environment and tuning files, and vLLM's --speculative-config.")(serve_config)
-    app.command("served", help="Read the acceptance a running engine reports (vLLM's Prometheus counters or "
-                "per-request metrics, SGLang's meta_info): τ, survival and, where the counts allow it, conditional "
-                "acceptance per position with intervals; with --offline, whether it agrees with ours.")(served)
+    app.command("serve-config", help="Print (and optionally write) how to serve a draft: the SGLang launch command "
+                "with its environment and tuning files, and vLLM's --speculative-config.")(serve_config)
+    app.command("served", help="Read the acceptance a running vLLM or SGLang server reports: τ and acceptance per "
+                "draft position; with --offline, whether it agrees with ours.")(served)
 
 
 @guarded
@@ -29,12 +28,12 @@ def serve_config(
     target_id: Annotated[Optional[str], typer.Option("--target-id", help="The target as the server names it (hub id or "
                                                      "path); default: --target, or the embedded model's hub id.")] = None,
     revision: RevisionOpt = None,
-    sps_table: Annotated[Optional[Path], typer.Option("--sps-table", help="profile-sps output (ours or the "
-                                                      ".sglang.json beside it).")] = None,
-    calibration: Annotated[Optional[Path], typer.Option("--calibration", help="calibrate output (ours or the "
-                                                        ".sglang-sts.json beside it).")] = None,
-    sweep: Annotated[Optional[Path], typer.Option("--sweep", help="sweep-scheduler --out result: vLLM's per-batch-"
-                                                  "size length table from its best static:K per concurrency.")] = None,
+    sps_table: Annotated[Optional[Path], typer.Option("--sps-table", help="Steps-per-second table from profile-sps "
+                                                      "(ours or the .sglang.json beside it).")] = None,
+    calibration: Annotated[Optional[Path], typer.Option("--calibration", help="Calibration from calibrate (calib.json or "
+                                                        "the .sglang-sts.json beside it).")] = None,
+    sweep: Annotated[Optional[Path], typer.Option("--sweep", help="sweep-scheduler --out result: gives vLLM a draft "
+                                                  "length per batch size (the best static:K at each load).")] = None,
     served: Annotated[Optional[Path], typer.Option("--served", help="`dsparkctl served --out` document: re-derive "
                                                    "vLLM's length table from the acceptance the engine served "
                                                    "(priced with --sps-table), in place of --sweep.")] = None,
@@ -42,8 +41,8 @@ def serve_config(
                                                               "draft: write its full-vocabulary copy here, for SGLang "
                                                               "(which uses the target's head); vLLM loads it too.")] = None,
     export_vllm: Annotated[Optional[Path], typer.Option("--export-vllm", help="For a reduced-vocabulary draft: also "
-                                                        "write vLLM's reduced form here (d2t + lm_head [K, hidden], a "
-                                                        "K/V head); vLLM's config uses it. SGLang cannot read it.")] = None,
+                                                        "write vLLM's reduced-vocabulary form here, for vLLM's config "
+                                                        "(SGLang cannot read it).")] = None,
     out_path: Annotated[Optional[Path], typer.Option("--out", help="Also write a shell script with both commands.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -66,13 +65,13 @@ def serve_config(
 
 @guarded
 def served(
-    sources: Annotated[list[str], typer.Argument(help="A saved Prometheus scrape (two: the window between them, "
-                                                 "earlier first), a metrics URL (http://HOST:PORT/metrics), or files "
-                                                 "of response bodies (JSON lines: vLLM's per-request metrics or "
-                                                 "SGLang's meta_info).", metavar="SOURCE...")],
-    offline: Annotated[Optional[Path], typer.Option("--offline", help="Our offline result for the same draft, target "
-                                                    "and sampling: eval-acceptance --json output or a generate "
-                                                    "--trace file. Adds the per-position parity verdict.")] = None,
+    sources: Annotated[list[str], typer.Argument(help="A metrics URL (http://HOST:PORT/metrics), a saved "
+                                                 "Prometheus scrape (give two, earlier first, for the window between "
+                                                 "them), or JSON-lines files of response bodies (vLLM's per-request "
+                                                 "metrics or SGLang's meta_info).")],
+    offline: Annotated[Optional[Path], typer.Option("--offline", help="Our own measurement with the same draft, "
+                                                    "target and sampling (eval-acceptance --json output or a "
+                                                    "generate --trace file), to compare position by position.")] = None,
     offline_dataset: Annotated[Optional[str], typer.Option("--offline-dataset", help="The dataset of the offline "
                                                            "document to compare (when it holds several).")] = None,
     offline_draft: Annotated[Optional[str], typer.Option("--offline-draft", help="The draft label of the offline "
@@ -85,6 +84,9 @@ def served(
                                                      "sweep-scheduler / serve-config --served).")] = None,
     fail_on_mismatch: Annotated[bool, typer.Option("--fail-on-mismatch", help="Exit 1 unless every position "
                                                    "agrees with --offline.")] = False,
+    context_buckets: Annotated[Optional[str], typer.Option("--context-buckets", metavar="EDGES", help="Comma-separated "
+                                                           "prompt lengths, e.g. 256,1024: the acceptance per "
+                                                           "context bucket too (response files only).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Read the acceptance an engine served; with --offline, say per position whether it agrees."""
@@ -92,7 +94,9 @@ def served(
 
     spec = ServedSpec(sources=tuple(sources), offline=offline, offline_dataset=offline_dataset,
                       offline_draft=offline_draft, offline_measure=offline_measure, model=model, out=out_path,
-                      fail_on_mismatch=fail_on_mismatch)
+                      fail_on_mismatch=fail_on_mismatch,
+                      context_buckets=tuple(int_list(context_buckets, "--context-buckets", maximum=2 ** 31 - 1))
+                      if context_buckets is not None else ())
     with progress_bar("reading the trace", None, transfer=True) as update:
         doc = run_served(spec, log=lambda m: err.print(styled((m, "dim"))),
                          progress=lambda done, total: update(completed=done, total=total))
@@ -150,5 +154,16 @@ def _print_served(doc: dict) -> None:
                   f"{_ci(par['served_tau_interval'])}", highlight=False)
         for i, c in enumerate(par["causes"], 1):
             out.print(f"likely cause {i}: {c['text']}", highlight=False)
+    if "by_context" in doc:
+        t = Table(title="by prompt length (conditional acceptance per position; — where not identified)",
+                  title_justify="left")
+        for c in ("prompt tokens", "responses", "drafted steps", "τ", *(f"c{k + 1}" for k in range(doc["positions"] or 0))):
+            t.add_column(c, justify="right")
+        for b in doc["by_context"]:
+            lo, hi = b["prompt_tokens"]
+            t.add_row(f"{lo}..{hi if hi is not None else ''}", str(b["responses"]), str(b.get("drafts") or "—"),
+                      _f(b.get("tau")), *(_f(r["conditional"]) for r in b.get("per_position")
+                                           or [{"conditional": None}] * (doc["positions"] or 0)))
+        out.print(t)
     for n in doc["notes"]:
         note(n)

@@ -135,6 +135,24 @@ def condition_notes(table: SPSTable, now: dict[str, Any] | None, target: str | N
     return notes
 
 
+def table_for_context(table: SPSTable, context_len: int) -> SPSTable:
+    """The table of one context length from a server-measured table's `by_context` (the table itself
+    when it holds one context); refused for a context it did not measure."""
+    entries = table.meta.get("by_context")
+    if not isinstance(entries, list):
+        if table.meta.get("context_len") in (None, context_len):
+            return table
+        raise InputError(f"{table.source} was measured at context {table.meta.get('context_len')}, not {context_len}",
+                         "profile that context: `dsparkctl profile-sps --server URL --context-len ...`")
+    for e in entries:
+        if isinstance(e, dict) and e.get("context_len") == context_len:
+            return SPSTable(e.get("batch_tokens") or [], e.get("steps_per_sec") or [],
+                            meta={**table.meta, "context_len": context_len}, mode=table.mode,
+                            extrapolate=table.extrapolate, source=f"{table.source} (context {context_len})")
+    raise InputError(f"{table.source} holds no table for context {context_len}",
+                     f"use one of its contexts: {', '.join(str(e.get('context_len')) for e in entries if isinstance(e, dict))}")
+
+
 def cost_source(table: SPSTable, path: str | os.PathLike) -> dict[str, Any]:
     """Where a table's step costs come from, as a planner's notes name it: a running server
     (`profile-sps --server`: engine, version, server, model), dsparkctl's own engine, or an

@@ -328,3 +328,45 @@ def served_report(c: ServedCounts, sources: Sequence[str]) -> dict[str, Any]:
         "per_position": _per_position(c, kind), "quantities": QUANTITIES, "notes": notes,
         "provenance": provenance(inputs=[shown(x) for x in sources]),
     }
+
+
+def prompt_tokens(obj: Any) -> int | None:
+    """A response body's prompt length: vLLM's usage.prompt_tokens, SGLang's meta_info.prompt_tokens."""
+    for holder in (obj.get("usage"), obj.get("meta_info")) if isinstance(obj, dict) else ():
+        n = holder.get("prompt_tokens") if isinstance(holder, dict) else None
+        if isinstance(n, int) and not isinstance(n, bool) and n >= 0:
+            return n
+    return None
+
+
+def check_bucket_sources(sources: Sequence[str]) -> None:
+    if any(is_url(s) or not _is_json_lines(Path(s).expanduser()) for s in sources):
+        raise UsageError("context buckets need response files: a scrape does not say which request a step served",
+                         "save the response bodies (JSON lines) and pass those")
+
+
+def by_context(sources: Sequence[str], edges: Sequence[int], model: str | None = None) -> list[dict[str, Any]]:
+    """The served acceptance per context-length bucket (response files only: a scrape does not say
+    which request a step served). Bucket i holds prompts of edges[i-1] < length ≤ edges[i] tokens, the
+    last one everything longer. Empty buckets are listed with no figures."""
+    check_bucket_sources(sources)
+    items = [item for s in sources for item in _json_lines(Path(s).expanduser())]
+    lengths = [prompt_tokens(obj) for _, obj in items]
+    if any(n is None for n in lengths):
+        where = next(w for (w, _), n in zip(items, lengths) if n is None)
+        raise InputError(f"{where}: the response does not say its prompt length (usage.prompt_tokens)",
+                         "use responses as the server returned them, or drop the context buckets")
+    bounds = [0, *edges, None]
+    out = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        mine = [item for item, n in zip(items, lengths) if n > lo and (hi is None or n <= hi)]
+        entry: dict[str, Any] = {"prompt_tokens": [lo + 1, hi], "responses": len(mine)}
+        if mine:
+            try:
+                report = served_report(parse_responses(mine, model), sources)
+            except InputError as exc:  # a bucket of responses without speculative metrics
+                entry["note"] = exc.message
+            else:
+                entry |= {k: report[k] for k in ("drafts", "tau", "tau_interval", "lengths", "per_position")}
+        out.append(entry)
+    return out

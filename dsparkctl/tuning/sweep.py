@@ -44,7 +44,7 @@ import torch
 
 from dsparkctl.errors import InputError, UsageError, option
 from dsparkctl.formats.calibration import calibration_draft_notes, load_survival_prior, load_temperatures
-from dsparkctl.formats.sps import check_block_size, cost_note, cost_source, load_sps_table
+from dsparkctl.formats.sps import check_block_size, cost_note, cost_source, load_sps_table, table_for_context
 from dsparkctl.formats.trace import describe_rounds, recording_fix, recording_hint
 from dsparkctl.formats.trace_scan import Progress, read_round_table
 from dsparkctl.math.admission import survival_from_logits
@@ -97,13 +97,17 @@ def load_replay_rounds(trace_paths: Sequence[str | os.PathLike], progress: Progr
                          if not isinstance(h.get("draft_fingerprint"), str)]}
 
 
-def served_pool(path: str | os.PathLike) -> dict[str, Any]:
+def served_pool(path: str | os.PathLike, context_len: int | None = None) -> dict[str, Any]:
     """A replay pool from served acceptance (`dsparkctl served --out`): rounds whose accepted count
     under full verification follows the served survival a_k = Π c_i exactly. Without confidences
     only static:K policies can replay it; mixed-length counts that merely bound a conditional are
-    refused."""
+    refused. `context_len`: the acceptance of the document's context bucket holding it (`served
+    --context-buckets`), where it has one with drafted steps; else every request's."""
     doc = read(path, "served acceptance", "write one with `dsparkctl served SOURCE --out FILE`")
     rows = doc.get("per_position") if isinstance(doc, dict) and doc.get("format") == SERVED_FORMAT else None
+    bucket = _bucket(doc, context_len) if context_len is not None and rows else None
+    if bucket is not None:
+        rows = bucket["per_position"]
     if not isinstance(rows, list) or not rows:
         raise InputError(f"{path} is not a served-acceptance document with per-position counts",
                          "write one with `dsparkctl served SOURCE --out FILE` from a source with per-position counts")
@@ -134,7 +138,17 @@ def served_pool(path: str | os.PathLike) -> dict[str, Any]:
     return {"logits": torch.full((SERVED_POOL, gamma), math.nan, dtype=torch.float64), "accepted": accepted,
             "gamma": gamma, "has_confidence": False, "skipped": 0,
             "source": {"kind": "served", "file": str(path), "engine": doc.get("engine"), "from": src.get("kind"),
-                       "drafts": doc.get("drafts"), "lengths": doc.get("lengths")}}
+                       "drafts": (bucket or doc).get("drafts"), "lengths": (bucket or doc).get("lengths"),
+                       **({"prompt_tokens": bucket["prompt_tokens"]} if bucket else {})}}
+
+
+def _bucket(doc: dict[str, Any], context_len: int) -> dict[str, Any] | None:
+    """The context bucket of a served document holding `context_len`, if it has drafted steps."""
+    for b in doc.get("by_context") or []:
+        lo, hi = b.get("prompt_tokens", [None, None]) if isinstance(b, dict) else (None, None)
+        if isinstance(lo, int) and lo <= context_len and (hi is None or context_len <= hi):
+            return b if b.get("drafts") and isinstance(b.get("per_position"), list) else None
+    return None
 
 
 def _full_hint(header: dict[str, Any], gamma: int) -> str:
@@ -297,7 +311,7 @@ def _check_grid(policy_specs, concurrency) -> None:
 def sweep_traces(trace_paths, sps_path, policy_specs=DEFAULT_POLICIES, concurrency=DEFAULT_CONCURRENCY,
               calibration=None, rounds: int = 20_000, seed: int = 0,
               max_new_tokens: int | None = None, served: str | os.PathLike | None = None,
-              progress: Progress | None = None) -> dict[str, Any]:
+              progress: Progress | None = None, context_len: int | None = None) -> dict[str, Any]:
     """Read the traces (or the served acceptance), the SPS table and the calibration, replay every
     cell, return the sweep document. `max_new_tokens`: replay finite batches (`replay_batches`)
     instead of the steady state. `policy_specs` None: the defaults, or static:0..γ for `served`.
@@ -319,7 +333,9 @@ def sweep_traces(trace_paths, sps_path, policy_specs=DEFAULT_POLICIES, concurren
                          f"raise {option('rounds')} or lower {option('concurrency')}")
     _check_grid(policy_specs, concurrency)
     sps = load_sps_table(sps_path)
-    pool = served_pool(served) if served else load_replay_rounds(trace_paths, progress)
+    if context_len is not None:  # one context's costs (and, served, its bucket's acceptance)
+        sps = table_for_context(sps, context_len)
+    pool = served_pool(served, context_len) if served else load_replay_rounds(trace_paths, progress)
     if policy_specs is None:
         policy_specs = [f"static:{k}" for k in range(pool["gamma"] + 1)] if served else list(DEFAULT_POLICIES)
     if rounds * pool["gamma"] > MAX_CANDIDATES:  # a cell is replayed in one batch of [steps, C, γ]
