@@ -17,7 +17,8 @@ from dsparkctl.cli.options import JsonOpt, RevisionOpt
 from dsparkctl.errors import UsageError
 
 SourceArg = Annotated[str, typer.Argument(help="A local checkpoint folder or a hub repo id (org/name).")]
-WithHeadOpt = Annotated[bool, typer.Option("--with-head", help="Also take the target's embed/head the draft borrows.")]
+WithHeadOpt = Annotated[bool, typer.Option("--with-head", help="Also take the target's embedding and LM head, which "
+                                           "the draft reuses.")]
 
 
 def parse_size(text: str, option: str = "--max-shard-size") -> int:
@@ -42,14 +43,16 @@ def _gb(n: int) -> str:
 def inspect_cmd(
     source: SourceArg,
     revision: RevisionOpt = None,
-    target: Annotated[str | None, typer.Option("--target", help="Check a draft folder against this target (folder, "
-                                               "hub id or 'embedded') from the configs, before any forward.")] = None,
-    probe: Annotated[int, typer.Option("--probe", metavar="N", help="With --target: measure the slot convention and "
-                                       "layer-id count on N teacher-forced prompts (0: don't).")] = 0,
-    dataset: Annotated[str, typer.Option("--dataset", help="Prompts for --probe.")] = "mt-bench",
+    target: Annotated[str | None, typer.Option("--target", help="Check a draft folder against this target model "
+                                               "(folder, hub id or 'embedded'), from the configs alone.")] = None,
+    probe: Annotated[int, typer.Option("--probe", metavar="N", help="With --target: also run N prompts through both "
+                                       "models to confirm which target layers the draft reads and which token each "
+                                       "draft slot predicts (0 = off).")] = 0,
+    dataset: Annotated[str, typer.Option("--dataset", help="Prompt set for --probe: mt-bench, humaneval, sharegpt, "
+                                         "a local file or a hub dataset id.")] = "mt-bench",
     json_out: JsonOpt = False,
 ) -> None:
-    """Show a checkpoint's or draft folder's format, conventions, components, config and findings."""
+    """Show what a checkpoint or draft folder holds: format, components, config, and any problems found."""
     from dsparkctl.app.inspect import InspectSpec, run_inspect  # its probe loads models: imported when it runs
 
     report = run_inspect(InspectSpec(source, revision, target, probe, dataset),
@@ -141,11 +144,12 @@ def _print_draft(r: dict[str, Any]) -> None:
 def download_cmd(
     repo: Annotated[str, typer.Argument(help="Hub repo id (org/name).")],
     revision: RevisionOpt = None,
-    local_dir: Annotated[Path | None, typer.Option("--local-dir", help="Download here instead of the HF cache.")] = None,
+    local_dir: Annotated[Path | None, typer.Option("--local-dir", help="Download here instead of the Hugging "
+                                                                     "Face cache.")] = None,
     with_head: WithHeadOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Fetch config, index, tokenizer files and only the shards holding the draft (resumable)."""
+    """Download a hub checkpoint's config, index and tokenizer files and only the shards that hold the draft (resumable)."""
     def on_file(file: str, size: int) -> None:
         err.print(f"fetching {file}" + (f" ({_gb(size)})" if size else ""), highlight=False)
 
@@ -164,14 +168,16 @@ def extract_cmd(
     source: SourceArg,
     out_dir: Annotated[Path, typer.Argument(metavar="OUT", help="New folder for the draft checkpoint.")],
     revision: RevisionOpt = None,
-    dequantize: Annotated[str | None, typer.Option("--dequantize", help="Convert FP8/FP4 weights to bf16 "
-                                                   "(only 'bf16') and drop their scales.")] = None,
-    max_shard_size: Annotated[str, typer.Option("--max-shard-size", help="Largest output shard.")] = "5GB",
+    dequantize: Annotated[str | None, typer.Option("--dequantize", help="Write FP8/FP4 weights as this dtype "
+                                                   "and drop their scales; bf16 is the one choice (--dequantize bf16)."
+                                                   )] = None,
+    max_shard_size: Annotated[str, typer.Option("--max-shard-size", help="Largest output file, e.g. 5GB, 500MB "
+                                                "or 2GiB.")] = "5GB",
     with_head: WithHeadOpt = False,
     verify: Annotated[bool, typer.Option("--verify", help="Re-read the output and check every tensor.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Stream the draft tensors (and scales) into a standalone checkpoint, atomically."""
+    """Copy the draft's tensors (and their scales) out of a full checkpoint into a standalone draft folder, atomically."""
     spec = ExtractSpec(source, out_dir, revision, dequantize, parse_size(max_shard_size), with_head, verify)
     with progress_bar("extract", None, transfer=True) as update:
         doc = run_extract(spec, on_bytes=lambda n, total: update(advance=n, total=total), note=note)
@@ -187,16 +193,18 @@ def convert_cmd(
     source: Annotated[str, typer.Argument(help="A draft folder of any known format (or 'default', the shipped draft).")],
     out_dir: Annotated[Path, typer.Argument(metavar="OUT", help="New folder for the converted draft.")],
     to: Annotated[str, typer.Option("--to", help="Format to write: deepspec, speculators, specforge or modelopt "
-                                    "(docs/formats.md).", metavar="FORMAT")],
+                                    "(see docs/formats.md).", metavar="FORMAT")],
     drop: Annotated[list[str] | None, typer.Option(
-        "--drop", metavar="PART", help="Agree to lose what the target format cannot hold: vocab-map, "
-        "confidence-head or quantization (repeat the flag for several). Without it such a conversion is refused.")] = None,
-    target: Annotated[str | None, typer.Option("--target", help="The draft's target (folder, hub id or 'embedded'), "
-                                               "when the format must carry rows of its embedding or head.")] = None,
+        "--drop", metavar="PART", help="Accept losing a part the new format cannot hold (else the conversion is "
+        "refused): vocab-map, confidence-head or quantization; repeat for several: --drop vocab-map --drop "
+        "quantization.")] = None,
+    target: Annotated[str | None, typer.Option("--target", help="The draft's target model (folder, hub id or "
+                                               "'embedded'), needed when the new format must carry rows of its "
+                                               "embedding or LM head.")] = None,
     revision: RevisionOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Convert a draft between formats: bit-identical tensors, or changes stated and refused unless dropped."""
+    """Convert a draft between formats: tensors copied bit-identical; what the new format cannot hold is refused unless --drop allows it."""
     from dsparkctl.app.convert import ConvertSpec, run_convert
 
     doc = run_convert(ConvertSpec(source, out_dir, to, tuple(drop or ()), target, revision),

@@ -19,8 +19,9 @@ Mode = choices("Mode", MODES)
 
 
 def register(app: typer.Typer) -> None:
-    app.command("eval-acceptance", help="Per-position acceptance of drafts on real prompt sets: teacher-forced "
-                "analytic β (fast), live rollouts with static:γ, or both.")(eval_acceptance)
+    app.command("eval-acceptance", help="Measure how often the target accepts each draft position on real prompt "
+                "sets: teacher-forced (scored on the target's own continuations, fast), live (real speculative decoding, every drafted "
+                "token verified), or both.")(eval_acceptance)
 
 
 def _fmt(v: Any, ci: Any) -> str:
@@ -55,27 +56,32 @@ def result_table(dataset: str, label: str, r: dict[str, Any]) -> Table:
 
 @guarded(fields={"drafts": "draft"})
 def eval_acceptance(
-    draft: Annotated[Optional[list[str]], typer.Option("--draft", help="Draft folder or hub id; repeat to compare "
-                                                       "side by side (default: the shipped draft).")] = None,
+    draft: Annotated[Optional[list[str]], typer.Option("--draft", help="Draft model: folder or "
+                                                       "hub id (default: the shipped draft); repeat to compare "
+                                                       "several: --draft A --draft B.")] = None,
     target: TargetOpt = None,
-    dataset: Annotated[Optional[list[str]], typer.Option("--dataset", help="mt-bench, humaneval, sharegpt, a local file "
-                                                         "or a hub id; repeat for several panels.")] = None,
-    field: Annotated[Optional[str], typer.Option("--field", help="Prompt field for local files / hub datasets.")] = None,
-    limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="First N prompts of each set.")] = None,
+    dataset: Annotated[Optional[list[str]], typer.Option("--dataset", help="Prompt set: mt-bench, humaneval, sharegpt, "
+                                                         "a local file or a hub dataset id (default: mt-bench); "
+                                                         "repeat for several: --dataset mt-bench --dataset "
+                                                         "humaneval.")] = None,
+    field: Annotated[Optional[str], typer.Option("--field", help="Which field holds the prompt in a local file or hub dataset.")] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Use only the first N prompts of each set.")] = None,
     temperature: TemperatureOpt = None,
     max_new_tokens: MaxNewTokensOpt = None,
     preset: PresetOpt = None,
-    mode: Annotated[Mode, typer.Option("--mode", help="teacher-forced, live, or both (TF reuses the live outputs).")] = Mode.both,
+    mode: Annotated[Mode, typer.Option("--mode", help="teacher-forced, live, or both (teacher-forced then scores "
+                                          "the live outputs).")] = Mode.both,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Requests decoded together.")] = 8,
-    labels: Annotated[Optional[list[str]], typer.Option("--label", help="Display name per --draft (same order).")] = None,
-    plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a Figure-2-style PNG here.")] = None,
+    labels: Annotated[Optional[list[str]], typer.Option("--label", help="Display name for each --draft, in the same "
+                                                         "order; repeat: --label A --label B.")] = None,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG of acceptance per position here.")] = None,
     trace: Annotated[Optional[Path], typer.Option("--trace", help="Write live round traces (one file per dataset "
                                                   "and draft when there are several).")] = None,
     out_path: Annotated[Optional[Path], typer.Option("--out", help="Also write the JSON result here.")] = None,
     chat: Annotated[bool, typer.Option("--chat/--no-chat", help="Wrap prompts in the target's chat template.")] = True,
-    lookup: Annotated[bool, typer.Option("--lookup/--no-lookup", help="Greedy only: measure the draft with context "
-                                         "lookup, as generate runs it (a block copied from where the text repeats "
-                                         "its last 2-4 tokens); the draft's own figures are kept beside.")] = False,
+    lookup: Annotated[bool, typer.Option("--lookup/--no-lookup", help="Greedy only: measure with context lookup, "
+                                         "as generate runs it (see generate --help); the draft's own figures are "
+                                         "kept beside.")] = False,
     revision: RevisionOpt = None,
     trust_remote_code: TrustRemoteCodeOpt = False,
     target_parallel: TargetParallelOpt = "none",

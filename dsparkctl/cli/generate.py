@@ -17,8 +17,8 @@ from dsparkctl.math.policy_spec import NEEDS_SPS, POLICY_SPECS
 
 
 def register(app: typer.Typer) -> None:
-    app.command("generate", help="Speculative generation: draft → schedule → verify, batched; "
-                "prints text, τ and per-position acceptance.")(generate)
+    app.command("generate", help="Generate text with speculative decoding (the draft proposes, the target "
+                "verifies; the output is the target's); prints the text, τ and acceptance per draft position.")(generate)
 
 
 def acceptance_table(report: dict[str, Any], title: str) -> Table:
@@ -41,53 +41,50 @@ def acceptance_table(report: dict[str, Any], title: str) -> Table:
 
 @guarded
 def generate(
-    prompts: Annotated[Optional[list[str]], typer.Argument(help="Prompt texts (or use --prompts-file/--dataset).")] = None,
+    prompts: Annotated[Optional[list[str]], typer.Argument(help="Prompt texts, each quoted (or use --prompts-file or "
+                                                                  "--dataset).")] = None,
     prompts_file: Annotated[Optional[Path], typer.Option("--prompts-file", help="Prompts: .txt (one per line), .json, .jsonl, .parquet.")] = None,
-    dataset: Annotated[Optional[str], typer.Option("--dataset", help="Built-in prompt set (mt-bench, humaneval, sharegpt) or a hub dataset id.")] = None,
-    field: Annotated[Optional[str], typer.Option("--field", help="Prompt field in a JSON/JSONL/parquet/hub dataset.")] = None,
+    dataset: Annotated[Optional[str], typer.Option("--dataset", help="Prompt set: mt-bench, humaneval, sharegpt or a hub dataset id.")] = None,
+    field: Annotated[Optional[str], typer.Option("--field", help="Which field holds the prompt in a JSON/JSONL/parquet file or hub dataset.")] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Use only the first N prompts.")] = None,
     target: TargetOpt = None,
     draft: DraftOpt = None,
     revision: RevisionOpt = None,
-    policy: Annotated[Optional[str], typer.Option("--policy", help=f"Verify-length policy: {POLICY_SPECS} (default "
-                                                  "dspark, with this machine's SPS table and the draft's own "
-                                                  "calibration; static:γ for a draft without a confidence head or "
-                                                  "with --trace; "
-                                                  "static:0 is plain decoding; retrospective is biased: for replay "
-                                                  "studies only).")] = None,
-    sps_table: Annotated[Optional[Path], typer.Option("--sps-table", help=f"SPS table for {', '.join(NEEDS_SPS)} "
-                                                      "(from profile-sps); default: this machine's, profiled once "
-                                                      "and cached.")] = None,
-    calibration: Annotated[Optional[Path], typer.Option("--calibration", help="Per-position temperatures from `dsparkctl calibrate`.")] = None,
+    policy: Annotated[Optional[str], typer.Option("--policy", help=f"How many drafted tokens each round verifies: "
+                                                  f"{POLICY_SPECS}. Default: dspark (static:γ for a draft without a "
+                                                  "confidence head, or with --trace); static:0 = plain decoding; "
+                                                  "retrospective is biased, for replay studies only.")] = None,
+    sps_table: Annotated[Optional[Path], typer.Option("--sps-table", help=f"Steps-per-second table from profile-sps, "
+                                                      f"for {', '.join(NEEDS_SPS)} (default: this machine's, "
+                                                      "profiled once and cached).")] = None,
+    calibration: Annotated[Optional[Path], typer.Option("--calibration", help="Calibration JSON from `dsparkctl "
+                                                        "calibrate` (default: the draft's own, if it has one).")] = None,
     temperature: TemperatureOpt = None,
     top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass in (0, 1].")] = 1.0,
     top_k: Annotated[int, typer.Option("--top-k", help="Top-k sampling (0 = off).")] = 0,
     max_new_tokens: MaxNewTokensOpt = None,
     preset: PresetOpt = None,
-    batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Requests decoded together (default 8; "
+    batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Requests decoded together (default: 8; "
                                                       "--stream decodes one at a time).", show_default=False)] = None,
     device: DeviceOpt = Device.auto,
     dtype: DTypeOpt = DType.auto,
     seed: SeedOpt = 0,
     stream: Annotated[bool, typer.Option("--stream", help="Print text as it is generated (one request at a time).")] = False,
     json_out: JsonOpt = False,
-    trace: Annotated[Optional[Path], typer.Option("--trace", help="Write a per-round trace (JSON lines) for calibrate/sweep-scheduler. Without --policy it is "
-                                                 "recorded with static:γ (every position verified, as both need); with "
-                                                 "a policy that skips the draft or verifies fewer positions a note says "
-                                                 "what the trace lacks.")] = None,
+    trace: Annotated[Optional[Path], typer.Option("--trace", help="Write a per-round trace (JSON lines) for calibrate "
+                                                 "and sweep-scheduler (without --policy, each round verifies every "
+                                                 "drafted token, as they need).")] = None,
     baseline: Annotated[bool, typer.Option("--baseline", help="Also run plain target decoding on the same prompts; report tokens/s of both and the ratio.")] = False,
     repeats: Annotated[int, typer.Option("--repeats", min=1, max=100, help="Time the decoding this many times "
-                                         "(with --baseline interleaved: speculative, plain, speculative, ...); "
-                                         "tokens/s and the speedup are medians. With N > 1, text, τ and the trace "
-                                         "come from one more, untimed run.")] = 1,
-    siblings: Annotated[str, typer.Option("--siblings", help="Greedy only: also verify the draft's next-best "
-                                          "tokens for the first position beside its chain, as a tree (one forward); "
-                                          "auto prices them with the SPS table, a number fixes how many, 0 is off.")] = "auto",
-    lookup: Annotated[Optional[bool], typer.Option("--lookup/--no-lookup", help="Greedy only: where the text so far "
-                                                   "holds the last 2-4 tokens earlier, verify what followed them there "
-                                                   "instead of the draft's block (all γ positions). Default: on under "
-                                                   "greedy decoding without --trace (which records the draft's own "
-                                                   "rounds); asked for with sampling or --trace, refused.",
+                                         "(alternating with --baseline) and report medians; text, τ and the trace "
+                                         "then come from one more, untimed run.")] = 1,
+    siblings: Annotated[str, typer.Option("--siblings", help="Greedy only: also verify the draft's runner-up tokens "
+                                          "for the first drafted position, in the same forward: auto = as many as "
+                                          "the SPS table says pay off, a number = that many, 0 = off.")] = "auto",
+    lookup: Annotated[Optional[bool], typer.Option("--lookup/--no-lookup", help="Greedy only: where the text repeats "
+                                                   "its last 2-4 tokens, verify what followed them before instead of "
+                                                   "the draft's block. Default: on for greedy decoding without --trace; "
+                                                   "refused with sampling or --trace.",
                                                    show_default=False)] = None,
     chat: Annotated[bool, typer.Option("--chat/--no-chat", help="Wrap prompts in the target's chat template.")] = True,
     show_text: Annotated[bool, typer.Option("--text/--no-text", help="Print the generated text.")] = True,

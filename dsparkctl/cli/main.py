@@ -9,11 +9,19 @@ import typer
 from dsparkctl import __version__
 from dsparkctl.cli import checkpoint, evaluate, generate, profile, schedule, serve, train
 from dsparkctl.cli.console import STATE
+from dsparkctl.cli.help_style import HelpGroup, restyle_commands
 
 app = typer.Typer(
     name="dsparkctl",
-    help="DSpark speculative decoding toolkit: inspect/extract drafts, generate, measure "
-    "acceptance, calibrate confidence, profile steps/s and sweep schedulers.",
+    cls=HelpGroup,
+    help="DSpark speculative decoding toolkit: a small draft model proposes a block of tokens, the "
+    "target model checks them in one forward and keeps the ones it would have produced itself, so the "
+    "output is the target's own, only faster. Inspect, fetch and convert drafts; generate; measure "
+    "acceptance; calibrate; profile; sweep schedulers; train; serve.",
+    epilog="Terms: γ = draft block size (tokens proposed per round); τ = tokens produced per target "
+    "forward (accepted + 1); acceptance = how often the target keeps a drafted position; SPS table = "
+    "the engine's steps per second by batch size (profile-sps); policy = how many drafted tokens each "
+    "round verifies. Each command: dsparkctl COMMAND --help.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -56,6 +64,7 @@ def _root(
 
 for _module in (checkpoint, generate, evaluate, schedule, profile, train, serve):
     _module.register(app)
+restyle_commands(app)  # every command's --help shows a flag as a flag (help_style.py)
 
 
 def _click_exceptions() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...]]:

@@ -44,7 +44,7 @@ SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed (all randomnes
 DeviceOpt = Annotated[Device, typer.Option("--device", help="Where to run the models.")]
 
 
-DTypeOpt = Annotated[DType, typer.Option("--dtype", help="Model dtype (auto: bf16 on CUDA, fp32 on CPU).")]
+DTypeOpt = Annotated[DType, typer.Option("--dtype", help="Model dtype (auto = bf16 on CUDA, fp32 on CPU).")]
 
 
 _REVISION = re.compile(r"^(?!.*\.\.)(?!.*//)(?!.*/\.)[A-Za-z0-9_][A-Za-z0-9_.\-/]{0,254}$")
@@ -63,46 +63,45 @@ RevisionOpt = Annotated[str | None, typer.Option("--revision", help="Hub revisio
 
 
 TrustRemoteCodeOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow model repos to run their own "
-                                                  "code (off by default).")]
+                                                  "Python code (off unless given).")]
 
 
 TargetOpt = Annotated[str | None, typer.Option("--target", help="Target model: folder or hub id (default: the "
                                                "embedded SmolLM2-135M-Instruct).")]
 
 
-DraftOpt = Annotated[str | None, typer.Option("--draft", help="Draft folder (DeepSpec, speculators, SpecForge or ModelOpt format) or hub id; 'random' for an "
-                                              "untrained one (default: the shipped draft for the embedded target).")]
+DraftOpt = Annotated[str | None, typer.Option("--draft", help="Draft model: folder (DeepSpec, speculators, SpecForge "
+                                              "or ModelOpt format), hub id, or 'random' for an untrained one "
+                                              "(default: the shipped draft for the embedded target).")]
 
 
-TargetParallelOpt = Annotated[str, typer.Option("--target-parallel", help="For a target too big for one device: "
-                                                "device-map (one process, layers over the visible GPUs) or tp "
-                                                "(under torchrun, each rank a shard; the ranks then share the work).")]
+TargetParallelOpt = Annotated[str, typer.Option("--target-parallel", help="For a target too big for one GPU: none, "
+                                                "device-map (one process spreads its layers over the visible GPUs) "
+                                                "or tp (tensor parallel: run under torchrun, one shard per process).")]
 
 
-CpuKernelsOpt = Annotated[CpuKernels, typer.Option("--cpu-kernels", help="CPU fp32 only: packed = linear weights "
-                                                  "packed once for oneDNN (on many CPUs faster, above all for the "
-                                                  "multi-token verify forward); stock = torch's default kernels; "
-                                                  "auto = each forward on whichever of the two this CPU runs faster "
-                                                  "at its row count (timed once per machine and model, cached).")]
+CpuKernelsOpt = Annotated[CpuKernels, typer.Option("--cpu-kernels", help="CPU fp32 only: packed = weights packed "
+                                                  "once for oneDNN (often faster); stock = torch's default kernels; "
+                                                  "auto = whichever this CPU runs faster (timed once, cached).")]
 
 
-DraftWeightsOpt = Annotated[DraftWeights, typer.Option("--draft-weights", help="The draft's linears: int8 = weights "
-                                                      "in int8 (CPU, fp32 drafts; a quarter of the bytes a round "
-                                                      "reads; output stays exactly the target's: only the draft "
-                                                      "changes); fp32 = as stored; auto = int8 wherever it can run.")]
+DraftWeightsOpt = Annotated[DraftWeights, typer.Option("--draft-weights", help="The draft's linear weights: int8 = "
+                                                      "quantized (CPU, fp32 drafts; faster, and the output is still "
+                                                      "exactly the target's); fp32 = as stored; auto = int8 wherever "
+                                                      "it can run.")]
 
 
 TemperatureOpt = Annotated[float | None, typer.Option("--temperature", help="Sampling temperature; 0 = greedy "
-                                                     "(default 0, or the --preset's).")]
+                                                     "(default: 0, or the --preset's).")]
 
 
 MaxNewTokensOpt = Annotated[int | None, typer.Option("--max-new-tokens", help="Tokens to generate per prompt "
-                                                     "(default 128, or the --preset's).")]
+                                                     "(default: 128, or the --preset's).")]
 
 
 PresetOpt = Annotated[str | None, typer.Option("--preset", help="Another tool's evaluation settings, so numbers "
-                                               "compare with its tables: deepspec (T=1.0, 2048 tokens, chat template, "
-                                               "DeepSpec's HumanEval instruction). Explicit options win.")]
+                                               "compare with its tables: deepspec (temperature 1.0, 2048 tokens, chat "
+                                               "template, its HumanEval instruction). Options given explicitly win.")]
 
 
 INT_LIST_MAX = 1 << 16  # no load level, request count or token count we profile or sweep is larger

@@ -14,7 +14,8 @@ from dsparkctl.cli.options import Device, DeviceOpt, JsonOpt
 
 
 def register(app: typer.Typer) -> None:
-    app.command("train", help="Train a DSpark/DFlash draft by self-distillation from the target (resumable).")(train)
+    app.command("train", help="Train a draft model from a recipe, learning from the target's own outputs "
+                "(self-distillation); resumable.")(train)
 
 
 class Reporter:
@@ -61,13 +62,15 @@ class Reporter:
 @guarded(fields={"overrides": "set_", "field": "data.field in the recipe",
                  "response_field": "data.response_field in the recipe"})
 def train(
-    recipe: Annotated[Path, typer.Argument(help="Recipe TOML (see recipes/).")],
+    recipe: Annotated[Path, typer.Argument(help="Recipe TOML file (examples in the repository's recipes/).")],
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the run's latest checkpoint.")] = False,
-    set_: Annotated[list[str] | None, typer.Option("--set", help="Override a recipe key: section.key=value "
-                                                   "or key=value (repeatable).")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Override a recipe key (section.key=value or "
+                                                   "key=value); "
+                                                   "repeat for several: --set optim.lr=1e-4 --set optim.steps=100."
+                                                   )] = None,
     out_dir: Annotated[Path | None, typer.Option("--out", help="Also write the trained draft here.")] = None,
     cache_dir: Annotated[Path | None, typer.Option("--cache-dir", help="Data cache and runs "
-                                                   "(default ~/.cache/dsparkctl/train).")] = None,
+                                                   "(default: ~/.cache/dsparkctl/train).")] = None,
     max_steps: Annotated[int | None, typer.Option("--max-steps", min=1, help="Stop after this many more steps "
                                                   "(a checkpoint is written; resume later).")] = None,
     max_minutes: Annotated[float | None, typer.Option("--max-minutes", min=0.01, help="Stop after this many "
