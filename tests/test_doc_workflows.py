@@ -302,6 +302,13 @@ EXCLUDED = [
     ("docs/serving.md", "dsparkctl serve-config --draft DRAFT --target-id ORG/TARGET",
      "written for a draft with the full vocabulary, while DRAFT stands for the shipped (reduced) draft here, whose "
      "§2 files the reduced-vocabulary example after it uses (it runs)"),
+    ("docs/serving.md", "dsparkctl profile-sps --server http://gpu-box:8000", "needs a running vLLM or SGLang server; "
+     "tests/test_profile_server.py runs it, and the planning commands after it, against a batching server on loopback"),
+    ("docs/serving.md", "dsparkctl served responses.jsonl --context-buckets", "reads the responses of a running server "
+     "(tests/test_profile_server.py: context buckets from response files)"),
+    ("docs/serving.md", "dsparkctl sweep-scheduler --served served.json --sps-table server.json", "plans from the "
+     "two files above, which need a running server (tests/test_profile_server.py runs the same plan)"),
+    ("docs/serving.md", "dsparkctl serve-config --served served.json --sps-table server.json", "as above"),
     ("docs/serving.md", "bash benchmarks/interop_check.sh", "downloads vLLM and SGLang (~650 MB); its folder "
      "handling is tested below (test_interop_check_removes_only_its_own_folders)"),
     ("docs/train.md", "dsparkctl eval-acceptance --draft <previous>", "a template: <previous> is the draft before "
