@@ -277,7 +277,7 @@ def test_quoted_figures_are_the_files_figures(doc):
 def test_the_readme_quotes_its_figures_in_tables():
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     errors, checked = check_text(text)
-    assert checked >= 20 and not errors
+    assert checked >= 10 and not errors  # a small table: every other figure lives on its page
     loose = figures_outside_tables(text)
     assert not loose, ("README.md quotes figures outside its figures table (give each a row: value, units, "
                        "command, results file):\n  " + "\n  ".join(loose))
