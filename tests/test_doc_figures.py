@@ -41,7 +41,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "design").glob("*.md"))]
 
 FILE = re.compile(r"`(benchmarks/results/[\w.,{}-]+\.json)((?:#/[^`]*)?)`")
 POINTER = re.compile(r"`(?:benchmarks/results/[\w.,{}-]+\.json)?#(/[^`]*)`")

@@ -260,8 +260,12 @@ def module_exists(dotted: str) -> bool:
     return depth >= len(parts) - 1
 
 
+DESIGN = sorted((ROOT / "docs" / "design").glob("*.md")) + [ROOT / "CHANGELOG.md"]
+
+
 def doc_texts() -> list[tuple[Path, str]]:
-    texts = [(doc, doc.read_text(encoding="utf-8")) for doc in DOCS if doc.is_file()]
+    """Every page a reader follows a path from: the user docs, the contributors' pages, the recipes' comments."""
+    texts = [(doc, doc.read_text(encoding="utf-8")) for doc in [*DOCS, *DESIGN] if doc.is_file()]
     for recipe in RECIPES:  # a recipe's comments are its documentation
         lines = recipe.read_text(encoding="utf-8").splitlines()
         texts.append((recipe, "\n".join(line[line.index("#"):] for line in lines if "#" in line)))

@@ -176,8 +176,9 @@ def cost_note(source: dict[str, Any]) -> str:
                 f"{source.get('version')}, model {source.get('model')}; profile-sps --server, {source.get('file')})")
     if source.get("kind") == "sglang-table":
         return f"step costs from an SGLang table ({source.get('file')}; how it was measured is not recorded)"
-    return (f"step costs measured on dsparkctl's own engine ({source.get('measures')}, {source.get('device')}; "
-            f"{source.get('file')}), not on the server: `dsparkctl profile-sps --server URL` measures the server's")
+    how = ", ".join(str(x) for x in (source.get("measures"), source.get("device"), source.get("file")) if x)
+    return (f"step costs measured on dsparkctl's own engine ({how}), not on the server: "
+            "`dsparkctl profile-sps --server URL` measures the server's")
 
 
 def check_block_size(table: SPSTable, block_size: int) -> None:

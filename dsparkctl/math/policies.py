@@ -20,7 +20,7 @@ again after 8, 16, 32, ... (FIRST_PROBE_GAP doubling, at most `MAX_PROBE_GAP`; f
 2·PRIOR_GAP, ...) skipped steps: a probe that refreshes the estimate and verifies what Algorithm 1 admits on
 its current survivals. The gate reads that profile corrected by the acceptance verification realized on
 drafted steps at least `lag` old (`Policy.observe`; math/realized.py), since predicted survivals over-promise
-on task families the calibration did not see (docs/scheduling.md: what did not work). `Policy.run_steps`
+on task families the calibration did not see (docs/design/scheduling.md). `Policy.run_steps`
 replays G consecutive steps (the sweep and the audit), one step at a time for such policies.
 """
 
