@@ -13,8 +13,9 @@ request-step and B = R · (1 + draft tokens per request-step).
 Usage: python benchmarks/served_profile_check.py URL TABLE [--requests 1,2,4,8] [--rounds 3]
        [--output-tokens 64] [--out results.json] [--scrapes DIR]
 `--scrapes DIR` saves the /metrics scrapes before the first and after the last round (for
-`dsparkctl served DIR/before.txt DIR/after.txt`). `--responses FILE` then sends N more prompts one
-at a time (chat completions, not streamed) and keeps their bodies as JSON lines: with vLLM's
+`dsparkctl served DIR/before.txt DIR/after.txt`). `--responses FILE` then sends N short prompts (one
+MT-Bench question) and N long ones (eight questions in one message) one at a time (chat completions,
+not streamed) and keeps their bodies as JSON lines, for `served --context-buckets`: with vLLM's
 `--per-request-spec-decode-metrics detailed` they carry per-step counts, so `dsparkctl served FILE`
 gives exact conditionals even where ngram drafts of different lengths are mixed.
 """
@@ -105,9 +106,11 @@ def main() -> int:
         Path(a.scrapes).mkdir(parents=True, exist_ok=True)
         Path(a.scrapes, "before.txt").write_text(first_scrape)
         Path(a.scrapes, "after.txt").write_text(last_scrape)
-    if a.responses:
+    if a.responses:  # short prompts (one MT-Bench question) and long ones (eight questions in one message)
+        short = prompts[-a.responses_count:]
+        long = ["\n\n".join(prompts[i:i + 8]) for i in range(0, 8 * a.responses_count, 8)]
         with open(a.responses, "w") as fh:
-            for q in prompts[-a.responses_count:]:  # prompts the rounds above did not use (for ≤ 80 of them)
+            for q in short + long:
                 body = json.dumps({"model": server.model, "messages": [{"role": "user", "content": q}],
                                    "max_tokens": a.output_tokens, "temperature": 0}).encode()
                 req = urllib.request.Request(a.url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
