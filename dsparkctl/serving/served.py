@@ -144,14 +144,20 @@ def fetch_url(url: str, timeout: float | None = None) -> str:
         raise InputError(f"{shown(url)} did not send UTF-8 text", SCRAPE_HINT) from None
 
 
-def _get(url: str, timeout: float) -> bytes:
+def split_credentials(url: str) -> tuple[str, dict[str, str]]:
+    """user:password@host in a URL is sent as HTTP basic authentication, not as part of the host:
+    (the URL without it, the header that carries it)."""
     parts = urllib.parse.urlsplit(url)
-    headers = {"Accept": "text/plain"}
-    if "@" in parts.netloc:  # user:password@host: sent as HTTP basic authentication, not as part of the host
-        cred, _, host = parts.netloc.rpartition("@")
-        headers["Authorization"] = "Basic " + base64.b64encode(urllib.parse.unquote(cred).encode()).decode()
-        url = urllib.parse.urlunsplit((parts.scheme, host, parts.path, parts.query, ""))
-    req = urllib.request.Request(url, headers=headers)
+    if "@" not in parts.netloc:
+        return url, {}
+    cred, _, host = parts.netloc.rpartition("@")
+    return (urllib.parse.urlunsplit((parts.scheme, host, parts.path, parts.query, "")),
+            {"Authorization": "Basic " + base64.b64encode(urllib.parse.unquote(cred).encode()).decode()})
+
+
+def _get(url: str, timeout: float) -> bytes:
+    url, auth = split_credentials(url)
+    req = urllib.request.Request(url, headers={"Accept": "text/plain", **auth})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 (http(s) only, checked by is_url)
             body = resp.read(MAX_SCRAPE_BYTES + 1)

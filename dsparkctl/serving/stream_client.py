@@ -14,7 +14,6 @@ read timeout, drops the connection before `[DONE]`, or never sends usage.
 
 from __future__ import annotations
 
-import base64
 import http.client
 import json
 import socket
@@ -24,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsparkctl.errors import InputError, option
-from dsparkctl.serving.served import shown
+from dsparkctl.serving.served import shown, split_credentials
 
 STALL_S = 60.0  # longest silence inside one stream before the server is called stalled
 MAX_LINE = 1 << 20  # one SSE line; a server sending more is not an OpenAI stream
@@ -48,11 +47,8 @@ class Streamed:
 def endpoint(url: str) -> tuple[str, str, int, str, dict[str, str]]:
     """(scheme, host, port, base path, headers) of a server URL such as http://HOST:PORT or
     http://HOST:PORT/v1; credentials in the URL become basic authentication."""
-    parts = urllib.parse.urlsplit(url)
-    headers = {}
-    if "@" in parts.netloc:
-        cred = parts.netloc.rpartition("@")[0]
-        headers["Authorization"] = "Basic " + base64.b64encode(urllib.parse.unquote(cred).encode()).decode()
+    bare, headers = split_credentials(url)
+    parts = urllib.parse.urlsplit(bare)
     base = parts.path.rstrip("/")
     base = base[:-3] if base.endswith("/v1") else base
     port = parts.port or (443 if parts.scheme == "https" else 80)
