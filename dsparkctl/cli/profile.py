@@ -20,7 +20,7 @@ Measure = choices("Measure", MEASURES)
 
 # With --server (the served engine's step instead of ours)
 ServerOpt = Annotated[Optional[list[str]], typer.Option(
-    "--server", metavar="URL", help="Profile this running OpenAI-compatible vLLM or SGLang server "
+    "--server", help="Profile this running OpenAI-compatible vLLM or SGLang server "
     "(http://HOST:PORT) instead of our engine; repeat to pool a plain and a speculative server into one table.")]
 ServedModelOpt = Annotated[Optional[str], typer.Option(
     "--model", help="With --server: the served model name (default: the one the server lists).")]
@@ -44,9 +44,9 @@ def profile_sps_cmd(
     target: TargetOpt = None,
     draft: DraftOpt = None,
     revision: RevisionOpt = None,
-    measure: Annotated[Measure, typer.Option("--measure", help="whole-step: draft + schedule + verify + context "
-                                             "update of our engine, what SGLang's table holds (default); "
-                                             "target-forward: the target's verify forward alone.")] = None,
+    measure: Annotated[Measure, typer.Option("--measure", help="whole-step (default): our engine's whole speculative "
+                                             "step (draft, schedule, verify, cache update), what SGLang's table "
+                                             "holds; target-forward: the target's verify forward alone.")] = None,
     requests: Annotated[str, typer.Option("--requests", help="Comma-separated request counts.")] = "1,2,4,8",
     tokens: Annotated[Optional[str], typer.Option("--tokens-per-request", help="Comma-separated verify tokens per "
                                                   "request (1 + drafts); default 1..γ+1 (whole-step) or "
@@ -55,10 +55,10 @@ def profile_sps_cmd(
                                              "--server: comma-separated prompt lengths, e.g. 256,2048; the first "
                                              "makes the table, each gets its own in by_context).")] = "256",
     repeats: Annotated[Optional[int], typer.Option("--repeats", help="Timed repeats per point (the fit reads their "
-                                                   "lower quartile) [default: 12; with --server: 5 rounds, their "
-                                                   "median].", show_default=False)] = None,
-    warmup: Annotated[Optional[int], typer.Option("--warmup", help="Untimed warm-up steps per point [default: 2; "
-                                                  "with --server: 1 round].", show_default=False)] = None,
+                                                   "lower quartile; default: 12; with --server: rounds, their median; "
+                                                   "default: 5).", show_default=False)] = None,
+    warmup: Annotated[Optional[int], typer.Option("--warmup", help="Untimed warm-up steps per point (default: 2; "
+                                                  "with --server: rounds, default: 1).", show_default=False)] = None,
     server: ServerOpt = None,
     model: ServedModelOpt = None,
     output_tokens: OutputTokensOpt = 64,
@@ -68,8 +68,8 @@ def profile_sps_cmd(
     cpu_kernels: CpuKernelsOpt = CpuKernels.auto,
     draft_weights: DraftWeightsOpt = DraftWeights.auto,
     seed: SeedOpt = 0,
-    sglang_out: Annotated[Optional[Path], typer.Option("--sglang-out", help="SGLang table path (default <out stem>.sglang.json).")] = None,
-    plot: Annotated[Optional[Path], typer.Option("--plot", help="PNG path (default <out stem>.png).")] = None,
+    sglang_out: Annotated[Optional[Path], typer.Option("--sglang-out", help="SGLang table path (default: <out stem>.sglang.json).")] = None,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="PNG path (default: <out stem>.png).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     from dsparkctl.app.profile_sps import ProfileSpec, run_profile_sps

@@ -130,19 +130,19 @@ def run_round(server: Server, requests: int, context_len: int, output_tokens: in
         futures = [pool.submit(stream_completion, server.url, server.model, p, output_tokens, stall_s) for p in prompts]
         got: list[Streamed] = [f.result() for f in futures]  # the first failure is raised, one line
     seconds = time.monotonic() - start
-    gen1, spec1 = _counters(server)
+    generated = sum(s.completion_tokens or 0 for s in got)
+    gen1, spec1 = _settled_counters(server, gen0, generated)
     for s in got:
         if s.prompt_tokens is not None and s.prompt_tokens != context_len:
             raise InputError(f"{shown(server.url)} counted {s.prompt_tokens} prompt tokens where {context_len} ids "
                              "were sent", "the server rewrote the prompt (a chat template?): use a completions endpoint")
     step_s = _window_step(got, requests, server.url)
     chunks = sum(len(s.chunks) for s in got)
-    generated = sum(s.completion_tokens or 0 for s in got)
     drafted = None
     if server.sglang_draft_tokens is not None:
         per_row = float(server.sglang_draft_tokens)
-    elif spec1 is not None and gen1 is not None and gen0 is not None:
-        d_tokens = spec1.draft_tokens - (spec0.draft_tokens if spec0 else 0)
+    elif spec1 is not None and gen1 is not None and gen0 is not None and spec1.draft_tokens is not None:
+        d_tokens = spec1.draft_tokens - (spec0.draft_tokens if spec0 and spec0.draft_tokens is not None else 0)
         accepted = spec1.accepted_tokens - (spec0.accepted_tokens if spec0 else 0)
         steps = max(gen1 - gen0 - accepted, 1)
         per_row, drafted = 1 + d_tokens / steps, (spec1.drafts - (spec0.drafts if spec0 else 0)) / steps
@@ -155,6 +155,23 @@ def run_round(server: Server, requests: int, context_len: int, output_tokens: in
         per_row, drafted = 1.0, 0.0
     return RoundResult(requests=requests, step_ms=1000 * step_s, batch_tokens=requests * per_row,
                        tokens_per_step=generated / max(chunks, 1), drafted_share=drafted, seconds=seconds)
+
+
+def _settled_counters(server: Server, gen0: int | None, ours: int) -> tuple[int | None, Any]:
+    """The counters after a round, once they count all of its tokens (an engine may publish a step's
+    counts a moment after streaming it). More than ours: another client shared the server, or
+    fewer than before: it restarted; either way the round's batch tokens are not ours to read."""
+    for _ in range(20):
+        gen1, spec1 = _counters(server)
+        if gen1 is None or gen0 is None or gen1 - gen0 >= ours:
+            break
+        time.sleep(0.1)
+    if gen1 is not None and gen0 is not None and gen1 - gen0 != ours:
+        what = (f"{gen1 - gen0 - ours} tokens more than this round's {ours}: another client used it"
+                if gen1 - gen0 > ours else "fewer tokens than this round streamed: it restarted")
+        raise InputError(f"{shown(server.url)}'s counters moved by {what}",
+                         "profile a server no one else is using (its batch would not be this profile's)")
+    return gen1, spec1
 
 
 def _window_step(got: Sequence[Streamed], requests: int, url: str) -> float:
