@@ -16,9 +16,10 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 class StubEngine:
     def __init__(self, k: int = 0, accept: int = 0, base_ms: float = 4.0, per_token_ms: float = 0.5,
-                 mode: str = "ok", model: str = "stub", metrics: bool = True):
+                 mode: str = "ok", model: str = "stub", metrics: bool = True, other_traffic: int = 0):
         self.k, self.accept, self.base_ms, self.per_token_ms = k, accept, base_ms, per_token_ms
         self.mode, self.model, self.metrics = mode, model, metrics
+        self.other_traffic = other_traffic  # tokens another client generates between two scrapes
         self.lock = threading.Lock()
         self.active: list[dict] = []
         self.served = 0
@@ -106,6 +107,7 @@ class StubEngine:
                 elif self.path == "/version":
                     self._json({"version": "stub-1"})
                 elif self.path == "/metrics" and eng.metrics:
+                    eng.gen.labels(eng.model, "0").inc(eng.other_traffic)
                     body = generate_latest(eng.reg)
                     self.send_response(200)
                     self.send_header("Content-Type", "text/plain")

@@ -193,3 +193,10 @@ def test_context_buckets_split_the_served_acceptance_and_the_plan(stub, tmp_path
     assert any("no engine reads a per-context table" in n for n in json.loads(s.stdout)["notes"])
     one_line_error(runner.invoke(app, ["served", eng.url + "/metrics", "--context-buckets", "100"]),
                    "context buckets need response files")
+
+
+def test_a_server_someone_else_is_using_is_refused(stub, tmp_path):
+    eng = stub(k=3, accept=1, other_traffic=7)
+    r = runner.invoke(app, ["profile-sps", "--server", eng.url, "--out", str(tmp_path / "t.json"), *FAST])
+    one_line_error(r, "another client used it")
+    assert list(tmp_path.iterdir()) == []
