@@ -130,9 +130,13 @@ class StubEngine:
                     eng.served += 1
                     nth = eng.served
                     eng.active.append({"left": req["max_tokens"], "q": q})
-                sent = 0
+                sent, held = 0, 0
                 while (n := q.get()) is not None:
                     sent += 1
+                    if eng.mode == "coalesce" and sent % 2:  # two steps' tokens in one chunk, as a busy frontend sends them
+                        held = n
+                        continue
+                    n, held = n + held, 0
                     if eng.mode == "drop" and nth >= 2 and sent == 3:
                         self.connection.shutdown(2)
                         return
@@ -143,10 +147,16 @@ class StubEngine:
                         self.wfile.write(b'data: {"error": {"message": "engine died", "code": 500}}\n\n')
                         self.wfile.flush()
                         return
-                    chunk = {"id": "c", "object": "text_completion", "model": eng.model,
-                             "choices": [{"index": 0, "text": "x" * n, "finish_reason": None}]}
+                    choice = {"index": 0, "text": "x" * n, "finish_reason": None}
+                    if req.get("return_token_ids"):
+                        choice["token_ids"] = [7] * n
+                    chunk = {"id": "c", "object": "text_completion", "model": eng.model, "choices": [choice]}
                     self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
                     self.wfile.flush()
+                if held:
+                    self.wfile.write(b"data: " + json.dumps({"id": "c", "object": "text_completion", "model": eng.model,
+                                     "choices": [{"index": 0, "text": "x" * held, "token_ids": [7] * held}]}).encode()
+                                     + b"\n\n")
                 if eng.mode != "no-usage":
                     usage = {"id": "c", "object": "text_completion", "model": eng.model, "choices": [],
                              "usage": {"prompt_tokens": len(req["prompt"]), "completion_tokens": req["max_tokens"],

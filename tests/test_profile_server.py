@@ -200,3 +200,15 @@ def test_a_server_someone_else_is_using_is_refused(stub, tmp_path):
     r = runner.invoke(app, ["profile-sps", "--server", eng.url, "--out", str(tmp_path / "t.json"), *FAST])
     one_line_error(r, "another client used it")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_chunks_that_group_several_steps_are_counted_by_their_tokens(stub, tmp_path):
+    """A busy frontend may send two steps' tokens in one chunk: the step time comes from the tokens
+    the chunks hold (vLLM's token_ids), not from the gaps between chunks, which would read double."""
+    eng = stub(base_ms=20.0, per_token_ms=0.0, mode="coalesce")
+    r = runner.invoke(app, ["profile-sps", "--server", eng.url, "--out", str(tmp_path / "t.json"), "--json",
+                            "--requests", "1,2", "--repeats", "1", "--warmup", "0", "--output-tokens", "24",
+                            "--context-len", "8"])
+    assert r.exit_code == 0, r.output
+    for p in json.loads(r.stdout)["points"]:
+        assert p["kind"] == "plain" and 20.0 <= p["step_ms"] < 32.0, p  # 40 ms if each chunk were a step

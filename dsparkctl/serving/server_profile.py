@@ -124,10 +124,12 @@ def run_round(server: Server, requests: int, context_len: int, output_tokens: in
     """R streams at once; their steady-window step time and what each step verified."""
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(*ID_RANGE, (requests, context_len), generator=g).tolist()
+    extra = {"return_token_ids": True} if server.engine == "vllm" else None  # tokens per chunk (vLLM)
     gen0, spec0 = _counters(server)
     start = time.monotonic()
     with ThreadPoolExecutor(max_workers=requests) as pool:
-        futures = [pool.submit(stream_completion, server.url, server.model, p, output_tokens, stall_s) for p in prompts]
+        futures = [pool.submit(stream_completion, server.url, server.model, p, output_tokens, stall_s, extra)
+                   for p in prompts]
         got: list[Streamed] = [f.result() for f in futures]  # the first failure is raised, one line
     seconds = time.monotonic() - start
     generated = sum(s.completion_tokens or 0 for s in got)
@@ -136,25 +138,32 @@ def run_round(server: Server, requests: int, context_len: int, output_tokens: in
         if s.prompt_tokens is not None and s.prompt_tokens != context_len:
             raise InputError(f"{shown(server.url)} counted {s.prompt_tokens} prompt tokens where {context_len} ids "
                              "were sent", "the server rewrote the prompt (a chat template?): use a completions endpoint")
-    step_s = _window_step(got, requests, server.url)
+    per_row, tau, drafted = _verified(server, got, generated, (gen0, spec0), (gen1, spec1))
+    return RoundResult(requests=requests, step_ms=1000 * _window_step(got, requests, server.url, tau),
+                       batch_tokens=requests * per_row, tokens_per_step=tau, drafted_share=drafted, seconds=seconds)
+
+
+def _verified(server: Server, got: Sequence[Streamed], generated: int, before: tuple[int | None, Any],
+              after: tuple[int | None, Any]) -> tuple[float, float, float | None]:
+    """(tokens verified per request-step, tokens emitted per request-step τ, drafted share): from
+    vLLM's counters (request-steps = generated − accepted), a plain server's one token, or SGLang's
+    configured draft tokens (its τ from the chunks, where each holds one step)."""
+    (gen0, spec0), (gen1, spec1) = before, after
     chunks = sum(len(s.chunks) for s in got)
-    drafted = None
     if server.sglang_draft_tokens is not None:
-        per_row = float(server.sglang_draft_tokens)
-    elif spec1 is not None and gen1 is not None and gen0 is not None and spec1.draft_tokens is not None:
+        return float(server.sglang_draft_tokens), generated / max(chunks, 1), None
+    if spec1 is not None and gen1 is not None and gen0 is not None and spec1.draft_tokens is not None:
         d_tokens = spec1.draft_tokens - (spec0.draft_tokens if spec0 and spec0.draft_tokens is not None else 0)
         accepted = spec1.accepted_tokens - (spec0.accepted_tokens if spec0 else 0)
         steps = max(gen1 - gen0 - accepted, 1)
-        per_row, drafted = 1 + d_tokens / steps, (spec1.drafts - (spec0.drafts if spec0 else 0)) / steps
-        chunks = steps
-    elif generated > chunks * 1.05:
-        raise InputError(f"{shown(server.url)} emits several tokens per step (it speculates) but exports no "
-                         "counters of the tokens it verified", "enable the server's /metrics (vLLM has it by "
-                         "default; SGLang: --enable-metrics)")
-    else:
-        per_row, drafted = 1.0, 0.0
-    return RoundResult(requests=requests, step_ms=1000 * step_s, batch_tokens=requests * per_row,
-                       tokens_per_step=generated / max(chunks, 1), drafted_share=drafted, seconds=seconds)
+        return 1 + d_tokens / steps, (gen1 - gen0) / steps, (spec1.drafts - (spec0.drafts if spec0 else 0)) / steps
+    if server.engine == "vllm" and server.metrics and server.positions is None:
+        return 1.0, 1.0, 0.0  # vLLM without speculation: one token per request-step, however chunks group them
+    if generated > chunks * 1.05:
+        raise InputError(f"{shown(server.url)} emits several tokens per chunk but exports no counters of the tokens "
+                         "it verified", "enable the server's /metrics (vLLM has it by default; SGLang: "
+                         "--enable-metrics)")
+    return 1.0, 1.0, 0.0
 
 
 def _settled_counters(server: Server, gen0: int | None, ours: int) -> tuple[int | None, Any]:
@@ -174,18 +183,24 @@ def _settled_counters(server: Server, gen0: int | None, ours: int) -> tuple[int 
     return gen1, spec1
 
 
-def _window_step(got: Sequence[Streamed], requests: int, url: str) -> float:
-    """Median over the requests of the mean chunk gap while all of them were decoding."""
+def _window_step(got: Sequence[Streamed], requests: int, url: str, tau: float) -> float:
+    """Median over the requests of their time per step while all of them were decoding: the span
+    between their first and last chunk in that window over the steps it held (tokens after the
+    first chunk / τ where the server counts each chunk's tokens, since an engine may group several
+    steps' tokens into one chunk; else one step per chunk)."""
     lo, hi = max(s.chunks[0] for s in got), min(s.chunks[-1] for s in got)
-    gaps = []
+    per_step = []
     for s in got:
-        inside = [t for t in s.chunks if lo <= t <= hi]
+        inside = [(t, n) for t, n in zip(s.chunks, s.chunk_tokens) if lo <= t <= hi]
         if len(inside) < MIN_WINDOW_CHUNKS:
             raise InputError(f"{shown(url)} did not decode {requests} requests together for {MIN_WINDOW_CHUNKS} steps "
                              "(it queues some: its max-num-seqs, or a slow prefill)",
-                             f"use a {option('requests')} grid within the server's concurrency, or more {option('output_tokens')}")
-        gaps.append((inside[-1] - inside[0]) / (len(inside) - 1))
-    return statistics.median(gaps)
+                             f"use a {option('requests')} grid within the server's concurrency, or more "
+                             f"{option('output_tokens')}")
+        counted = all(n is not None for _, n in inside)
+        steps = sum(n for _, n in inside[1:]) / tau if counted else len(inside) - 1
+        per_step.append((inside[-1][0] - inside[0][0]) / steps)
+    return statistics.median(per_step)
 
 
 @dataclass
