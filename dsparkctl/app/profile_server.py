@@ -15,7 +15,7 @@ from dsparkctl.formats.sps import save_sps_table
 from dsparkctl.math.sps import SPSTable
 from dsparkctl.plots import plot_sps
 from dsparkctl.provenance import provenance
-from dsparkctl.serving.server_profile import Plan, fit_points, identify, profile_server
+from dsparkctl.serving.server_profile import Plan, fit_points, identify, profile_servers
 from dsparkctl.serving.served import _check_url, is_url, shown
 from dsparkctl.serving.stream_client import STALL_S
 
@@ -90,20 +90,10 @@ def run_profile_server(spec: ServerProfileSpec, *, log: Callable[[str], None] = 
     n_rounds = len(plan.rounds) * len(servers)
     log(f"{n_rounds} rounds, {plan.total_requests * len(servers)} requests of {'/'.join(map(str, plan.context_lens))} "
         f"prompt + {plan.output_tokens} output tokens, stopped if it cannot finish within {spec.time_limit:g} s")
-    done = [0]
-    points: list[dict[str, Any]] = []
-    for k, server in enumerate(servers):
+    for server in servers:
         log(f"{shown(server.url)}: {server.engine or 'unknown engine'} {server.version or ''}, model {server.model}, "
             + (f"speculating {server.positions} drafts per step" if server.positions else "no speculation seen"))
-        left = Plan(plan.requests, plan.context_lens, plan.output_tokens, plan.repeats, plan.warmup,
-                    spec.time_limit * (len(servers) - k) / len(servers))
-
-        def tick(i: int, n: int) -> None:
-            done[0] += 1
-            if on_progress:
-                on_progress(done[0], n_rounds)
-        for p in profile_server(server, left, spec.seed + 1000 * k, spec.stall_s, on_round=tick):
-            points.append({**p, "server": shown(server.url)})
+    points = profile_servers(servers, plan, spec.seed, spec.stall_s, on_round=on_progress)
     return _write(spec, servers, points)
 
 

@@ -23,6 +23,7 @@ both servers' points (`--server` twice), each point labelled with what it measur
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -223,35 +224,46 @@ class Plan:
         return sum(r for _, r, _ in self.rounds)
 
 
-def profile_server(server: Server, plan: Plan, seed: int, stall_s: float,
-                   on_round: Callable[[int, int], None] | None = None) -> list[dict[str, Any]]:
-    """Every round of the plan, stopped (InputError, nothing kept) as soon as the rounds run so far
-    say the rest cannot finish within the time limit. Returns one point per (context, R)."""
+def profile_servers(servers: Sequence[Server], plan: Plan, seed: int, stall_s: float,
+                    on_round: Callable[[int, int], None] | None = None) -> list[dict[str, Any]]:
+    """Every round of the plan on each server in turn, stopped (InputError, nothing kept) as soon as
+    the rounds run so far say the rest cannot finish within the time limit. Returns one point per
+    (server, context, R), each labelled with its server."""
+    rounds = [(k, c, r, keep) for k in range(len(servers)) for c, r, keep in plan.rounds]
     start, seen = time.monotonic(), {}
-    kept: dict[tuple[int, int], list[RoundResult]] = {}
-    for i, (c, r, keep) in enumerate(plan.rounds):
-        res = run_round(server, r, c, plan.output_tokens, seed + i, stall_s)
-        seen[(c, r)] = res.seconds
+    kept: dict[tuple[int, int, int], list[RoundResult]] = {}
+    for i, (k, c, r, keep) in enumerate(rounds):
+        res = run_round(servers[k], r, c, plan.output_tokens, seed + i, stall_s)
+        seen[(k, c, r)] = res.seconds
         if keep:
-            kept.setdefault((c, r), []).append(res)
+            kept.setdefault((k, c, r), []).append(res)
         if on_round:
-            on_round(i + 1, len(plan.rounds))
+            on_round(i + 1, len(rounds))
         elapsed = time.monotonic() - start
-        ahead = sum(_projected(seen, cc, rr) for cc, rr, _ in plan.rounds[i + 1:])
+        ahead = sum(_projected(seen, *key[:3]) for key in rounds[i + 1:])
         if elapsed + ahead > plan.time_limit_s:
             raise InputError(f"the grid would take about {elapsed + ahead:.0f} s, over {option('time_limit')} "
-                             f"{plan.time_limit_s:g} s (after {i + 1} of {len(plan.rounds)} rounds); nothing written",
-                             f"use fewer {option('requests')}, {option('repeats')} or {option('output_tokens')}, or raise {option('time_limit')}")
-    return [_point(c, r, res) for (c, r), res in kept.items()]
+                             f"{plan.time_limit_s:g} s (after {i + 1} of {len(rounds)} rounds); nothing written",
+                             f"use fewer {option('requests')}, {option('repeats')} or {option('output_tokens')}, "
+                             f"or raise {option('time_limit')}")
+    return [{**_point(c, r, res), "server": shown(servers[k].url)} for (k, c, r), res in kept.items()]
 
 
-def _projected(seen: dict[tuple[int, int], float], c: int, r: int) -> float:
-    """A round's time from the rounds run so far: its own, or the nearest measured level scaled
-    up linearly in R and in context (an upper bound for a server that batches)."""
-    if (c, r) in seen:
-        return seen[(c, r)]
-    (c0, r0), s = min(seen.items(), key=lambda kv: (abs(kv[0][0] - c), abs(kv[0][1] - r)))
-    return s * max(r / r0, 1.0) * max(c / c0, 1.0) ** 0.5
+def _projected(seen: dict[tuple[int, int, int], float], k: int, c: int, r: int) -> float:
+    """A round's time from the rounds run so far: its own level's, or the nearest level measured
+    (on this server where it has one) scaled by R^α · (context ratio)^½. α is how round time grew
+    with R between two levels measured at one context (within [0, 1]); 1 (linear, the upper bound
+    of a server that batches) until two are."""
+    if (k, c, r) in seen:
+        return seen[(k, c, r)]
+    mine = {key: t for key, t in seen.items() if key[0] == k} or seen
+    (_, c0, r0), t0 = min(mine.items(), key=lambda kv: (abs(kv[0][1] - c), abs(kv[0][2] - r)))
+    same = sorted((key[2], t) for key, t in mine.items() if key[1] == c0)
+    alpha = 1.0
+    if len(same) >= 2 and same[-1][0] > same[0][0]:
+        growth = math.log(max(same[-1][1], 1e-9) / max(same[0][1], 1e-9)) / math.log(same[-1][0] / same[0][0])
+        alpha = min(max(growth, 0.0), 1.0)
+    return t0 * max(r / r0, 1.0) ** alpha * max(c / c0, 1.0) ** 0.5
 
 
 def _point(c: int, r: int, rounds: list[RoundResult]) -> dict[str, Any]:
