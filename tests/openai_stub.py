@@ -16,10 +16,12 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 class StubEngine:
     def __init__(self, k: int = 0, accept: int = 0, base_ms: float = 4.0, per_token_ms: float = 0.5,
-                 mode: str = "ok", model: str = "stub", metrics: bool = True, other_traffic: int = 0):
+                 mode: str = "ok", model: str = "stub", metrics: bool = True, other_traffic: int = 0,
+                 version: str = "stub-1", max_model_len: int | None = None):
         self.k, self.accept, self.base_ms, self.per_token_ms = k, accept, base_ms, per_token_ms
         self.mode, self.model, self.metrics = mode, model, metrics
         self.other_traffic = other_traffic  # tokens another client generates between two scrapes
+        self.version, self.max_model_len = version, max_model_len
         self.lock = threading.Lock()
         self.active: list[dict] = []
         self.served = 0
@@ -103,9 +105,12 @@ class StubEngine:
                     self.end_headers()
                     self.wfile.write(body)
                 elif self.path == "/v1/models":
-                    self._json({"object": "list", "data": [{"id": eng.model, "object": "model"}]})
+                    entry = {"id": eng.model, "object": "model"}
+                    if eng.max_model_len is not None:
+                        entry["max_model_len"] = eng.max_model_len
+                    self._json({"object": "list", "data": [entry]})
                 elif self.path == "/version":
-                    self._json({"version": "stub-1"})
+                    self._json({"version": eng.version})
                 elif self.path == "/metrics" and eng.metrics:
                     eng.gen.labels(eng.model, "0").inc(eng.other_traffic)
                     body = generate_latest(eng.reg)

@@ -212,3 +212,64 @@ def test_chunks_that_group_several_steps_are_counted_by_their_tokens(stub, tmp_p
     assert r.exit_code == 0, r.output
     for p in json.loads(r.stdout)["points"]:
         assert p["kind"] == "plain" and 20.0 <= p["step_ms"] < 32.0, p  # 40 ms if each chunk were a step
+
+
+def test_servers_that_cannot_be_pooled_or_take_the_request_are_refused_before_any_round(stub, tmp_path):
+    a, b = stub(), stub(model="other")
+    short = stub(max_model_len=64)
+    port = a.url.rsplit(":", 1)[1]
+    cases = [([a.url, b.url], "serve different models"),
+             ([a.url, a.url + "/"], "names one server twice"),
+             ([a.url, f"http://localhost:{port}/v1"], "names one server twice"),
+             ([short.url], "takes at most 64 tokens per request")]
+    for urls, expect in cases:
+        args = [x for u in urls for x in ("--server", u)]
+        one_line_error(runner.invoke(app, ["profile-sps", *args, "--out", str(tmp_path / "t.json"), "--requests", "1",
+                                           "--context-len", "60", "--output-tokens", "16"]), expect)
+    assert a.served == b.served == short.served == 0 and list(tmp_path.iterdir()) == []
+
+
+def test_text_a_server_sends_is_shown_without_its_control_characters(stub, tmp_path):
+    eng = stub(version="1.0\x1b[31m[bold]red")
+    r = runner.invoke(app, ["profile-sps", "--server", eng.url, "--out", str(tmp_path / "t.json"), *FAST])
+    assert r.exit_code == 0, r.output
+    assert "\x1b" not in r.output and "1.0\\x1b[31m[bold]red" in r.stdout
+
+
+def test_the_time_limit_cuts_a_round_short(stub, tmp_path):
+    """A round of a slow server is not waited for: the limit stops it mid-round, nothing written."""
+    import time
+    eng = stub(base_ms=300.0)  # 40 tokens: a 12-second round
+    start = time.monotonic()
+    r = runner.invoke(app, ["profile-sps", "--server", eng.url, "--out", str(tmp_path / "t.json"), "--time-limit", "2",
+                            "--requests", "1", "--repeats", "1", "--warmup", "0", "--output-tokens", "40",
+                            "--context-len", "8"])
+    one_line_error(r, "ran past its --time-limit")
+    assert time.monotonic() - start < 8 and list(tmp_path.iterdir()) == []
+
+
+def test_ctrl_c_mid_round_stops_at_once_and_writes_nothing(stub, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+    eng = stub(base_ms=300.0)
+    proc = subprocess.Popen([sys.executable, "-m", "dsparkctl", "profile-sps", "--server", eng.url, "--out",
+                             str(tmp_path / "t.json"), "--requests", "1", "--repeats", "1", "--warmup", "0",
+                             "--output-tokens", "60", "--context-len", "8"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while eng.served == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and time.monotonic() - sent < 5, (proc.returncode, err)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_counter_that_is_not_a_number_is_named():
+    from dsparkctl.formats.served_scrape import engine_totals
+    text = '# TYPE vllm:generation_tokens counter\nvllm:generation_tokens_total{model_name="m"} NaN\n'
+    with pytest.raises(InputError, match="not a finite count"):
+        engine_totals(text, "scrape", "m")

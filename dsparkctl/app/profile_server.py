@@ -15,7 +15,7 @@ from dsparkctl.formats.sps import save_sps_table
 from dsparkctl.math.sps import SPSTable
 from dsparkctl.plots import plot_sps
 from dsparkctl.provenance import provenance
-from dsparkctl.serving.server_profile import Plan, fit_points, identify, profile_servers
+from dsparkctl.serving.server_profile import Plan, check_servers, fit_points, identify, profile_servers, same_server_key
 from dsparkctl.serving.served import _check_url, is_url, shown
 from dsparkctl.serving.stream_client import STALL_S
 
@@ -46,13 +46,15 @@ class ServerProfileSpec:
 def check_server_spec(spec: ServerProfileSpec) -> Plan:
     """Numbers, URLs and every output path, before the first request."""
     if not spec.servers:
-        raise UsageError(f"{option('servers')} names no server", "give http://HOST:PORT of a vLLM or SGLang server")
+        raise UsageError(f"{option('server')} names no server", "give http://HOST:PORT of a vLLM or SGLang server")
     for url in spec.servers:
         if not is_url(url):
-            raise UsageError(f"{option('servers')} {url!r} is not an http(s) URL", "give http://HOST:PORT")
-        _check_url(url)
-    if len(set(spec.servers)) != len(spec.servers):
-        raise UsageError(f"{option('servers')} names one server twice", "name each server once")
+            raise UsageError(f"{option('server')} {shown(url)!r} is not an http(s) URL", "give http://HOST:PORT")
+        _check_url(url, "http://HOST:PORT")
+    where = [same_server_key(url) for url in spec.servers]
+    if len(set(where)) != len(where):
+        raise UsageError(f"{option('server')} names one server twice (its points would count twice)",
+                         "name each server once")
     if max(spec.requests) > MAX_SERVER_REQUESTS:
         raise UsageError(f"{option('requests')} {max(spec.requests)} is more than {MAX_SERVER_REQUESTS} concurrent "
                          "requests", f"use concurrencies up to {MAX_SERVER_REQUESTS}")
@@ -87,6 +89,7 @@ def run_profile_server(spec: ServerProfileSpec, *, log: Callable[[str], None] = 
     """Check, identify the servers, announce the bound, profile, fit, write. Returns (document, table)."""
     plan = check_server_spec(spec)
     servers = [identify(url, spec.model) for url in spec.servers]
+    check_servers(servers, max(spec.context_lens) + spec.output_tokens)
     n_rounds = len(plan.rounds) * len(servers)
     log(f"{n_rounds} rounds, {plan.total_requests * len(servers)} requests of {'/'.join(map(str, plan.context_lens))} "
         f"prompt + {plan.output_tokens} output tokens, stopped if it cannot finish within {spec.time_limit:g} s")

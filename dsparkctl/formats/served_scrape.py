@@ -207,6 +207,8 @@ def engine_totals(text: str, where: str, model: str | None = None) -> dict[str, 
         "sglang" if any(n.startswith("sglang:") for n in names) else None)
     generated = [v for (n, labels), v in series.items() if n == "vllm:generation_tokens_total"
                  and (model is None or dict(labels).get("model_name", model) == model)]
+    if not all(math.isfinite(v) and v >= 0 for v in generated):
+        raise InputError(f"{where}: vllm:generation_tokens is not a finite count", SCRAPE_HINT)
     try:
         counts = parse_scrape(text, where, model)
     except InputError:

@@ -48,7 +48,12 @@ QUANTITIES = {
 
 
 def is_url(source: str) -> bool:
-    return source.startswith(("http://", "https://"))
+    return source[:8].lower().startswith(("http://", "https://"))
+
+
+def printable(text: str) -> str:
+    """Text a server sent, safe to show: control characters (terminal escapes) written as \\xNN."""
+    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in text)
 
 
 def shown(source: str) -> str:
@@ -67,17 +72,17 @@ def shown(source: str) -> str:
     return urllib.parse.urlunsplit((parts.scheme, user + host, parts.path, "", "")) + query
 
 
-def _check_url(url: str) -> None:
-    """A URL's shape, before anything is fetched (a bad port or host is named, not a traceback)."""
+def _check_url(url: str, form: str = "http://HOST:PORT/metrics") -> None:
+    """A URL's shape, before anything is fetched (a bad port or host is named, not a traceback);
+    `form`: what the fix says a right one looks like."""
     try:
         parts = urllib.parse.urlsplit(url)
         port = parts.port
         host = parts.hostname
     except ValueError as exc:
-        raise UsageError(f"{shown(url)} is not a valid URL ({exc})", "give http://HOST:PORT/metrics") from None
+        raise UsageError(f"{shown(url)} is not a valid URL ({exc})", f"give {form}") from None
     if not host or any(c.isspace() for c in url) or (port is not None and not 0 < port < 65536):
-        raise UsageError(f"{shown(url)} is not a valid URL (a host, no spaces, a port in 1..65535)",
-                         "give http://HOST:PORT/metrics")
+        raise UsageError(f"{shown(url)} is not a valid URL (a host, no spaces, a port in 1..65535)", f"give {form}")
 
 
 def _once(source: str, seen: dict[str, str]) -> None:

@@ -24,9 +24,11 @@ both servers' points (`--server` twice), each point labelled with what it measur
 from __future__ import annotations
 
 import math
+import socket
 import statistics
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -35,8 +37,8 @@ import torch
 from dsparkctl.errors import InputError, UsageError, option
 from dsparkctl.formats.served_scrape import engine_totals
 from dsparkctl.math.step_grid import isotonic
-from dsparkctl.serving.served import fetch_url, shown
-from dsparkctl.serving.stream_client import Streamed, get_json, stream_completion
+from dsparkctl.serving.served import fetch_url, printable, shown, split_credentials
+from dsparkctl.serving.stream_client import Streamed, abort, get_json, stream_completion
 
 ID_RANGE = (256, 20000)  # prompt token ids: below every tokenizer in use (Llama 32k, SmolLM 49k, Qwen 151k, ...)
 MIN_WINDOW_CHUNKS = 4  # chunks each request needs inside the steady window
@@ -52,15 +54,18 @@ class Server:
     metrics: bool  # /metrics answers Prometheus text
     positions: int | None  # drafts per step it is configured for (None: no speculation seen)
     sglang_draft_tokens: int | None = None  # SGLang's speculative_num_draft_tokens (tokens verified per request)
+    max_model_len: int | None = None  # the longest prompt + output it takes, where it says (vLLM)
 
     def describe(self) -> dict[str, Any]:
-        return {"engine": self.engine, "version": self.version, "server": shown(self.url), "model": self.model,
+        return {"engine": self.engine, "version": self.version, "server": shown(self.url), "model": printable(self.model),
                 "speculative": None if self.positions is None else {"positions": self.positions}}
 
 
 def _metrics_text(url: str) -> str | None:
+    parts = urllib.parse.urlsplit(url)
+    base = parts.path.rstrip("/").removesuffix("/v1")
     try:
-        return fetch_url(url.rstrip("/").removesuffix("/v1") + "/metrics")
+        return fetch_url(urllib.parse.urlunsplit((parts.scheme, parts.netloc, base + "/metrics", "", "")))
     except InputError as exc:
         if "HTTP 404" in exc.message:
             return None
@@ -72,7 +77,8 @@ def identify(url: str, model: str | None) -> Server:
     speculates (its /metrics, `/version`, SGLang's `/get_server_info`). One line if it is not an
     OpenAI-compatible server or does not serve `model`."""
     listed = get_json(url, "/v1/models")
-    ids = [m.get("id") for m in listed.get("data", []) if isinstance(m, dict)] if isinstance(listed, dict) else None
+    entries = {m.get("id"): m for m in listed.get("data", []) if isinstance(m, dict)} if isinstance(listed, dict) else {}
+    ids = list(entries)
     if not ids or not all(isinstance(i, str) for i in ids):
         raise InputError(f"{shown(url)}/v1/models did not list models the OpenAI way",
                          f"point {option('server')} at an OpenAI-compatible vLLM or SGLang server (http://HOST:PORT)")
@@ -99,8 +105,10 @@ def identify(url: str, model: str | None) -> Server:
             positions = sg_tokens - 1
     elif isinstance(version, dict):
         version = version.get("version")
-    return Server(url=url, model=model, engine=engine, version=str(version) if version is not None else None,
-                  metrics=text is not None, positions=positions, sglang_draft_tokens=sg_tokens)
+    limit = entries[model].get("max_model_len")  # vLLM lists it; prompt + output must fit
+    return Server(url=url, model=model, engine=engine, version=printable(str(version)) if version is not None else None,
+                  metrics=text is not None, positions=positions, sglang_draft_tokens=sg_tokens,
+                  max_model_len=limit if isinstance(limit, int) and not isinstance(limit, bool) else None)
 
 
 @dataclass
@@ -121,17 +129,14 @@ def _counters(server: Server) -> tuple[int | None, Any]:
 
 
 def run_round(server: Server, requests: int, context_len: int, output_tokens: int, seed: int,
-              stall_s: float) -> RoundResult:
+              stall_s: float, deadline: float = math.inf) -> RoundResult:
     """R streams at once; their steady-window step time and what each step verified."""
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(*ID_RANGE, (requests, context_len), generator=g).tolist()
     extra = {"return_token_ids": True} if server.engine == "vllm" else None  # tokens per chunk (vLLM)
     gen0, spec0 = _counters(server)
     start = time.monotonic()
-    with ThreadPoolExecutor(max_workers=requests) as pool:
-        futures = [pool.submit(stream_completion, server.url, server.model, p, output_tokens, stall_s, extra)
-                   for p in prompts]
-        got: list[Streamed] = [f.result() for f in futures]  # the first failure is raised, one line
+    got = _streams(server, prompts, output_tokens, stall_s, extra, deadline)
     seconds = time.monotonic() - start
     generated = sum(s.completion_tokens or 0 for s in got)
     gen1, spec1 = _settled_counters(server, gen0, generated)
@@ -142,6 +147,38 @@ def run_round(server: Server, requests: int, context_len: int, output_tokens: in
     per_row, tau, drafted = _verified(server, got, generated, (gen0, spec0), (gen1, spec1))
     return RoundResult(requests=requests, step_ms=1000 * _window_step(got, requests, server.url, tau),
                        batch_tokens=requests * per_row, tokens_per_step=tau, drafted_share=drafted, seconds=seconds)
+
+
+def _streams(server: Server, prompts: list[list[int]], output_tokens: int, stall_s: float,
+             extra: dict[str, Any] | None, deadline: float) -> list[Streamed]:
+    """The round's streams, one daemon thread each. Ctrl-C, SIGTERM or the deadline cut them all at
+    once (their sockets shut), so a stop never waits for a slow or silent server."""
+    opened: list[Any] = []
+    results: list[Any] = [None] * len(prompts)
+
+    def one(i: int) -> None:
+        try:
+            results[i] = stream_completion(server.url, server.model, prompts[i], output_tokens, stall_s, extra, opened)
+        except BaseException as exc:  # noqa: BLE001 (handed to the main thread)
+            results[i] = exc
+    threads = [threading.Thread(target=one, args=(i,), daemon=True, name=f"stream-{i}") for i in range(len(prompts))]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            while t.is_alive():
+                t.join(0.1)
+                if time.monotonic() > deadline:
+                    raise InputError(f"the grid ran past its {option('time_limit')} in the middle of a round; "
+                                     "nothing written", f"use fewer {option('requests')}, {option('repeats')} or "
+                                     f"{option('output_tokens')}, or raise {option('time_limit')}")
+    except BaseException:
+        abort(opened)
+        raise
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
 
 
 def _verified(server: Server, got: Sequence[Streamed], generated: int, before: tuple[int | None, Any],
@@ -233,7 +270,7 @@ def profile_servers(servers: Sequence[Server], plan: Plan, seed: int, stall_s: f
     start, seen = time.monotonic(), {}
     kept: dict[tuple[int, int, int], list[RoundResult]] = {}
     for i, (k, c, r, keep) in enumerate(rounds):
-        res = run_round(servers[k], r, c, plan.output_tokens, seed + i, stall_s)
+        res = run_round(servers[k], r, c, plan.output_tokens, seed + i, stall_s, start + plan.time_limit_s)
         seen[(k, c, r)] = res.seconds
         if keep:
             kept.setdefault((k, c, r), []).append(res)
@@ -288,3 +325,30 @@ def fit_points(points: Sequence[dict[str, Any]]) -> tuple[list[int], list[float]
     bs = sorted(by_b)
     fitted = isotonic([statistics.fmean(by_b[b]) for b in bs], [len(by_b[b]) for b in bs])
     return bs, [1000.0 / ms for ms in fitted]
+
+
+def same_server_key(url: str) -> tuple[str, frozenset[str], int, str]:
+    """What makes two URLs one server: scheme, the addresses the host resolves to, port, base path
+    (http://localhost:8000/v1/ and http://127.0.0.1:8000 are one)."""
+    parts = urllib.parse.urlsplit(split_credentials(url)[0])
+    scheme = parts.scheme.lower()
+    port = parts.port or (443 if scheme == "https" else 80)
+    try:
+        addrs = frozenset(a[4][0] for a in socket.getaddrinfo(parts.hostname, port, proto=socket.IPPROTO_TCP))
+    except (OSError, UnicodeError):
+        addrs = frozenset({(parts.hostname or "").lower()})
+    return scheme, addrs, port, parts.path.rstrip("/").removesuffix("/v1")
+
+
+def check_servers(servers: Sequence[Server], longest: int) -> None:
+    """Servers pooled into one table serve one model, and each takes the longest request sent."""
+    models = sorted({s.model for s in servers})
+    if len(models) > 1:
+        raise UsageError(f"the servers serve different models ({', '.join(printable(m) for m in models)}): one table "
+                         "would mix their step costs", "pool only servers of one model (and name it with "
+                         f"{option('model')} where they list several)")
+    for s in servers:
+        if s.max_model_len is not None and longest > s.max_model_len:
+            raise UsageError(f"{shown(s.url)} takes at most {s.max_model_len} tokens per request; the longest "
+                             f"{option('context_len')} plus {option('output_tokens')} is {longest}",
+                             f"keep {option('context_len')} + {option('output_tokens')} within {s.max_model_len}")

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsparkctl.errors import InputError, option
-from dsparkctl.serving.served import shown, split_credentials
+from dsparkctl.serving.served import printable, shown, split_credentials
 
 STALL_S = 60.0  # longest silence inside one stream before the server is called stalled
 MAX_LINE = 1 << 20  # one SSE line; a server sending more is not an OpenAI stream
@@ -93,26 +93,24 @@ _NOT_OPENAI = f"point {option('server')} at an OpenAI-compatible vLLM or SGLang 
 
 
 def stream_completion(url: str, model: str, prompt: list[int] | str, max_tokens: int,
-                      stall_s: float = STALL_S, extra: dict[str, Any] | None = None) -> Streamed:
+                      stall_s: float = STALL_S, extra: dict[str, Any] | None = None,
+                      opened: list[http.client.HTTPConnection] | None = None) -> Streamed:
     """Send one streamed completion of exactly `max_tokens` tokens after `prompt` (token ids, or
     text the server tokenizes) and time its chunks. Greedy (temperature 0): the draft's acceptance
-    is the engine's greedy one. `extra`: more request fields (e.g. vLLM's return_token_ids)."""
+    is the engine's greedy one. `extra`: more request fields (e.g. vLLM's return_token_ids);
+    `opened`: the connection is added to it, so the caller can cut a round short (`abort`)."""
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens,
                        "ignore_eos": True, "temperature": 0.0, "stream": True,
                        "stream_options": {"include_usage": True}, **(extra or {})}).encode()
     conn, base, headers = _connection(url, stall_s)
+    if opened is not None:
+        opened.append(conn)
     got = Streamed(sent=time.monotonic())
     done = False
     try:
         conn.request("POST", base + "/v1/completions", body=body,
                      headers={"Content-Type": "application/json", "Accept": "text/event-stream", **headers})
-        resp = conn.getresponse()
-        if resp.status >= 400:
-            raise InputError(f"{shown(url)}/v1/completions answered HTTP {resp.status}: "
-                             f"{_said(resp.read(4096))}", _NOT_OPENAI)
-        if "text/event-stream" not in (resp.getheader("Content-Type") or ""):
-            raise InputError(f"{shown(url)}/v1/completions did not stream (Content-Type "
-                             f"{(resp.getheader('Content-Type') or 'none')[:40]!r})", _NOT_OPENAI)
+        resp = _stream_response(url, conn)
         while True:
             line = resp.readline(MAX_LINE + 1)
             now = time.monotonic()
@@ -141,6 +139,26 @@ def stream_completion(url: str, model: str, prompt: list[int] | str, max_tokens:
         raise _failed(url, exc) from None
     finally:
         conn.close()
+    return _whole(url, got, done, max_tokens)
+
+
+def _stream_response(url: str, conn: http.client.HTTPConnection) -> http.client.HTTPResponse:
+    """The response to a streamed request, refused unless it is an event stream."""
+    resp = conn.getresponse()
+    if resp.status == 404:
+        raise InputError(f"{shown(url)}/v1/completions answered HTTP 404", _NOT_OPENAI)
+    if resp.status >= 400:
+        raise InputError(f"{shown(url)} refused the request (HTTP {resp.status}): {_said(resp.read(8192))}",
+                         "see the server's message; a prompt plus output beyond its max-model-len needs a "
+                         f"smaller {option('context_len')} or {option('output_tokens')}")
+    if "text/event-stream" not in (resp.getheader("Content-Type") or ""):
+        raise InputError(f"{shown(url)}/v1/completions did not stream (Content-Type "
+                         f"{(resp.getheader('Content-Type') or 'none')[:40]!r})", _NOT_OPENAI)
+    return resp
+
+
+def _whole(url: str, got: Streamed, done: bool, max_tokens: int) -> Streamed:
+    """A finished stream, refused unless it ended with [DONE], said its usage and made every token asked."""
     if not done:
         raise InputError(f"{shown(url)} dropped the connection mid-stream (after {len(got.chunks)} chunks, before [DONE])",
                          "check the server's log (did it restart or run out of memory?)")
@@ -150,8 +168,19 @@ def stream_completion(url: str, model: str, prompt: list[int] | str, max_tokens:
     if got.completion_tokens != max_tokens:
         raise InputError(f"{shown(url)} produced {got.completion_tokens} tokens where {max_tokens} were asked "
                          "(it ignored ignore_eos/min_tokens, or its context is too short)",
-                         f"use vLLM or SGLang, and a {option('context_len')} plus {option('output_tokens')} within the model's length")
+                         f"use vLLM or SGLang, and a {option('context_len')} plus {option('output_tokens')} within "
+                         "the model's length")
     return got
+
+
+def abort(opened: list[http.client.HTTPConnection]) -> None:
+    """Cut every stream of a round: their blocked reads fail at once (Ctrl-C, SIGTERM, the time limit)."""
+    for conn in list(opened):
+        try:
+            if conn.sock is not None:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
 
 def _said(body: bytes) -> str:
@@ -162,7 +191,7 @@ def _said(body: bytes) -> str:
                    if isinstance(err.get("error"), dict) else err.get("error") or err.get("message") or text)
     except (ValueError, AttributeError):
         pass
-    return " ".join(text.split())[:120]
+    return printable(" ".join(text.split())[:400])
 
 
 def _chunk(url: str, data: str, now: float, got: Streamed) -> None:
