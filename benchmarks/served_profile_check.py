@@ -8,7 +8,10 @@ median over rounds; the per-request decode rate Σ_i (tokens_i − 1) / (last_i 
 also counts the tails where fewer requests run, is kept beside it. Predicted, from the
 table's step cost and this run's own acceptance (the server's counters around the round; the
 table says nothing about acceptance): R · τ / step_seconds(B), with τ = generated tokens per
-request-step and B = R · (1 + draft tokens per request-step).
+request-step and B = R · (1 + draft tokens per request-step). A table measured at several context
+lengths (`--context-len 64,512`) prices the step at the round's mean prompt length, linearly
+between the two measured contexts around it (clamped to the measured range); the prediction
+from the first context alone is kept beside it.
 
 Usage: python benchmarks/served_profile_check.py URL TABLE [--requests 1,2,4,8] [--rounds 3]
        [--output-tokens 64] [--out results.json] [--scrapes DIR]
@@ -34,7 +37,7 @@ import torch
 
 from dsparkctl.data.prompts import load_prompts
 from dsparkctl.formats.served_scrape import engine_totals
-from dsparkctl.formats.sps import load_sps_table
+from dsparkctl.formats.sps import load_sps_table, table_for_context
 from dsparkctl.serving import stream_client
 from dsparkctl.serving.served import fetch_url
 from dsparkctl.serving.server_profile import identify
@@ -51,6 +54,21 @@ def steady_throughput(got: list[stream_client.Streamed]) -> float:
     lo, hi = max(s.chunks[0] for s in got), min(s.chunks[-1] for s in got)
     tokens = sum(n for s in got for t, n in zip(s.chunks, s.chunk_tokens) if lo < t <= hi)
     return tokens / (hi - lo)
+
+
+def step_seconds(table, R: int, B: float, context: float) -> float:
+    """The table's step time at R requests and B batch tokens, at `context` prompt tokens."""
+    at = lambda t: float(t.step_seconds(R, torch.tensor([B], dtype=torch.float64))[0])  # noqa: E731
+    contexts = sorted(e["context_len"] for e in table.meta.get("by_context", []))
+    if len(contexts) < 2:
+        return at(table)
+    c = min(max(context, contexts[0]), contexts[-1])
+    hi = next(x for x in contexts if x >= c)
+    lo = max(x for x in contexts if x <= c)
+    if hi == lo:
+        return at(table_for_context(table, lo))
+    w = (c - lo) / (hi - lo)
+    return (1 - w) * at(table_for_context(table, lo)) + w * at(table_for_context(table, hi))
 
 
 def counters(url: str, model: str):
@@ -93,13 +111,17 @@ def main() -> int:
             steps = (g1 - g0) - (acc1 - acc0)  # request-steps: each yields 1 + its accepted drafts
             tau = (g1 - g0) / steps
             B = R * (1 + (t1 - t0) / steps)
-            step_s = float(table.step_seconds(R, torch.tensor([B], dtype=torch.float64))[0])
-            per_round.append({"measured_tok_s": measured, "per_request_decode_tok_s": whole, "predicted_tok_s": R * tau / step_s, "tau": tau,
+            context = statistics.fmean(s.prompt_tokens for s in got)
+            step_s = step_seconds(table, R, B, context)
+            first_s = float(table.step_seconds(R, torch.tensor([B], dtype=torch.float64))[0])
+            per_round.append({"measured_tok_s": measured, "per_request_decode_tok_s": whole,
+                              "predicted_tok_s": R * tau / step_s, "predicted_first_context_tok_s": R * tau / first_s,
+                              "mean_prompt_tokens": context, "tau": tau,
                               "batch_tokens": B, "drafted_share": (d1 - d0) / steps})
         med = {key: statistics.median(r[key] for r in per_round) for key in per_round[0]}
         err = med["predicted_tok_s"] / med["measured_tok_s"] - 1
         rows.append({"requests": R, **med, "error": err, "rounds": per_round})
-        print(f"R={R:<3} B={med['batch_tokens']:6.2f} τ={med['tau']:.3f} measured {med['measured_tok_s']:8.2f} tok/s, "
+        print(f"R={R:<3} B={med['batch_tokens']:6.2f} τ={med['tau']:.3f} prompt {med['mean_prompt_tokens']:5.0f} measured {med['measured_tok_s']:8.2f} tok/s, "
               f"predicted {med['predicted_tok_s']:8.2f} tok/s, error {100 * err:+6.1f}% "
               f"{'ok' if abs(err) <= 0.10 else 'OUTSIDE ±10%'}", flush=True)
     if a.scrapes:
