@@ -10,7 +10,7 @@
 #      256`), per context length too, beside the one
 #      planned from our engine's costs on this machine (sweep-scheduler --served, vllm_length_table)
 # Each server is pinned to one core by vLLM; run it on a quiet machine (other load skews both sides).
-# Usage: bash benchmarks/served_profile_vllm.sh   (about 15 min on 2 cores)
+# Usage: bash benchmarks/served_profile_vllm.sh   (about 25 min on 2 cores; ONLY=bad: the bad-input checks alone)
 # Results: benchmarks/results/served_profile_vllm/ (console log: run.txt)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -45,6 +45,7 @@ S=http://127.0.0.1:$PORT
 P=http://127.0.0.1:$((PORT + 1))
 echo "ok   two vLLM servers up: $S (ngram, 3 drafts) and $P (no speculation)"
 export OMP_NUM_THREADS=1
+if [ "${ONLY:-}" != bad ]; then  # ONLY=bad: the bad-input checks alone (the measurements above are kept)
 set -x
 .venv/bin/dsparkctl profile-sps --server $S --server $P --requests 1,2,4,8 --context-len 64,512 --output-tokens 64 \
     --repeats 3 --warmup 1 --time-limit 1800 --out $R/table.json
@@ -60,13 +61,14 @@ set -x
     --out $R/plan_ours.json
 set +x
 cp $W/ours.json $R/ours_target_forward.json
+fi
 # Bad input against the real servers: each must fail with one line and leave its folder empty.
 bad() {  # name expect command...
   local name=$1 expect=$2; shift 2
   local d=$W/bad_$name; mkdir -p "$d"
   set +e; "$@" --out "$d/t.json" > "$d/stdout" 2> "$d/stderr"; local rc=$?; set -e
   local lines; lines=$(grep -c . "$d/stderr" || true)
-  local left; left=$(ls "$d" | grep -v '^std' | wc -l)
+  local left; left=$(ls "$d" | grep -vc '^std' || true)
   if [ $rc -ne 0 ] && grep -Eq "^error: .*($expect)" "$d/stderr" && [ "$left" -eq 0 ]; then
     echo "ok   $name: exit $rc, nothing written: $(grep '^error:' "$d/stderr" | cut -c1-160)"
   else
@@ -83,8 +85,9 @@ kill $WEB
 bad time-bound "over --time-limit 20 s" .venv/bin/dsparkctl profile-sps --server $P --requests 1,2,4,8,16 --repeats 5 \
     --output-tokens 64 --context-len 64 --time-limit 20
 ( sleep 12; kill $NGRAM ) &
-bad dropped "dropped the connection|did not answer|stalled" .venv/bin/dsparkctl profile-sps --server $S --requests 1,2,4,8 \
+bad dropped "dropped the connection|did not answer|stalled|reported an error mid-stream" .venv/bin/dsparkctl profile-sps --server $S --requests 1,2,4,8 \
     --repeats 5 --output-tokens 128 --context-len 64
+[ "${ONLY:-}" = bad ] && exit $BAD
 .venv/bin/python - "$R" "$BAD" <<'EOF'
 import json, sys
 r = sys.argv[1]

@@ -43,8 +43,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "design").glob("*.md"))]
 
-FILE = re.compile(r"`(benchmarks/results/[\w.,{}-]+\.json)((?:#/[^`]*)?)`")
-POINTER = re.compile(r"`(?:benchmarks/results/[\w.,{}-]+\.json)?#(/[^`]*)`")
+FILE = re.compile(r"`(benchmarks/results/[\w.,{}/-]+\.json)((?:#/[^`]*)?)`")
+POINTER = re.compile(r"`(?:benchmarks/results/[\w.,{}/-]+\.json)?#(/[^`]*)`")
 NUMBER = re.compile(r"(?<![\w.:/=#~-])(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?(%?)")
 INTERVAL = re.compile(r"[\s×*]*\[\s*")
 RANGE = re.compile(r"[\s×*]*\(range\s+")
