@@ -213,11 +213,13 @@ def _settled_counters(server: Server, gen0: int | None, ours: int) -> tuple[int 
         if gen1 is None or gen0 is None or gen1 - gen0 >= ours:
             break
         time.sleep(0.1)
-    if gen1 is not None and gen0 is not None and gen1 - gen0 != ours:
-        what = (f"{gen1 - gen0 - ours} tokens more than this round's {ours}: another client used it"
-                if gen1 - gen0 > ours else "fewer tokens than this round streamed: it restarted")
-        raise InputError(f"{shown(server.url)}'s counters moved by {what}",
+    if gen1 is not None and gen0 is not None and gen1 - gen0 > ours:
+        raise InputError(f"{shown(server.url)}'s counters moved by {gen1 - gen0 - ours} tokens more than this "
+                         f"round's {ours}: another client used it",
                          "profile a server no one else is using (its batch would not be this profile's)")
+    if gen1 is not None and gen0 is not None and gen1 - gen0 < ours:
+        raise InputError(f"{shown(server.url)}'s counters moved by fewer tokens than this round streamed: it "
+                         "restarted", "profile again once the server runs steadily (check its log)")
     return gen1, spec1
 
 
