@@ -51,7 +51,9 @@ def restyle(params: list[Any]) -> None:
             p.__class__ = HelpArgument
 
 
-class HelpCommand(TyperCommand):
+class _Restyled:
+    """A command or group whose parameters, its lazily made --help included, show the display above."""
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         restyle(self.params)
@@ -62,15 +64,12 @@ class HelpCommand(TyperCommand):
         return option
 
 
-class HelpGroup(TyperGroup):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        restyle(self.params)
+class HelpCommand(_Restyled, TyperCommand):
+    pass
 
-    def get_help_option(self, ctx: Any) -> Any:
-        option = super().get_help_option(ctx)
-        restyle([option])
-        return option
+
+class HelpGroup(_Restyled, TyperGroup):
+    pass
 
 
 def restyle_commands(app: Any) -> None:
