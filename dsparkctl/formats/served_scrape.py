@@ -14,7 +14,10 @@ from dsparkctl.formats.served import (MAX_POSITIONS, SCRAPE_HINT, SGLANG_GAUGES,
 def parse_scrape(text: str, where: str, model: str | None = None) -> ServedCounts:
     """One scrape (Prometheus text exposition) of vLLM's or SGLang's /metrics, parsed with
     prometheus_client's parser; the counters' totals since the server started."""
-    series = _samples(text, where)
+    return _speculative_counts(_samples(text, where), where, model)
+
+
+def _speculative_counts(series, where: str, model: str | None) -> ServedCounts:
     names = {name for name, _ in series}
     if not any(n.startswith(VLLM) for n in names):
         gauges = [n for n in SGLANG_GAUGES if n in names]
@@ -210,7 +213,7 @@ def engine_totals(text: str, where: str, model: str | None = None) -> dict[str, 
     if not all(math.isfinite(v) and v >= 0 for v in generated):
         raise InputError(f"{where}: vllm:generation_tokens is not a finite count", SCRAPE_HINT)
     try:
-        counts = parse_scrape(text, where, model)
+        counts = _speculative_counts(series, where, model)  # the text parsed once
     except InputError:
         if any(n.startswith(VLLM) for n in names):
             raise

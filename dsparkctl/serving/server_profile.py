@@ -37,8 +37,8 @@ import torch
 from dsparkctl.errors import InputError, UsageError, option
 from dsparkctl.formats.served_scrape import engine_totals
 from dsparkctl.math.step_grid import isotonic
-from dsparkctl.serving.served import fetch_url, printable, shown, split_credentials
-from dsparkctl.serving.stream_client import Streamed, abort, get_json, stream_completion
+from dsparkctl.serving.served import fetch_url, printable, shown
+from dsparkctl.serving.stream_client import Streamed, abort, endpoint, get_json, stream_completion
 
 ID_RANGE = (256, 20000)  # prompt token ids: below every tokenizer in use (Llama 32k, SmolLM 49k, Qwen 151k, ...)
 MIN_WINDOW_CHUNKS = 4  # chunks each request needs inside the steady window
@@ -62,10 +62,9 @@ class Server:
 
 
 def _metrics_text(url: str) -> str | None:
-    parts = urllib.parse.urlsplit(url)
-    base = parts.path.rstrip("/").removesuffix("/v1")
+    scheme, _, _, base, _ = endpoint(url)  # the netloc keeps its credentials: fetch_url sends them
     try:
-        return fetch_url(urllib.parse.urlunsplit((parts.scheme, parts.netloc, base + "/metrics", "", "")))
+        return fetch_url(urllib.parse.urlunsplit((scheme, urllib.parse.urlsplit(url).netloc, base + "/metrics", "", "")))
     except InputError as exc:
         if "HTTP 404" in exc.message:
             return None
@@ -332,14 +331,12 @@ def fit_points(points: Sequence[dict[str, Any]]) -> tuple[list[int], list[float]
 def same_server_key(url: str) -> tuple[str, frozenset[str], int, str]:
     """What makes two URLs one server: scheme, the addresses the host resolves to, port, base path
     (http://localhost:8000/v1/ and http://127.0.0.1:8000 are one)."""
-    parts = urllib.parse.urlsplit(split_credentials(url)[0])
-    scheme = parts.scheme.lower()
-    port = parts.port or (443 if scheme == "https" else 80)
+    scheme, host, port, base, _ = endpoint(url)
     try:
-        addrs = frozenset(a[4][0] for a in socket.getaddrinfo(parts.hostname, port, proto=socket.IPPROTO_TCP))
+        addrs = frozenset(a[4][0] for a in socket.getaddrinfo(host, port, proto=socket.IPPROTO_TCP))
     except (OSError, UnicodeError):
-        addrs = frozenset({(parts.hostname or "").lower()})
-    return scheme, addrs, port, parts.path.rstrip("/").removesuffix("/v1")
+        addrs = frozenset({host.lower()})
+    return scheme, addrs, port, base
 
 
 def check_servers(servers: Sequence[Server], longest: int) -> None:

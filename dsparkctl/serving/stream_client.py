@@ -49,10 +49,9 @@ def endpoint(url: str) -> tuple[str, str, int, str, dict[str, str]]:
     http://HOST:PORT/v1; credentials in the URL become basic authentication."""
     bare, headers = split_credentials(url)
     parts = urllib.parse.urlsplit(bare)
-    base = parts.path.rstrip("/")
-    base = base[:-3] if base.endswith("/v1") else base
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    return parts.scheme, parts.hostname or "", port, base, headers
+    scheme = parts.scheme.lower()
+    port = parts.port or (443 if scheme == "https" else 80)
+    return scheme, parts.hostname or "", port, parts.path.rstrip("/").removesuffix("/v1"), headers
 
 
 def _connection(url: str, timeout: float) -> tuple[http.client.HTTPConnection, str, dict[str, str]]:
