@@ -56,4 +56,4 @@ def check_number_range(value: object, field: str) -> None:
         shown = str(value) if len(str(value)) <= 24 else f"{str(value)[:12]}… ({len(str(value))} digits)"
         raise UsageError(f"{option(field)} {shown} is out of range", f"use an integer below {INT64_MAX:,}")
     if isinstance(value, float) and not math.isfinite(value):
-        raise UsageError(f"{option(field)} must be a finite number, got {value}", "give an ordinary number such as 0.5")
+        raise UsageError(f"{option(field)} must be a finite number, got {value}", "give an ordinary finite number (not nan or inf)")
